@@ -1,0 +1,153 @@
+"""Type stubs for the native module ``histospec_sgl._core`` (written by hand, checked by stubtest)."""
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+SNAPSHOT_FORMAT_VERSION: int
+
+_Tokens = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
+_Rids = Sequence[int] | npt.NDArray[np.int64]
+
+def prompt_key(prompt_ids: _Tokens) -> int:
+    """XXH3-64 of the prompt's token ids as little-endian int32 bytes (the group key)."""
+
+class HistoryIndex:
+    """Per-prompt history of earlier responses that drafts speculative-decoding trees.
+
+    Args:
+        vocab_size: token ids must be below this (None: any non-negative int32).
+        max_responses: keep only the last N finished responses per group (0: all).
+        max_versions: keep only the responses of the last E versions per group (0: all).
+        max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
+        version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
+        min_match, min_prob, escape, recency, recency_decay, max_children: the draft policy
+            (see ``rust/histospec-index/src/draft.rs`` and the README).
+
+    Raises:
+        ValueError: a setting outside its domain.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int | None = None,
+        max_responses: int = 0,
+        max_versions: int = 0,
+        max_bytes: int = 0,
+        version_decay: float = 1.0,
+        min_match: int = 1,
+        min_prob: float = 0.0,
+        escape: float = 1.0,
+        recency: float = 0.0,
+        recency_decay: float = 0.5,
+        max_children: int = 8,
+    ) -> None: ...
+    def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
+        """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
+
+        Raises:
+            DuplicateRequestError: ``rid`` is already in flight.
+            InvalidTokenError: a token id out of range.
+            ValueError: an empty prompt.
+        """
+
+    def extend_request(self, rid: int, tokens: _Tokens) -> None:
+        """Appends accepted tokens to request ``rid``.
+
+        Raises:
+            UnknownRequestError: ``rid`` is not in flight.
+            InvalidTokenError: a token id out of range.
+        """
+
+    def extend_batch(self, rids: _Rids, tokens: _Tokens, lens: _Tokens) -> None:
+        """Appends ``lens[i]`` tokens of the flat ``tokens`` to ``rids[i]``; validated before applied."""
+
+    def finish_request(self, rid: int, keep: bool = True) -> None:
+        """Ends ``rid``; with ``keep`` its response becomes history of its group (with its version)."""
+
+    def add_response(
+        self, group: int | None, prompt_ids: _Tokens, response_ids: _Tokens, version: int = 0
+    ) -> int:
+        """Adds a finished response to a group's history; returns the group key."""
+
+    def draft(self, rid: int, num_nodes: int = 16, chain: bool = False) -> tuple[list[int], list[int], list[float]]:
+        """``(tokens, parents, probs)`` of one request's draft, BFS order, root first, unpadded."""
+
+    def draft_batch(
+        self,
+        rids: _Rids,
+        num_nodes: int,
+        tokens: npt.NDArray[np.int64],
+        mask: npt.NDArray[Any],
+        probs: npt.NDArray[np.float32] | None = None,
+    ) -> tuple[int, int]:
+        """Fills ``tokens[bs*d]``, ``mask[bs*d*d]`` (int64/int32/uint8/bool) and ``probs[bs*d]`` for a
+        batch with the GIL released; returns (requests with a draft, draft nodes).
+
+        Raises:
+            ValueError: a buffer of the wrong size or a budget of 0.
+            TypeError: a buffer of the wrong dtype or not writable.
+            UnknownRequestError: an id that is not in flight (nothing is written).
+        """
+
+    def draft_chain_batch(
+        self,
+        rids: _Rids,
+        k: int,
+        tokens: npt.NDArray[np.int64],
+        lens: npt.NDArray[np.int64],
+        probs: npt.NDArray[np.float32] | None = None,
+    ) -> tuple[int, int]:
+        """Fills ``tokens[bs*k]`` (0-padded chains), ``lens[bs]`` and ``probs[bs*k]``."""
+
+    @property
+    def version(self) -> int:
+        """The version new requests are tagged with (settable)."""
+
+    @version.setter
+    def version(self, v: int) -> None: ...
+    def draft_config(self) -> dict[str, Any]:
+        """The draft policy."""
+
+    def set_draft_config(
+        self,
+        *,
+        min_match: int | None = None,
+        min_prob: float | None = None,
+        escape: float | None = None,
+        recency: float | None = None,
+        recency_decay: float | None = None,
+        max_children: int | None = None,
+    ) -> None:
+        """Changes some draft-policy knobs."""
+
+    def config(self) -> dict[str, Any]:
+        """Every setting of the index."""
+
+    def stats(self) -> dict[str, int]:
+        """groups, requests, responses, tokens, prompt_tokens, states, edges, bytes, rebuilds, evictions."""
+
+    def has_request(self, rid: int) -> bool: ...
+    def request_group(self, rid: int) -> int: ...
+    def group_keys(self) -> list[int]: ...
+    def responses(self, group: int) -> list[tuple[list[int], list[int], int]]:
+        """Kept responses of a group, oldest first, as (prompt_ids, response_ids, version)."""
+
+    def remove_group(self, group: int) -> bool: ...
+    def clear(self) -> None: ...
+    def to_bytes(self) -> bytes:
+        """Snapshot of the history (versioned, checksummed; in-flight requests excluded)."""
+
+    def load_bytes(self, data: bytes) -> None:
+        """Replaces the history with a snapshot. Raises SnapshotError on a corrupt or foreign one."""
+
+    def save(self, path: str | PathLike[str]) -> None:
+        """Writes a snapshot file crash-safely."""
+
+    def load(self, path: str | PathLike[str]) -> None:
+        """Replaces the history with a snapshot file. Raises SnapshotError."""

@@ -1,0 +1,384 @@
+//! Chain and tree drafts grown from automaton states.
+//!
+//! Policy (tuned with `histospec-sgl bench index` and `histospec-sgl replay`):
+//! 1. *Match.* The anchor is the longest suffix of the request's context that occurs elsewhere with a
+//!    continuation: the request's own last state, followed along suffix links to the first state
+//!    that has children. Suffixes shorter than `min_match` never anchor a draft.
+//! 2. *Child estimate.* For a tree node in state `s` with children `c_1..c_m` of weighted counts
+//!    `n_i` (exact occurrence counts of context+token when versions are unweighted), the frequency
+//!    estimate is `n_i / (Σn + escape·w)`, where `w` is the weight of one occurrence of the
+//!    group's newest version: the `escape` mass is the chance that the continuation is new, so a
+//!    continuation seen once behind a long match is not taken as certain. The recency estimate gives
+//!    the child of the r-th most recent occurrence `(Σn/(Σn+escape·w))·(1-β)·β^r`. A node's
+//!    probability mixes both, `(1-recency)·freq + recency·rec`.
+//! 3. *Growth.* Best-first: the frontier is a max-heap of path probabilities (product of the
+//!    estimates along the path); the best candidate becomes a node until the budget is used or the
+//!    best candidate falls below `min_prob`. Each node offers at most `max_children` children.
+//!    A chain is the same process with one child per node.
+//! 4. *Fallback.* A node whose state has no continuation (its match reached the end of a stored
+//!    string) continues from the longest suffix that has one, if that suffix is at least
+//!    `min_match` long.
+//! 5. *Layout.* Nodes are emitted in BFS order (parents first, root = last context token at 0).
+//!    Unused slots are a chain of token-0 pads hung under the last node, so no node ever has two
+//!    children with the same token (SGLang's sampling verification sums duplicate siblings).
+
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
+
+use crate::sam::{Sam, NONE};
+
+/// Knobs of the draft policy; see the module docs for what each does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DraftConfig {
+    /// Shortest suffix (in tokens) that may anchor a draft or a fallback. At least 1.
+    pub min_match: u32,
+    /// Nodes whose estimated path probability is below this are not drafted.
+    pub min_prob: f32,
+    /// Pseudo-count of "something new follows", in units of one newest-version occurrence.
+    pub escape: f32,
+    /// Weight of the recency estimate against the frequency estimate, in [0, 1].
+    pub recency: f32,
+    /// Geometric decay β of the recency estimate over recency ranks, in [0, 1).
+    pub recency_decay: f32,
+    /// Most children a tree node offers to the frontier (a chain uses 1).
+    pub max_children: u32,
+}
+
+impl Default for DraftConfig {
+    fn default() -> Self {
+        DraftConfig {
+            min_match: 1,
+            min_prob: 0.0,
+            escape: 1.0,
+            recency: 0.0,
+            recency_decay: 0.5,
+            max_children: 8,
+        }
+    }
+}
+
+impl DraftConfig {
+    /// Checks every field's domain.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_match == 0 {
+            return Err("min_match must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.min_prob) {
+            return Err(format!("min_prob must be in [0, 1], got {}", self.min_prob));
+        }
+        if !(self.escape >= 0.0 && self.escape.is_finite()) {
+            return Err(format!("escape must be a finite number >= 0, got {}", self.escape));
+        }
+        if !(0.0..=1.0).contains(&self.recency) {
+            return Err(format!("recency must be in [0, 1], got {}", self.recency));
+        }
+        if !(0.0..1.0).contains(&self.recency_decay) {
+            return Err(format!("recency_decay must be in [0, 1), got {}", self.recency_decay));
+        }
+        if self.max_children == 0 {
+            return Err("max_children must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// One drafted node: its token, its parent's position (`NONE` for the root) and its estimated
+/// probability of being accepted (product along its path; 1 for the root, 0 for pads).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Node {
+    pub tok: u32,
+    pub parent: u32,
+    pub prob: f32,
+}
+
+#[derive(Clone, Copy)]
+struct Cand {
+    score: f32,
+    seq: u32,
+    parent: u32,
+    tok: u32,
+    state: u32,
+}
+
+impl PartialEq for Cand {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == Ordering::Equal
+    }
+}
+impl Eq for Cand {}
+impl PartialOrd for Cand {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Cand {
+    fn cmp(&self, o: &Self) -> Ordering {
+        // Highest score first; among equals, the earliest pushed (deterministic).
+        self.score.total_cmp(&o.score).then_with(|| o.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Kid {
+    tok: u32,
+    to: u32,
+    cnt: f32,
+    recent: u32,
+    p: f32,
+}
+
+/// Reusable scratch space for drafting, so a batch call allocates nothing per request.
+#[derive(Default)]
+pub struct Drafter {
+    heap: BinaryHeap<Cand>,
+    kids: Vec<Kid>,
+    /// Nodes in growth order (parents before children), then reordered to BFS.
+    nodes: Vec<Node>,
+    depth: Vec<u32>,
+    order: Vec<u32>,
+    remap: Vec<u32>,
+    out: Vec<Node>,
+}
+
+impl Drafter {
+    /// Grows a draft of at most `budget` nodes (root included) from `anchor`, the matched state
+    /// (`None` = nothing to draft), and returns the nodes in BFS order, unpadded.
+    ///
+    /// `w_new` is the weight of one occurrence of the newest version (scales `escape`).
+    pub fn grow(
+        &mut self,
+        sam: &Sam,
+        root_tok: u32,
+        anchor: Option<u32>,
+        budget: usize,
+        chain: bool,
+        w_new: f32,
+        cfg: &DraftConfig,
+    ) -> &[Node] {
+        self.heap.clear();
+        self.nodes.clear();
+        self.depth.clear();
+        self.nodes.push(Node { tok: root_tok, parent: NONE, prob: 1.0 });
+        self.depth.push(0);
+        let per_node = if chain { 1 } else { cfg.max_children as usize };
+        let mut seq = 0u32;
+        if let Some(a) = anchor {
+            self.offer(sam, a, 0, 1.0, per_node, w_new, cfg, &mut seq);
+        }
+        while self.nodes.len() < budget {
+            let Some(c) = self.heap.pop() else { break };
+            if c.score < cfg.min_prob || c.score <= 0.0 {
+                break;
+            }
+            let id = self.nodes.len() as u32;
+            self.nodes.push(Node { tok: c.tok, parent: c.parent, prob: c.score });
+            self.depth.push(self.depth[c.parent as usize] + 1);
+            let st = if sam.states[c.state as usize].head != NONE {
+                Some(c.state)
+            } else {
+                sam.longest_with_children(sam.states[c.state as usize].link, cfg.min_match)
+            };
+            if let Some(s) = st {
+                self.offer(sam, s, id, c.score, per_node, w_new, cfg, &mut seq);
+            }
+        }
+        self.to_bfs();
+        &self.out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn offer(
+        &mut self,
+        sam: &Sam,
+        s: u32,
+        parent: u32,
+        pprob: f32,
+        per_node: usize,
+        w_new: f32,
+        cfg: &DraftConfig,
+        seq: &mut u32,
+    ) {
+        self.kids.clear();
+        let mut total = 0.0f32;
+        for (tok, to) in sam.children(s) {
+            let st = &sam.states[to as usize];
+            total += st.cnt;
+            self.kids.push(Kid { tok, to, cnt: st.cnt, recent: st.recent, p: 0.0 });
+        }
+        if self.kids.is_empty() || total <= 0.0 {
+            return;
+        }
+        let denom = total + cfg.escape * w_new;
+        let conf = total / denom;
+        let a = cfg.recency;
+        for k in self.kids.iter_mut() {
+            k.p = (1.0 - a) * k.cnt / denom;
+        }
+        if a > 0.0 {
+            // Rank by recency (ties: larger count, then smaller token) and add the recency share.
+            self.kids.sort_unstable_by(|x, y| {
+                y.recent.cmp(&x.recent).then(y.cnt.total_cmp(&x.cnt)).then(x.tok.cmp(&y.tok))
+            });
+            let b = cfg.recency_decay;
+            let mut r = a * conf * (1.0 - b);
+            for k in self.kids.iter_mut() {
+                k.p += r;
+                r *= b;
+                if r < 1e-6 {
+                    break;
+                }
+            }
+        }
+        let m = per_node.min(self.kids.len());
+        let by_p = |x: &Kid, y: &Kid| y.p.total_cmp(&x.p).then(x.tok.cmp(&y.tok));
+        if m < self.kids.len() {
+            self.kids.select_nth_unstable_by(m - 1, by_p);
+            self.kids.truncate(m);
+        }
+        self.kids.sort_unstable_by(by_p);
+        for k in &self.kids {
+            let score = pprob * k.p;
+            if score < cfg.min_prob {
+                break;
+            }
+            self.heap.push(Cand { score, seq: *seq, parent, tok: k.tok, state: k.to });
+            *seq += 1;
+        }
+    }
+
+    fn to_bfs(&mut self) {
+        let n = self.nodes.len();
+        self.order.clear();
+        self.order.extend(0..n as u32);
+        let depth = &self.depth;
+        self.order.sort_by_key(|&i| (depth[i as usize], i));
+        self.remap.clear();
+        self.remap.resize(n, 0);
+        for (new, &old) in self.order.iter().enumerate() {
+            self.remap[old as usize] = new as u32;
+        }
+        self.out.clear();
+        for &old in &self.order {
+            let mut node = self.nodes[old as usize];
+            if node.parent != NONE {
+                node.parent = self.remap[node.parent as usize];
+            }
+            self.out.push(node);
+        }
+    }
+}
+
+/// An element type SGLang's mask buffer may have (int64 as NGRAM returns it, or bool/uint8).
+pub trait MaskElem: Copy {
+    const ZERO: Self;
+    const ONE: Self;
+}
+impl MaskElem for i64 {
+    const ZERO: i64 = 0;
+    const ONE: i64 = 1;
+}
+impl MaskElem for i32 {
+    const ZERO: i32 = 0;
+    const ONE: i32 = 1;
+}
+impl MaskElem for u8 {
+    const ZERO: u8 = 0;
+    const ONE: u8 = 1;
+}
+impl MaskElem for bool {
+    const ZERO: bool = false;
+    const ONE: bool = true;
+}
+
+/// Writes `nodes` (BFS order, at most `d`) padded to exactly `d` nodes into one request's slices:
+/// `tokens[d]`, `mask[d*d]` (row i = i and its ancestors) and optionally `probs[d]`.
+/// Returns the number of real (unpadded) nodes.
+pub fn write_tree<M: MaskElem>(
+    nodes: &[Node],
+    d: usize,
+    tokens: &mut [i64],
+    mask: &mut [M],
+    mut probs: Option<&mut [f32]>,
+) -> usize {
+    let n = nodes.len().min(d);
+    mask.fill(M::ZERO);
+    for i in 0..d {
+        let (tok, parent, prob) = if i < n {
+            let nd = nodes[i];
+            (nd.tok as i64, nd.parent, nd.prob)
+        } else {
+            // Pad chain: each pad is the only child of the previous slot.
+            (0, (i - 1) as u32, 0.0)
+        };
+        tokens[i] = tok;
+        if let Some(p) = probs.as_deref_mut() {
+            p[i] = prob;
+        }
+        if parent != NONE {
+            let (before, row) = mask.split_at_mut(i * d);
+            row[..d].copy_from_slice(&before[parent as usize * d..parent as usize * d + d]);
+        }
+        mask[i * d + i] = M::ONE;
+    }
+    n
+}
+
+/// Writes a chain (the nodes after the root, in order) into `tokens[k]`, padding with 0;
+/// returns its real length.
+pub fn write_chain(nodes: &[Node], tokens: &mut [i64], mut probs: Option<&mut [f32]>) -> usize {
+    let n = nodes.len().saturating_sub(1).min(tokens.len());
+    for (i, t) in tokens.iter_mut().enumerate() {
+        *t = if i < n { nodes[i + 1].tok as i64 } else { 0 };
+        if let Some(p) = probs.as_deref_mut() {
+            p[i] = if i < n { nodes[i + 1].prob } else { 0.0 };
+        }
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sam_of(strings: &[&[u32]]) -> (Sam, Vec<u32>) {
+        let mut sam = Sam::new();
+        let mut lasts = vec![];
+        for s in strings {
+            let mut l = 0;
+            for &t in *s {
+                l = sam.extend(l, t, 1.0);
+            }
+            lasts.push(l);
+        }
+        (sam, lasts)
+    }
+
+    #[test]
+    fn chain_follows_most_frequent_continuation() {
+        let (sam, _) = sam_of(&[&[1, 2, 3, 4], &[1, 2, 3, 5], &[1, 2, 3, 4]]);
+        let anchor = sam.walk(&[2, 3]);
+        let mut d = Drafter::default();
+        let nodes = d.grow(&sam, 3, anchor, 4, true, 1.0, &DraftConfig::default()).to_vec();
+        assert_eq!(nodes.iter().map(|n| n.tok).collect::<Vec<_>>(), vec![3, 4]);
+        assert!((nodes[1].prob - 2.0 / 4.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn tree_has_bfs_order_and_unique_siblings() {
+        let (sam, _) = sam_of(&[&[1, 2, 3, 4], &[1, 2, 5, 6], &[1, 2, 7, 8]]);
+        let anchor = sam.walk(&[1, 2]);
+        let mut d = Drafter::default();
+        let nodes = d.grow(&sam, 2, anchor, 8, false, 1.0, &DraftConfig::default()).to_vec();
+        assert_eq!(nodes.len(), 7);
+        for (i, n) in nodes.iter().enumerate().skip(1) {
+            assert!(n.parent < i as u32);
+        }
+        let mut toks = [0i64; 8];
+        let mut mask = [0u8; 64];
+        write_tree(&nodes, 8, &mut toks, &mut mask, None);
+        // The pad (slot 7) hangs under slot 6 and inherits its ancestors.
+        assert_eq!(toks[7], 0);
+        assert_eq!(mask[7 * 8 + 6], 1);
+        assert_eq!(mask[7 * 8], 1);
+    }
+}

@@ -1,0 +1,352 @@
+//! A generalized suffix automaton with online appends to any number of strings at once.
+//!
+//! Glossary:
+//! - *state*: an equivalence class of substrings that end at the same set of positions (endpos).
+//! - *len*: length of the longest substring in a state; the shortest is `len(link) + 1`.
+//! - *suffix link*: the state of the longest suffix that falls into a different class.
+//! - *occurrence weight* (`cnt`): the weighted size of endpos, i.e. how often (weighted by version)
+//!   every substring of the state occurs in the indexed strings. With unit weights it is the exact
+//!   occurrence count.
+//! - *recent*: the logical clock of the latest occurrence of the state's substrings.
+//!
+//! Each indexed string keeps its own `last` state; appending token `c` to a string moves its `last`
+//! along the generalized construction (with the "transition already exists" case), so strings can
+//! grow interleaved, which is how in-flight sibling samples see each other. Occurrence weights and
+//! recency are maintained online by walking the suffix-link path of the new position.
+//!
+//! Transitions live in one edge arena per automaton, threaded into a singly linked list per state
+//! (for enumeration while drafting) and indexed by an open-addressing table keyed by
+//! `(state, token)` (for O(1) lookup while extending and matching).
+
+/// Sentinel for "no state" / "no edge".
+pub const NONE: u32 = u32::MAX;
+
+/// One equivalence class of the automaton.
+#[derive(Clone, Copy, Debug)]
+pub struct State {
+    /// Length of the longest substring of this class. Invariant: `len > len(link)`.
+    pub len: u32,
+    /// Suffix link; `NONE` only for the root (state 0).
+    pub link: u32,
+    /// First outgoing edge in the arena, `NONE` when the state has no continuation.
+    pub head: u32,
+    /// Weighted number of end positions (occurrences) of the class's substrings.
+    pub cnt: f32,
+    /// Clock value of the most recent occurrence (0 = never, e.g. the root before any append).
+    pub recent: u32,
+}
+
+/// One transition `from --tok--> to`, also a node of `from`'s child list.
+#[derive(Clone, Copy, Debug)]
+pub struct Edge {
+    /// Source state.
+    pub from: u32,
+    /// Token labelling the transition.
+    pub tok: u32,
+    /// Target state.
+    pub to: u32,
+    /// Next edge of the same source state, `NONE` at the end of the list.
+    pub next: u32,
+}
+
+/// The automaton. State 0 is the root (the empty string).
+#[derive(Clone, Debug)]
+pub struct Sam {
+    /// All states; index = state id.
+    pub states: Vec<State>,
+    /// All transitions; never removed, only redirected (`to` changes when a state is cloned).
+    pub edges: Vec<Edge>,
+    /// Open-addressing index over `edges`: `(tag << 32) | (edge + 1)`, 0 = empty slot.
+    slots: Vec<u64>,
+    /// Logical clock, advanced by one per appended token.
+    pub clock: u32,
+}
+
+#[inline]
+fn mix(from: u32, tok: u32) -> u64 {
+    // A fixed (unseeded) 64-bit mixer: the same (state, token) hashes identically in every process,
+    // which keeps every replica of the index deterministic.
+    let mut h = ((from as u64) << 32 | tok as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    h = (h ^ (h >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    h ^ (h >> 31)
+}
+
+impl Default for Sam {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Sam {
+    /// An automaton holding only the root.
+    pub fn new() -> Self {
+        Sam {
+            states: vec![State { len: 0, link: NONE, head: NONE, cnt: 0.0, recent: 0 }],
+            edges: Vec::new(),
+            slots: vec![0; 16],
+            clock: 0,
+        }
+    }
+
+    /// Bytes held by the automaton's buffers (capacity, not just length).
+    pub fn bytes(&self) -> usize {
+        self.states.capacity() * std::mem::size_of::<State>()
+            + self.edges.capacity() * std::mem::size_of::<Edge>()
+            + self.slots.capacity() * std::mem::size_of::<u64>()
+    }
+
+    /// Number of states (the root included).
+    pub fn num_states(&self) -> usize {
+        self.states.len()
+    }
+
+    /// The edge index of `from --tok-->`, if any.
+    #[inline]
+    pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
+        let h = mix(from, tok);
+        let tag = h >> 32;
+        let mask = self.slots.len() - 1;
+        let mut i = (h as usize) & mask;
+        loop {
+            let s = self.slots[i];
+            if s == 0 {
+                return None;
+            }
+            if s >> 32 == tag {
+                let e = (s as u32).wrapping_sub(1);
+                let edge = &self.edges[e as usize];
+                if edge.from == from && edge.tok == tok {
+                    return Some(e);
+                }
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The target of `from --tok-->`, if any.
+    #[inline]
+    pub fn next_state(&self, from: u32, tok: u32) -> Option<u32> {
+        self.find(from, tok).map(|e| self.edges[e as usize].to)
+    }
+
+    fn insert_slot(slots: &mut [u64], from: u32, tok: u32, edge: u32) {
+        let h = mix(from, tok);
+        let mask = slots.len() - 1;
+        let mut i = (h as usize) & mask;
+        while slots[i] != 0 {
+            i = (i + 1) & mask;
+        }
+        slots[i] = (h >> 32) << 32 | (edge as u64 + 1);
+    }
+
+    fn add_edge(&mut self, from: u32, tok: u32, to: u32) {
+        if (self.edges.len() + 1) * 4 > self.slots.len() * 3 {
+            let mut slots = vec![0u64; self.slots.len() * 2];
+            for (i, e) in self.edges.iter().enumerate() {
+                Self::insert_slot(&mut slots, e.from, e.tok, i as u32);
+            }
+            self.slots = slots;
+        }
+        let id = self.edges.len() as u32;
+        let head = self.states[from as usize].head;
+        self.edges.push(Edge { from, tok, to, next: head });
+        self.states[from as usize].head = id;
+        Self::insert_slot(&mut self.slots, from, tok, id);
+    }
+
+    fn clone_state(&mut self, q: u32, len: u32) -> u32 {
+        let src = self.states[q as usize];
+        let id = self.states.len() as u32;
+        self.states.push(State { len, link: src.link, head: NONE, cnt: src.cnt, recent: src.recent });
+        let mut e = src.head;
+        while e != NONE {
+            let edge = self.edges[e as usize];
+            self.add_edge(id, edge.tok, edge.to);
+            e = edge.next;
+        }
+        id
+    }
+
+    /// Redirect `p --c--> q` to `clone` along the suffix links of `p` while they point at `q`.
+    fn redirect(&mut self, mut p: u32, c: u32, q: u32, clone: u32) {
+        while p != NONE {
+            match self.find(p, c) {
+                Some(e) if self.edges[e as usize].to == q => {
+                    self.edges[e as usize].to = clone;
+                    p = self.states[p as usize].link;
+                }
+                _ => break,
+            }
+        }
+    }
+
+    /// Appends token `c` to the string whose current last state is `last`, records one occurrence
+    /// of weight `w` for every suffix of the extended string, and returns the new last state.
+    /// Amortized O(1) automaton work plus the length of the new state's suffix-link path.
+    pub fn extend(&mut self, last: u32, c: u32, w: f32) -> u32 {
+        let new = self.extend_structure(last, c);
+        self.clock = self.clock.wrapping_add(1).max(1);
+        let clock = self.clock;
+        let mut v = new;
+        while v != NONE {
+            let s = &mut self.states[v as usize];
+            s.cnt += w;
+            s.recent = clock;
+            v = s.link;
+        }
+        new
+    }
+
+    fn extend_structure(&mut self, last: u32, c: u32) -> u32 {
+        let last_len = self.states[last as usize].len;
+        if let Some(e) = self.find(last, c) {
+            // Generalized case: the extended string already occurs.
+            let q = self.edges[e as usize].to;
+            if self.states[q as usize].len == last_len + 1 {
+                return q;
+            }
+            let clone = self.clone_state(q, last_len + 1);
+            self.states[q as usize].link = clone;
+            self.redirect(last, c, q, clone);
+            return clone;
+        }
+        let cur = self.states.len() as u32;
+        self.states.push(State { len: last_len + 1, link: 0, head: NONE, cnt: 0.0, recent: 0 });
+        let mut p = last;
+        let mut target = NONE;
+        while p != NONE {
+            if let Some(e) = self.find(p, c) {
+                target = self.edges[e as usize].to;
+                break;
+            }
+            self.add_edge(p, c, cur);
+            p = self.states[p as usize].link;
+        }
+        if p != NONE {
+            let q = target;
+            if self.states[p as usize].len + 1 == self.states[q as usize].len {
+                self.states[cur as usize].link = q;
+            } else {
+                let clone = self.clone_state(q, self.states[p as usize].len + 1);
+                self.redirect(p, c, q, clone);
+                self.states[q as usize].link = clone;
+                self.states[cur as usize].link = clone;
+            }
+        }
+        cur
+    }
+
+    /// Walks `tokens` from the root along transitions; the state of the whole string, if it occurs.
+    pub fn walk(&self, tokens: &[u32]) -> Option<u32> {
+        let mut s = 0u32;
+        for &t in tokens {
+            s = self.next_state(s, t)?;
+        }
+        Some(s)
+    }
+
+    /// Iterates the outgoing edges `(token, target)` of `s` (most recently created first).
+    pub fn children(&self, s: u32) -> ChildIter<'_> {
+        ChildIter { sam: self, e: self.states[s as usize].head }
+    }
+
+    /// The first state on the suffix-link path of `s` (itself included) that has a continuation and
+    /// represents a suffix of length at least `min_len`; `None` when there is none.
+    pub fn longest_with_children(&self, mut s: u32, min_len: u32) -> Option<u32> {
+        while s != NONE {
+            let st = &self.states[s as usize];
+            if st.len < min_len {
+                return None;
+            }
+            if st.head != NONE {
+                return Some(s);
+            }
+            s = st.link;
+        }
+        None
+    }
+}
+
+/// Iterator over `(token, target)` of one state's transitions.
+pub struct ChildIter<'a> {
+    sam: &'a Sam,
+    e: u32,
+}
+
+impl Iterator for ChildIter<'_> {
+    type Item = (u32, u32);
+    #[inline]
+    fn next(&mut self) -> Option<(u32, u32)> {
+        if self.e == NONE {
+            return None;
+        }
+        let edge = &self.sam.edges[self.e as usize];
+        self.e = edge.next;
+        Some((edge.tok, edge.to))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(strings: &[&[u32]]) -> (Sam, Vec<u32>) {
+        let mut sam = Sam::new();
+        let mut lasts = vec![];
+        for s in strings {
+            let mut last = 0;
+            for &t in *s {
+                last = sam.extend(last, t, 1.0);
+            }
+            lasts.push(last);
+        }
+        (sam, lasts)
+    }
+
+    #[test]
+    fn counts_occurrences_of_substrings() {
+        let (sam, _) = build(&[&[1, 2, 1, 2, 3], &[2, 1, 2]]);
+        let st = |s: &[u32]| sam.states[sam.walk(s).unwrap() as usize];
+        assert_eq!(st(&[1, 2]).cnt, 3.0);
+        assert_eq!(st(&[2]).cnt, 4.0);
+        assert_eq!(st(&[1, 2, 3]).cnt, 1.0);
+        assert_eq!(st(&[2, 1, 2]).cnt, 2.0);
+        assert!(sam.walk(&[3, 1]).is_none());
+    }
+
+    #[test]
+    fn interleaved_appends_match_sequential_counts() {
+        let a = [5u32, 6, 5, 6, 7, 5];
+        let b = [6u32, 5, 6, 6, 5];
+        let (seq, _) = build(&[&a, &b]);
+        let mut inter = Sam::new();
+        let (mut la, mut lb) = (0, 0);
+        for i in 0..a.len().max(b.len()) {
+            if i < b.len() {
+                lb = inter.extend(lb, b[i], 1.0);
+            }
+            if i < a.len() {
+                la = inter.extend(la, a[i], 1.0);
+            }
+        }
+        for s in [&[5u32, 6][..], &[6, 5], &[6], &[5, 6, 7], &[6, 6, 5]] {
+            let x = seq.states[seq.walk(s).unwrap() as usize].cnt;
+            let y = inter.states[inter.walk(s).unwrap() as usize].cnt;
+            assert_eq!(x, y, "{s:?}");
+        }
+    }
+
+    #[test]
+    fn many_children_survive_table_growth() {
+        let mut sam = Sam::new();
+        let mut last = 0;
+        for t in 0..5000u32 {
+            last = sam.extend(last, t % 1000, 1.0);
+        }
+        assert_eq!(sam.children(0).count(), 1000);
+        for t in 0..1000u32 {
+            assert!(sam.next_state(0, t).is_some());
+        }
+    }
+}

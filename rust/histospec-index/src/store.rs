@@ -1,0 +1,680 @@
+//! Per-prompt histories: groups, in-flight requests, retention, eviction and batch drafting.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, MaskElem, Node};
+use crate::error::{CoreError, Result};
+use crate::sam::Sam;
+
+/// A fixed, unseeded hasher for integer keys: map iteration order (never relied upon for results)
+/// is the same in every process.
+#[derive(Default, Clone, Copy)]
+pub struct FixedHasher(u64);
+impl Hasher for FixedHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7C_C1_B7_27_22_0A_95);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7C_C1_B7_27_22_0A_95);
+    }
+}
+pub(crate) type FixedMap<K, V> = HashMap<K, V, BuildHasherDefault<FixedHasher>>;
+
+/// Index-wide settings. Zero means "no limit" for the retention and memory fields.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexConfig {
+    /// Token ids must be below this (None: any non-negative int32).
+    pub vocab_size: Option<u32>,
+    /// Keep only the last N finished responses of each group (0 = all).
+    pub max_responses: usize,
+    /// Keep only the responses of the last E distinct versions of each group (0 = all).
+    pub max_versions: usize,
+    /// Global memory budget in bytes; least-recently-used idle groups are evicted (0 = none).
+    pub max_bytes: usize,
+    /// An occurrence from version v weighs `version_decay^(newest - v)`; 1 = plain counts.
+    pub version_decay: f32,
+    /// The draft policy.
+    pub draft: DraftConfig,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            vocab_size: None,
+            max_responses: 0,
+            max_versions: 0,
+            max_bytes: 0,
+            version_decay: 1.0,
+            draft: DraftConfig::default(),
+        }
+    }
+}
+
+impl IndexConfig {
+    /// Checks every field's domain.
+    pub fn validate(&self) -> Result<()> {
+        if self.vocab_size == Some(0) {
+            return Err(CoreError::InvalidArgument("vocab_size must be at least 1".into()));
+        }
+        if !(self.version_decay > 0.0 && self.version_decay <= 1.0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "version_decay must be in (0, 1], got {}",
+                self.version_decay
+            )));
+        }
+        self.draft.validate().map_err(CoreError::InvalidArgument)
+    }
+}
+
+/// One finished response kept as history.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Response {
+    /// Index into the group's `prompts`.
+    pub prompt: u32,
+    /// Policy / weight version the response was sampled with.
+    pub version: u64,
+    /// Response tokens (the prompt excluded).
+    pub tokens: Vec<u32>,
+}
+
+/// The history of one prompt (or one caller-chosen group key).
+#[derive(Clone, Debug)]
+pub struct Group {
+    /// Automaton over every `prompt + response` of the group and every in-flight request.
+    pub sam: Sam,
+    /// Distinct prompts seen in this group (almost always exactly one).
+    pub prompts: Vec<Vec<u32>>,
+    /// Finished responses kept, oldest first.
+    pub responses: VecDeque<Response>,
+    /// Number of in-flight requests drafting from this group (never evicted while > 0).
+    pub active: u32,
+    /// LRU tick of the last mutation.
+    pub last_used: u64,
+    /// The version whose occurrences weigh exactly 1.
+    pub weight_base: u64,
+    /// Newest version seen in the group (history or in flight).
+    pub max_version: u64,
+    /// Bytes held by this group (automaton and token buffers), kept current after each mutation.
+    pub bytes: usize,
+}
+
+impl Group {
+    fn new(version: u64) -> Self {
+        Group {
+            sam: Sam::new(),
+            prompts: Vec::new(),
+            responses: VecDeque::new(),
+            active: 0,
+            last_used: 0,
+            weight_base: version,
+            max_version: version,
+            bytes: 0,
+        }
+    }
+
+    fn measure(&self) -> usize {
+        let toks: usize = self.prompts.iter().map(|p| p.capacity()).sum::<usize>()
+            + self.responses.iter().map(|r| r.tokens.capacity()).sum::<usize>();
+        self.sam.bytes() + 4 * toks + std::mem::size_of::<Group>()
+    }
+
+    fn prompt_index(&mut self, prompt: &[u32]) -> u32 {
+        if let Some(i) = self.prompts.iter().position(|p| p.as_slice() == prompt) {
+            return i as u32;
+        }
+        self.prompts.push(prompt.to_vec());
+        (self.prompts.len() - 1) as u32
+    }
+
+    /// Weight of one occurrence from `version` under decay `gamma`.
+    fn weight(&self, version: u64, gamma: f32) -> f32 {
+        if gamma >= 1.0 {
+            return 1.0;
+        }
+        let e = (version as f64 - self.weight_base as f64) * -(gamma as f64).ln();
+        e.clamp(-80.0, 80.0).exp() as f32
+    }
+
+    fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32) -> u32 {
+        let mut last = 0;
+        for i in 0..self.prompts[prompt as usize].len() {
+            let t = self.prompts[prompt as usize][i];
+            last = self.sam.extend(last, t, w);
+        }
+        for &t in tokens {
+            last = self.sam.extend(last, t, w);
+        }
+        last
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Request {
+    group: u64,
+    prompt: u32,
+    /// The automaton state of the request's whole context (prompt + generated).
+    last: u32,
+    /// Generated tokens so far.
+    tokens: Vec<u32>,
+    version: u64,
+    weight: f32,
+    /// Begin order, for deterministic re-insertion on rebuild.
+    seq: u64,
+}
+
+/// Counts of what the index holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub groups: usize,
+    pub requests: usize,
+    pub responses: usize,
+    /// Response tokens held (finished responses plus in-flight generated tokens).
+    pub tokens: usize,
+    pub prompt_tokens: usize,
+    pub states: usize,
+    pub edges: usize,
+    pub bytes: usize,
+    pub rebuilds: u64,
+    pub evictions: u64,
+}
+
+/// What one batch draft call produced, summed over the batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BatchDraftStats {
+    /// Requests that got at least one draft node beyond the root.
+    pub nonempty: usize,
+    /// Real draft nodes (root and pads excluded).
+    pub nodes: usize,
+}
+
+/// Converts boundary token ids (int32) to internal ids, checking the range.
+pub fn check_tokens(tokens: &[i32], vocab: Option<u32>) -> Result<Vec<u32>> {
+    let limit = vocab.map(|v| v as u64).unwrap_or(i32::MAX as u64 + 1);
+    tokens
+        .iter()
+        .map(|&t| {
+            if t < 0 || t as u64 >= limit {
+                Err(CoreError::InvalidToken { token: t as i64, limit })
+            } else {
+                Ok(t as u32)
+            }
+        })
+        .collect()
+}
+
+/// The history index: per-group automata, in-flight requests, and batch drafting.
+#[derive(Clone, Debug)]
+pub struct HistoryIndex {
+    cfg: IndexConfig,
+    pub(crate) groups: FixedMap<u64, Group>,
+    requests: FixedMap<u64, Request>,
+    pub(crate) tick: u64,
+    seq: u64,
+    version: u64,
+    total_bytes: usize,
+    rebuilds: u64,
+    evictions: u64,
+}
+
+impl HistoryIndex {
+    /// An empty index; fails on an invalid configuration.
+    pub fn new(cfg: IndexConfig) -> Result<Self> {
+        cfg.validate()?;
+        Ok(HistoryIndex {
+            cfg,
+            groups: FixedMap::default(),
+            requests: FixedMap::default(),
+            tick: 0,
+            seq: 0,
+            version: 0,
+            total_bytes: 0,
+            rebuilds: 0,
+            evictions: 0,
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &IndexConfig {
+        &self.cfg
+    }
+
+    /// Replaces the draft policy (history is unaffected).
+    pub fn set_draft_config(&mut self, draft: DraftConfig) -> Result<()> {
+        draft.validate().map_err(CoreError::InvalidArgument)?;
+        self.cfg.draft = draft;
+        Ok(())
+    }
+
+    /// The version new requests are tagged with unless they name one.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Sets the version new requests are tagged with (e.g. the policy's weight version).
+    pub fn set_version(&mut self, v: u64) {
+        self.version = v;
+    }
+
+    /// Converts and range-checks boundary token ids with this index's vocabulary.
+    pub fn check_tokens(&self, tokens: &[i32]) -> Result<Vec<u32>> {
+        check_tokens(tokens, self.cfg.vocab_size)
+    }
+
+    fn touch(&mut self, key: u64) {
+        self.tick += 1;
+        if let Some(g) = self.groups.get_mut(&key) {
+            g.last_used = self.tick;
+        }
+    }
+
+    fn remeasure(&mut self, key: u64) {
+        if let Some(g) = self.groups.get_mut(&key) {
+            let b = g.measure();
+            self.total_bytes = self.total_bytes + b - g.bytes;
+            g.bytes = b;
+        }
+    }
+
+    fn group_mut(&mut self, key: u64, version: u64) -> &mut Group {
+        self.groups.entry(key).or_insert_with(|| Group::new(version))
+    }
+
+    /// Starts a request of `group` whose context begins with `prompt` (non-empty). Its tokens are
+    /// visible to every other request of the group as they are appended.
+    pub fn begin_request(&mut self, rid: u64, group: u64, prompt: &[i32], version: Option<u64>) -> Result<()> {
+        if self.requests.contains_key(&rid) {
+            return Err(CoreError::DuplicateRequest(rid));
+        }
+        if prompt.is_empty() {
+            return Err(CoreError::InvalidArgument("prompt must contain at least one token".into()));
+        }
+        let prompt = self.check_tokens(prompt)?;
+        let version = version.unwrap_or(self.version);
+        let gamma = self.cfg.version_decay;
+        let g = self.group_mut(group, version);
+        g.max_version = g.max_version.max(version);
+        let pi = g.prompt_index(&prompt);
+        let weight = g.weight(version, gamma);
+        let last = g.insert(pi, &[], weight);
+        g.active += 1;
+        self.seq += 1;
+        let seq = self.seq;
+        self.requests.insert(rid, Request { group, prompt: pi, last, tokens: Vec::new(), version, weight, seq });
+        self.rebase_if_needed(group);
+        self.touch(group);
+        self.remeasure(group);
+        self.enforce_budget();
+        Ok(())
+    }
+
+    /// Appends accepted tokens to an in-flight request.
+    pub fn extend_request(&mut self, rid: u64, tokens: &[i32]) -> Result<()> {
+        let toks = self.check_tokens(tokens)?;
+        self.extend_checked(rid, &toks)
+    }
+
+    fn extend_checked(&mut self, rid: u64, toks: &[u32]) -> Result<()> {
+        let req = self.requests.get_mut(&rid).ok_or(CoreError::UnknownRequest(rid))?;
+        let g = self.groups.get_mut(&req.group).expect("in-flight request without its group");
+        for &t in toks {
+            req.last = g.sam.extend(req.last, t, req.weight);
+        }
+        req.tokens.extend_from_slice(toks);
+        let key = req.group;
+        self.touch(key);
+        self.remeasure(key);
+        Ok(())
+    }
+
+    /// Appends tokens to many requests at once: `tokens` is the concatenation, `lens[i]` tokens
+    /// for `rids[i]`. Everything is validated before anything is applied.
+    pub fn extend_batch(&mut self, rids: &[u64], tokens: &[i32], lens: &[i64]) -> Result<()> {
+        if lens.len() != rids.len() {
+            return Err(CoreError::BufferShape { name: "lens", got: lens.len(), expected: rids.len() });
+        }
+        let mut total = 0usize;
+        for &l in lens {
+            if l < 0 {
+                return Err(CoreError::InvalidArgument(format!("lens must be >= 0, got {l}")));
+            }
+            total += l as usize;
+        }
+        if total != tokens.len() {
+            return Err(CoreError::BufferShape { name: "tokens", got: tokens.len(), expected: total });
+        }
+        for &r in rids {
+            if !self.requests.contains_key(&r) {
+                return Err(CoreError::UnknownRequest(r));
+            }
+        }
+        let toks = self.check_tokens(tokens)?;
+        let mut off = 0;
+        for (&r, &l) in rids.iter().zip(lens) {
+            self.extend_checked(r, &toks[off..off + l as usize])?;
+            off += l as usize;
+        }
+        self.enforce_budget();
+        Ok(())
+    }
+
+    /// Ends a request. With `keep` its response becomes history of its group (tagged with its
+    /// version); otherwise it is removed from the group's automaton.
+    pub fn finish_request(&mut self, rid: u64, keep: bool) -> Result<()> {
+        let req = self.requests.remove(&rid).ok_or(CoreError::UnknownRequest(rid))?;
+        let key = req.group;
+        let g = self.groups.get_mut(&key).expect("in-flight request without its group");
+        g.active -= 1;
+        let mut rebuild = !keep;
+        if keep {
+            g.responses.push_back(Response { prompt: req.prompt, version: req.version, tokens: req.tokens });
+            rebuild |= apply_retention(g, &self.cfg);
+        }
+        if g.responses.is_empty() && g.active == 0 {
+            self.drop_group(key);
+            return Ok(());
+        }
+        if rebuild {
+            self.rebuild(key);
+        }
+        self.touch(key);
+        self.remeasure(key);
+        self.enforce_budget();
+        Ok(())
+    }
+
+    /// Adds a finished response to a group's history directly (bulk loads, other engines).
+    pub fn add_response(&mut self, group: u64, prompt: &[i32], response: &[i32], version: u64) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(CoreError::InvalidArgument("prompt must contain at least one token".into()));
+        }
+        let prompt = self.check_tokens(prompt)?;
+        let response = self.check_tokens(response)?;
+        self.add_response_checked(group, &prompt, response, version);
+        self.enforce_budget();
+        Ok(())
+    }
+
+    pub(crate) fn add_response_checked(&mut self, group: u64, prompt: &[u32], response: Vec<u32>, version: u64) {
+        let gamma = self.cfg.version_decay;
+        let cfg = &self.cfg;
+        let g = self.groups.entry(group).or_insert_with(|| Group::new(version));
+        g.max_version = g.max_version.max(version);
+        let pi = g.prompt_index(prompt);
+        let w = g.weight(version, gamma);
+        g.insert(pi, &response, w);
+        g.responses.push_back(Response { prompt: pi, version, tokens: response });
+        if apply_retention(g, cfg) {
+            self.rebuild(group);
+        } else {
+            self.rebase_if_needed(group);
+        }
+        self.touch(group);
+        self.remeasure(group);
+    }
+
+    /// Forgets a whole group (its in-flight requests are finished without keeping them).
+    pub fn remove_group(&mut self, group: u64) -> bool {
+        let rids: Vec<u64> = self.requests.iter().filter(|(_, r)| r.group == group).map(|(&k, _)| k).collect();
+        for r in rids {
+            self.requests.remove(&r);
+        }
+        self.drop_group(group)
+    }
+
+    /// Drops every group and request.
+    pub fn clear(&mut self) {
+        self.groups.clear();
+        self.requests.clear();
+        self.total_bytes = 0;
+    }
+
+    fn drop_group(&mut self, key: u64) -> bool {
+        match self.groups.remove(&key) {
+            Some(g) => {
+                self.total_bytes -= g.bytes;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Rebuilds one group's automaton from its kept responses and in-flight requests.
+    /// Cost: one insertion per token held by the group (the same speed as ingest).
+    fn rebuild(&mut self, key: u64) {
+        let gamma = self.cfg.version_decay;
+        let mut active: Vec<(u64, u64)> =
+            self.requests.iter().filter(|(_, r)| r.group == key).map(|(&rid, r)| (r.seq, rid)).collect();
+        active.sort_unstable();
+        let g = self.groups.get_mut(&key).expect("rebuild of a missing group");
+        let min_v = g
+            .responses
+            .iter()
+            .map(|r| r.version)
+            .chain(active.iter().map(|(_, rid)| self.requests[rid].version))
+            .min()
+            .unwrap_or(g.max_version);
+        g.weight_base = min_v;
+        g.sam = Sam::new();
+        let resp = std::mem::take(&mut g.responses);
+        for r in &resp {
+            let w = g.weight(r.version, gamma);
+            g.insert(r.prompt, &r.tokens, w);
+        }
+        g.responses = resp;
+        for (_, rid) in active {
+            let req = self.requests.get_mut(&rid).expect("listed request");
+            req.weight = g.weight(req.version, gamma);
+            req.last = g.insert(req.prompt, &req.tokens, req.weight);
+        }
+        self.rebuilds += 1;
+    }
+
+    /// Keeps version weights inside f32 range: rebuilds with a newer base when needed.
+    fn rebase_if_needed(&mut self, key: u64) {
+        let gamma = self.cfg.version_decay;
+        if gamma >= 1.0 {
+            return;
+        }
+        let g = &self.groups[&key];
+        if (g.max_version.saturating_sub(g.weight_base)) as f64 * -(gamma as f64).ln() > 60.0 {
+            self.rebuild(key);
+        }
+    }
+
+    fn enforce_budget(&mut self) {
+        let max = self.cfg.max_bytes;
+        if max == 0 || self.total_bytes <= max {
+            return;
+        }
+        // Evict down to 90% of the budget so that a steady stream of finishes does not evict on
+        // every call.
+        let target = max / 10 * 9;
+        let mut idle: Vec<(u64, u64)> =
+            self.groups.iter().filter(|(_, g)| g.active == 0).map(|(&k, g)| (g.last_used, k)).collect();
+        idle.sort_unstable();
+        for (_, k) in idle {
+            if self.total_bytes <= target {
+                break;
+            }
+            self.drop_group(k);
+            self.evictions += 1;
+        }
+    }
+
+    /// Snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let mut s = Stats {
+            groups: self.groups.len(),
+            requests: self.requests.len(),
+            bytes: self.total_bytes,
+            rebuilds: self.rebuilds,
+            evictions: self.evictions,
+            ..Default::default()
+        };
+        for g in self.groups.values() {
+            s.responses += g.responses.len();
+            s.tokens += g.responses.iter().map(|r| r.tokens.len()).sum::<usize>();
+            s.prompt_tokens += g.prompts.iter().map(|p| p.len()).sum::<usize>();
+            s.states += g.sam.num_states();
+            s.edges += g.sam.edges.len();
+        }
+        s.tokens += self.requests.values().map(|r| r.tokens.len()).sum::<usize>();
+        s
+    }
+
+    /// Whether `rid` is in flight.
+    pub fn has_request(&self, rid: u64) -> bool {
+        self.requests.contains_key(&rid)
+    }
+
+    /// The group a request belongs to.
+    pub fn request_group(&self, rid: u64) -> Result<u64> {
+        self.requests.get(&rid).map(|r| r.group).ok_or(CoreError::UnknownRequest(rid))
+    }
+
+    /// The kept responses of a group, oldest first (empty when the group is unknown).
+    pub fn responses(&self, group: u64) -> Vec<(Vec<u32>, &Response)> {
+        match self.groups.get(&group) {
+            Some(g) => g.responses.iter().map(|r| (g.prompts[r.prompt as usize].clone(), r)).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Groups held, in ascending key order.
+    pub fn group_keys(&self) -> Vec<u64> {
+        let mut k: Vec<u64> = self.groups.keys().copied().collect();
+        k.sort_unstable();
+        k
+    }
+
+    /// Grows the draft for one request: nodes in BFS order, unpadded, root first.
+    pub fn draft_nodes(&self, rid: u64, budget: usize, chain: bool, drafter: &mut Drafter) -> Result<Vec<Node>> {
+        if budget == 0 {
+            return Err(CoreError::InvalidArgument("draft budget must be at least 1".into()));
+        }
+        Ok(self.grow(rid, budget, chain, drafter)?.to_vec())
+    }
+
+    fn grow<'d>(&self, rid: u64, budget: usize, chain: bool, drafter: &'d mut Drafter) -> Result<&'d [Node]> {
+        let req = self.requests.get(&rid).ok_or(CoreError::UnknownRequest(rid))?;
+        let g = &self.groups[&req.group];
+        let root_tok = match req.tokens.last() {
+            Some(&t) => t,
+            None => *g.prompts[req.prompt as usize].last().expect("non-empty prompt"),
+        };
+        let cfg = &self.cfg.draft;
+        let anchor = g.sam.longest_with_children(req.last, cfg.min_match);
+        let w_new = g.weight(g.max_version, self.cfg.version_decay);
+        Ok(drafter.grow(&g.sam, root_tok, anchor, budget, chain, w_new, cfg))
+    }
+
+    fn check_rids(&self, rids: &[u64]) -> Result<()> {
+        for &r in rids {
+            if !self.requests.contains_key(&r) {
+                return Err(CoreError::UnknownRequest(r));
+            }
+        }
+        Ok(())
+    }
+
+    /// Drafts a `d`-node tree for every request of a batch into flat buffers:
+    /// `tokens[bs*d]`, `mask[bs*d*d]`, optional `probs[bs*d]`.
+    pub fn draft_tree_batch<M: MaskElem>(
+        &self,
+        rids: &[u64],
+        d: usize,
+        tokens: &mut [i64],
+        mask: &mut [M],
+        mut probs: Option<&mut [f32]>,
+        drafter: &mut Drafter,
+    ) -> Result<BatchDraftStats> {
+        if d == 0 {
+            return Err(CoreError::InvalidArgument("the number of draft nodes must be at least 1".into()));
+        }
+        let bs = rids.len();
+        expect_len("tokens", tokens.len(), bs * d)?;
+        expect_len("mask", mask.len(), bs * d * d)?;
+        if let Some(p) = probs.as_deref() {
+            expect_len("probs", p.len(), bs * d)?;
+        }
+        self.check_rids(rids)?;
+        let mut st = BatchDraftStats::default();
+        for (i, &rid) in rids.iter().enumerate() {
+            let nodes = self.grow(rid, d, false, drafter)?;
+            let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
+            let n = write_tree(nodes, d, &mut tokens[i * d..(i + 1) * d], &mut mask[i * d * d..(i + 1) * d * d], p);
+            st.nodes += n - 1;
+            st.nonempty += (n > 1) as usize;
+        }
+        Ok(st)
+    }
+
+    /// Drafts a chain of up to `k` tokens for every request: `tokens[bs*k]` (0-padded),
+    /// `lens[bs]` real lengths, optional `probs[bs*k]`.
+    pub fn draft_chain_batch(
+        &self,
+        rids: &[u64],
+        k: usize,
+        tokens: &mut [i64],
+        lens: &mut [i64],
+        mut probs: Option<&mut [f32]>,
+        drafter: &mut Drafter,
+    ) -> Result<BatchDraftStats> {
+        if k == 0 {
+            return Err(CoreError::InvalidArgument("the chain length must be at least 1".into()));
+        }
+        let bs = rids.len();
+        expect_len("tokens", tokens.len(), bs * k)?;
+        expect_len("lens", lens.len(), bs)?;
+        if let Some(p) = probs.as_deref() {
+            expect_len("probs", p.len(), bs * k)?;
+        }
+        self.check_rids(rids)?;
+        let mut st = BatchDraftStats::default();
+        for (i, &rid) in rids.iter().enumerate() {
+            let nodes = self.grow(rid, k + 1, true, drafter)?;
+            let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
+            let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
+            lens[i] = n as i64;
+            st.nodes += n;
+            st.nonempty += (n > 0) as usize;
+        }
+        Ok(st)
+    }
+}
+
+fn expect_len(name: &'static str, got: usize, expected: usize) -> Result<()> {
+    if got != expected {
+        return Err(CoreError::BufferShape { name, got, expected });
+    }
+    Ok(())
+}
+
+/// Drops responses beyond the per-group limits; true when something was dropped.
+fn apply_retention(g: &mut Group, cfg: &IndexConfig) -> bool {
+    let mut dropped = false;
+    if cfg.max_responses > 0 {
+        while g.responses.len() > cfg.max_responses {
+            g.responses.pop_front();
+            dropped = true;
+        }
+    }
+    if cfg.max_versions > 0 {
+        let mut vs: Vec<u64> = g.responses.iter().map(|r| r.version).collect();
+        vs.sort_unstable();
+        vs.dedup();
+        if vs.len() > cfg.max_versions {
+            let cutoff = vs[vs.len() - cfg.max_versions];
+            let before = g.responses.len();
+            g.responses.retain(|r| r.version >= cutoff);
+            dropped |= g.responses.len() != before;
+        }
+    }
+    dropped
+}

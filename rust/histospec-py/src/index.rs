@@ -1,0 +1,472 @@
+//! `HistoryIndex` pyclass: glue over `histospec_index::HistoryIndex`, no logic of its own.
+
+use std::cell::RefCell;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use histospec_index::{CoreError, DraftConfig, Drafter, HistoryIndex, IndexConfig};
+use numpy::{PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::convert::{rids as rids_arg, tokens as tokens_arg};
+use crate::errors::{poisoned, to_py};
+
+thread_local! {
+    // One scratch drafter per thread: concurrent drafts share the index under a read lock.
+    static DRAFTER: RefCell<Drafter> = RefCell::new(Drafter::default());
+}
+
+/// Per-prompt history of earlier responses that drafts speculative-decoding trees.
+#[pyclass(frozen, name = "HistoryIndex", module = "histospec_sgl._core")]
+pub struct PyHistoryIndex {
+    inner: RwLock<HistoryIndex>,
+}
+
+/// Why a call failed while the GIL was released (converted to a Python exception afterwards).
+enum Fail {
+    Core(CoreError),
+    Poisoned,
+}
+
+fn lift_val<T>(r: Result<T, Fail>) -> PyResult<T> {
+    r.map_err(|f| match f {
+        Fail::Core(e) => to_py(e),
+        Fail::Poisoned => poisoned(),
+    })
+}
+
+impl PyHistoryIndex {
+    fn read(&self) -> PyResult<RwLockReadGuard<'_, HistoryIndex>> {
+        self.inner.read().map_err(|_| poisoned())
+    }
+    fn write(&self) -> PyResult<RwLockWriteGuard<'_, HistoryIndex>> {
+        self.inner.write().map_err(|_| poisoned())
+    }
+    /// Runs `f` under the write lock with the GIL released. The lock is taken without the GIL, so
+    /// a thread blocked on it never holds the GIL that the lock holder needs to return.
+    fn mutate<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut HistoryIndex) -> Result<T, CoreError> + Send,
+    ) -> PyResult<T> {
+        lift_val(py.detach(|| {
+            let mut g = self.inner.write().map_err(|_| Fail::Poisoned)?;
+            f(&mut g).map_err(Fail::Core)
+        }))
+    }
+    /// Runs `f` under the read lock with the GIL released (drafts from many threads at once).
+    fn inspect<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&HistoryIndex) -> Result<T, CoreError> + Send,
+    ) -> PyResult<T> {
+        lift_val(py.detach(|| {
+            let g = self.inner.read().map_err(|_| Fail::Poisoned)?;
+            f(&g).map_err(Fail::Core)
+        }))
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn make_config(
+    vocab_size: Option<i64>,
+    max_responses: usize,
+    max_versions: usize,
+    max_bytes: usize,
+    version_decay: f32,
+    draft: DraftConfig,
+) -> PyResult<IndexConfig> {
+    let vocab_size = match vocab_size {
+        None => None,
+        Some(v) if v >= 1 && v <= i32::MAX as i64 + 1 => Some(v as u32),
+        Some(v) => return Err(PyValueError::new_err(format!("vocab_size must be in 1..=2^31, got {v}"))),
+    };
+    let cfg = IndexConfig { vocab_size, max_responses, max_versions, max_bytes, version_decay, draft };
+    cfg.validate().map_err(to_py)?;
+    Ok(cfg)
+}
+
+fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    out.set_item("min_match", d.min_match)?;
+    out.set_item("min_prob", d.min_prob)?;
+    out.set_item("escape", d.escape)?;
+    out.set_item("recency", d.recency)?;
+    out.set_item("recency_decay", d.recency_decay)?;
+    out.set_item("max_children", d.max_children)?;
+    Ok(out)
+}
+
+fn group_or_key(group: Option<i64>, prompt: &[i32]) -> PyResult<u64> {
+    match group {
+        Some(g) => Ok(g as u64),
+        None => Ok(histospec_index::prompt_key(prompt)),
+    }
+}
+
+fn rid_arg(rid: i64) -> PyResult<u64> {
+    u64::try_from(rid).map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {rid}")))
+}
+
+#[pymethods]
+impl PyHistoryIndex {
+    #[new]
+    #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
+                        min_match=1, min_prob=0.0, escape=1.0, recency=0.0, recency_decay=0.5, max_children=8))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        vocab_size: Option<i64>,
+        max_responses: usize,
+        max_versions: usize,
+        max_bytes: usize,
+        version_decay: f32,
+        min_match: u32,
+        min_prob: f32,
+        escape: f32,
+        recency: f32,
+        recency_decay: f32,
+        max_children: u32,
+    ) -> PyResult<Self> {
+        let draft = DraftConfig { min_match, min_prob, escape, recency, recency_decay, max_children };
+        let cfg = make_config(vocab_size, max_responses, max_versions, max_bytes, version_decay, draft)?;
+        Ok(PyHistoryIndex { inner: RwLock::new(HistoryIndex::new(cfg).map_err(to_py)?) })
+    }
+
+    /// Starts request `rid` in `group` (None: the prompt's key) with context `prompt_ids`.
+    #[pyo3(signature = (rid, group, prompt_ids, version=None))]
+    fn begin_request(
+        &self,
+        py: Python<'_>,
+        rid: i64,
+        group: Option<i64>,
+        prompt_ids: &Bound<'_, PyAny>,
+        version: Option<u64>,
+    ) -> PyResult<u64> {
+        let rid = rid_arg(rid)?;
+        let prompt = tokens_arg(prompt_ids, "prompt_ids")?;
+        let key = group_or_key(group, &prompt)?;
+        self.mutate(py, |g| g.begin_request(rid, key, &prompt, version))?;
+        Ok(key)
+    }
+
+    /// Appends accepted tokens to request `rid`.
+    fn extend_request(&self, py: Python<'_>, rid: i64, tokens: &Bound<'_, PyAny>) -> PyResult<()> {
+        let rid = rid_arg(rid)?;
+        let toks = tokens_arg(tokens, "tokens")?;
+        self.mutate(py, |g| g.extend_request(rid, &toks))
+    }
+
+    /// Appends `lens[i]` tokens of the flat `tokens` to `rids[i]`, for a whole batch.
+    fn extend_batch(
+        &self,
+        py: Python<'_>,
+        rids: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        lens: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let rids = rids_arg(rids)?;
+        let toks = tokens_arg(tokens, "tokens")?;
+        let lens: Vec<i64> = tokens_arg(lens, "lens")?.into_iter().map(i64::from).collect();
+        self.mutate(py, |g| g.extend_batch(&rids, &toks, &lens))
+    }
+
+    /// Ends request `rid`; with `keep` its response becomes history of its group.
+    #[pyo3(signature = (rid, keep=true))]
+    fn finish_request(&self, py: Python<'_>, rid: i64, keep: bool) -> PyResult<()> {
+        let rid = rid_arg(rid)?;
+        self.mutate(py, |g| g.finish_request(rid, keep))
+    }
+
+    /// Adds a finished response to `group`'s history (None: the prompt's key); returns the key.
+    #[pyo3(signature = (group, prompt_ids, response_ids, version=0))]
+    fn add_response(
+        &self,
+        py: Python<'_>,
+        group: Option<i64>,
+        prompt_ids: &Bound<'_, PyAny>,
+        response_ids: &Bound<'_, PyAny>,
+        version: u64,
+    ) -> PyResult<u64> {
+        let prompt = tokens_arg(prompt_ids, "prompt_ids")?;
+        let resp = tokens_arg(response_ids, "response_ids")?;
+        let key = group_or_key(group, &prompt)?;
+        self.mutate(py, |g| g.add_response(key, &prompt, &resp, version))?;
+        Ok(key)
+    }
+
+    /// The draft for one request: (tokens, parents, probs) in BFS order, root first, unpadded.
+    #[pyo3(signature = (rid, num_nodes=16, chain=false))]
+    fn draft(&self, py: Python<'_>, rid: i64, num_nodes: usize, chain: bool) -> PyResult<(Vec<i64>, Vec<i64>, Vec<f32>)> {
+        let rid = rid_arg(rid)?;
+        let nodes =
+            self.inspect(py, |g| DRAFTER.with(|d| g.draft_nodes(rid, num_nodes, chain, &mut d.borrow_mut())))?;
+        let toks = nodes.iter().map(|n| n.tok as i64).collect();
+        let parents = nodes.iter().map(|n| if n.parent == u32::MAX { -1 } else { n.parent as i64 }).collect();
+        let probs = nodes.iter().map(|n| n.prob).collect();
+        Ok((toks, parents, probs))
+    }
+
+    /// Drafts `num_nodes`-node trees for a batch into caller buffers, GIL released.
+    ///
+    /// `tokens`: int64 `[bs*num_nodes]`; `mask`: int64/int32/uint8/bool `[bs*num_nodes*num_nodes]`;
+    /// `probs`: optional float32 `[bs*num_nodes]`. Returns (requests with a draft, draft nodes).
+    #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None))]
+    fn draft_batch(
+        &self,
+        py: Python<'_>,
+        rids: &Bound<'_, PyAny>,
+        num_nodes: usize,
+        tokens: &Bound<'_, PyAny>,
+        mask: &Bound<'_, PyAny>,
+        probs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize)> {
+        let rids = rids_arg(rids)?;
+        let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
+        let mut probs = probs.map(|p| writable::<f32>(p, "probs", "float32")).transpose()?;
+        let mut mask = MaskArg::extract(mask)?;
+        let toks_s = slice_mut(&mut toks, "tokens")?;
+        let probs_s = match probs.as_mut() {
+            Some(p) => Some(slice_mut(p, "probs")?),
+            None => None,
+        };
+        let mask_s = mask.slice()?;
+        let st = self.inspect(py, |g| {
+                DRAFTER.with(|d| {
+                    let d = &mut d.borrow_mut();
+                    match mask_s {
+                        MaskElemAny::I64(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
+                        MaskElemAny::I32(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
+                        MaskElemAny::U8(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
+                        MaskElemAny::Bool(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
+                    }
+                })
+            })?;
+        Ok((st.nonempty, st.nodes))
+    }
+
+    /// Drafts chains of up to `k` tokens for a batch: `tokens` int64 `[bs*k]` (0-padded),
+    /// `lens` int64 `[bs]`, optional `probs` float32 `[bs*k]`. Returns (requests with a draft, tokens).
+    #[pyo3(signature = (rids, k, tokens, lens, probs=None))]
+    fn draft_chain_batch(
+        &self,
+        py: Python<'_>,
+        rids: &Bound<'_, PyAny>,
+        k: usize,
+        tokens: &Bound<'_, PyAny>,
+        lens: &Bound<'_, PyAny>,
+        probs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize)> {
+        let rids = rids_arg(rids)?;
+        let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
+        let mut lens = writable::<i64>(lens, "lens", "int64")?;
+        let mut probs = probs.map(|p| writable::<f32>(p, "probs", "float32")).transpose()?;
+        let toks_s = slice_mut(&mut toks, "tokens")?;
+        let lens_s = slice_mut(&mut lens, "lens")?;
+        let probs_s = match probs.as_mut() {
+            Some(p) => Some(slice_mut(p, "probs")?),
+            None => None,
+        };
+        let st = self.inspect(py, |g| {
+            DRAFTER.with(|d| g.draft_chain_batch(&rids, k, toks_s, lens_s, probs_s, &mut d.borrow_mut()))
+        })?;
+        Ok((st.nonempty, st.nodes))
+    }
+
+    /// The version new requests are tagged with.
+    #[getter]
+    fn version(&self) -> PyResult<u64> {
+        Ok(self.read()?.version())
+    }
+
+    #[setter]
+    fn set_version(&self, v: u64) -> PyResult<()> {
+        self.write()?.set_version(v);
+        Ok(())
+    }
+
+    /// The draft policy as a dict.
+    fn draft_config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        draft_dict(py, &self.read()?.config().draft)
+    }
+
+    /// Changes some draft-policy knobs (the others keep their values).
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn set_draft_config(
+        &self,
+        min_match: Option<u32>,
+        min_prob: Option<f32>,
+        escape: Option<f32>,
+        recency: Option<f32>,
+        recency_decay: Option<f32>,
+        max_children: Option<u32>,
+    ) -> PyResult<()> {
+        let mut g = self.write()?;
+        let mut d = g.config().draft.clone();
+        d.min_match = min_match.unwrap_or(d.min_match);
+        d.min_prob = min_prob.unwrap_or(d.min_prob);
+        d.escape = escape.unwrap_or(d.escape);
+        d.recency = recency.unwrap_or(d.recency);
+        d.recency_decay = recency_decay.unwrap_or(d.recency_decay);
+        d.max_children = max_children.unwrap_or(d.max_children);
+        g.set_draft_config(d).map_err(to_py)
+    }
+
+    /// The index configuration (retention, memory, vocabulary, draft policy) as a dict.
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.read()?;
+        let c = g.config();
+        let out = PyDict::new(py);
+        out.set_item("vocab_size", c.vocab_size)?;
+        out.set_item("max_responses", c.max_responses)?;
+        out.set_item("max_versions", c.max_versions)?;
+        out.set_item("max_bytes", c.max_bytes)?;
+        out.set_item("version_decay", c.version_decay)?;
+        for (k, v) in draft_dict(py, &c.draft)?.iter() {
+            out.set_item(k, v)?;
+        }
+        Ok(out)
+    }
+
+    /// Counters: groups, requests, responses, tokens, prompt_tokens, states, edges, bytes, rebuilds, evictions.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.read()?.stats();
+        let out = PyDict::new(py);
+        out.set_item("groups", s.groups)?;
+        out.set_item("requests", s.requests)?;
+        out.set_item("responses", s.responses)?;
+        out.set_item("tokens", s.tokens)?;
+        out.set_item("prompt_tokens", s.prompt_tokens)?;
+        out.set_item("states", s.states)?;
+        out.set_item("edges", s.edges)?;
+        out.set_item("bytes", s.bytes)?;
+        out.set_item("rebuilds", s.rebuilds)?;
+        out.set_item("evictions", s.evictions)?;
+        Ok(out)
+    }
+
+    /// Whether request `rid` is in flight.
+    fn has_request(&self, rid: i64) -> PyResult<bool> {
+        Ok(rid >= 0 && self.read()?.has_request(rid as u64))
+    }
+
+    /// The group key of in-flight request `rid`.
+    fn request_group(&self, rid: i64) -> PyResult<u64> {
+        self.read()?.request_group(rid_arg(rid)?).map_err(to_py)
+    }
+
+    /// Group keys held, ascending.
+    fn group_keys(&self) -> PyResult<Vec<u64>> {
+        Ok(self.read()?.group_keys())
+    }
+
+    /// The kept responses of a group, oldest first, as (prompt_ids, response_ids, version).
+    fn responses(&self, group: u64) -> PyResult<Vec<(Vec<u32>, Vec<u32>, u64)>> {
+        let g = self.read()?;
+        Ok(g.responses(group).into_iter().map(|(p, r)| (p, r.tokens.clone(), r.version)).collect())
+    }
+
+    /// Forgets a group and its in-flight requests; True if it existed.
+    fn remove_group(&self, group: u64) -> PyResult<bool> {
+        Ok(self.write()?.remove_group(group))
+    }
+
+    /// Forgets everything.
+    fn clear(&self) -> PyResult<()> {
+        self.write()?.clear();
+        Ok(())
+    }
+
+    /// The history as snapshot bytes (in-flight requests are not included).
+    fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let b = self.inspect(py, |g| Ok(g.to_bytes()))?;
+        Ok(PyBytes::new(py, &b))
+    }
+
+    /// Replaces this index's history with the snapshot in `data` (configuration kept).
+    fn load_bytes(&self, py: Python<'_>, data: &[u8]) -> PyResult<()> {
+        self.mutate(py, |g| {
+            *g = HistoryIndex::from_bytes(data, g.config().clone())?;
+            Ok(())
+        })
+    }
+
+    /// Saves a snapshot to `path` (written to a temporary file, fsynced, renamed).
+    fn save(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        self.inspect(py, |g| g.save(&path))
+    }
+
+    /// Replaces this index's history with the snapshot file at `path` (configuration kept).
+    fn load(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
+        self.mutate(py, |g| {
+            *g = HistoryIndex::load(&path, g.config().clone())?;
+            Ok(())
+        })
+    }
+
+    fn __repr__(&self) -> PyResult<String> {
+        let s = self.read()?.stats();
+        Ok(format!(
+            "HistoryIndex(groups={}, requests={}, responses={}, tokens={}, bytes={})",
+            s.groups, s.requests, s.responses, s.tokens, s.bytes
+        ))
+    }
+}
+
+fn writable<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    dtype: &str,
+) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    obj.extract::<PyReadwriteArrayDyn<'py, T>>().map_err(|_| {
+        PyTypeError::new_err(format!("{what} must be a writable {dtype} numpy array"))
+    })
+}
+
+fn slice_mut<'a, T: numpy::Element>(a: &'a mut PyReadwriteArrayDyn<'_, T>, what: &str) -> PyResult<&'a mut [T]> {
+    let shape = a.shape().to_vec();
+    a.as_slice_mut().map_err(|_| PyValueError::new_err(format!("{what} must be C-contiguous (shape {shape:?})")))
+}
+
+/// A borrowed mask buffer of one of the accepted element types.
+enum MaskElemAny<'a> {
+    I64(&'a mut [i64]),
+    I32(&'a mut [i32]),
+    U8(&'a mut [u8]),
+    Bool(&'a mut [bool]),
+}
+
+enum MaskArg<'py> {
+    I64(PyReadwriteArrayDyn<'py, i64>),
+    I32(PyReadwriteArrayDyn<'py, i32>),
+    U8(PyReadwriteArrayDyn<'py, u8>),
+    Bool(PyReadwriteArrayDyn<'py, bool>),
+}
+
+impl<'py> MaskArg<'py> {
+    fn extract(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        if let Ok(a) = obj.extract() {
+            return Ok(MaskArg::I64(a));
+        }
+        if let Ok(a) = obj.extract() {
+            return Ok(MaskArg::I32(a));
+        }
+        if let Ok(a) = obj.extract() {
+            return Ok(MaskArg::U8(a));
+        }
+        if let Ok(a) = obj.extract() {
+            return Ok(MaskArg::Bool(a));
+        }
+        Err(PyTypeError::new_err("mask must be a writable int64, int32, uint8 or bool numpy array"))
+    }
+
+    fn slice(&mut self) -> PyResult<MaskElemAny<'_>> {
+        Ok(match self {
+            MaskArg::I64(a) => MaskElemAny::I64(slice_mut(a, "mask")?),
+            MaskArg::I32(a) => MaskElemAny::I32(slice_mut(a, "mask")?),
+            MaskArg::U8(a) => MaskElemAny::U8(slice_mut(a, "mask")?),
+            MaskArg::Bool(a) => MaskElemAny::Bool(slice_mut(a, "mask")?),
+        })
+    }
+}
