@@ -7,12 +7,14 @@
 
 pub mod draft;
 pub mod error;
+pub mod replay;
 pub mod sam;
 pub mod snapshot;
 pub mod store;
 
 pub use draft::{DraftConfig, Drafter, Node};
 pub use error::{CoreError, Result};
+pub use replay::{accept_greedy, ReplayTrace};
 pub use store::{check_tokens, BatchDraftStats, HistoryIndex, IndexConfig, Response, Stats};
 
 /// The group key of a prompt: XXH3-64 (seed 0) of its token ids as little-endian int32 bytes.

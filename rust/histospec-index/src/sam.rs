@@ -34,6 +34,10 @@ pub struct State {
     pub cnt: f32,
     /// Clock value of the most recent occurrence (0 = never, e.g. the root before any append).
     pub recent: u32,
+    /// Weight of the positions whose longest string ends exactly here (the leaves of `cnt`).
+    pub own: f32,
+    /// Clock of the latest such position.
+    pub own_recent: u32,
 }
 
 /// One transition `from --tok--> to`, also a node of `from`'s child list.
@@ -82,7 +86,7 @@ impl Sam {
     /// An automaton holding only the root.
     pub fn new() -> Self {
         Sam {
-            states: vec![State { len: 0, link: NONE, head: NONE, cnt: 0.0, recent: 0 }],
+            states: vec![State { len: 0, link: NONE, head: NONE, cnt: 0.0, recent: 0, own: 0.0, own_recent: 0 }],
             edges: Vec::new(),
             slots: vec![0; 16],
             clock: 0,
@@ -158,7 +162,7 @@ impl Sam {
     fn clone_state(&mut self, q: u32, len: u32) -> u32 {
         let src = self.states[q as usize];
         let id = self.states.len() as u32;
-        self.states.push(State { len, link: src.link, head: NONE, cnt: src.cnt, recent: src.recent });
+        self.states.push(State { len, link: src.link, head: NONE, cnt: src.cnt, recent: src.recent, own: 0.0, own_recent: 0 });
         let mut e = src.head;
         while e != NONE {
             let edge = self.edges[e as usize];
@@ -183,10 +187,10 @@ impl Sam {
 
     /// Appends token `c` to the string whose current last state is `last`, records one occurrence
     /// of weight `w` for every suffix of the extended string, and returns the new last state.
+    /// Requires `cnt`/`recent` to be current (no deferred appends since the last recount).
     /// Amortized O(1) automaton work plus the length of the new state's suffix-link path.
     pub fn extend(&mut self, last: u32, c: u32, w: f32) -> u32 {
-        let new = self.extend_structure(last, c);
-        self.clock = self.clock.wrapping_add(1).max(1);
+        let new = self.extend_deferred(last, c, w);
         let clock = self.clock;
         let mut v = new;
         while v != NONE {
@@ -196,6 +200,46 @@ impl Sam {
             v = s.link;
         }
         new
+    }
+
+    /// Like [`Sam::extend`] but records the occurrence only at the new state (`own`): `cnt` and
+    /// `recent` are stale until [`Sam::recount`]. Bulk loads use this and recount once.
+    pub fn extend_deferred(&mut self, last: u32, c: u32, w: f32) -> u32 {
+        let new = self.extend_structure(last, c);
+        self.clock = self.clock.wrapping_add(1).max(1);
+        let s = &mut self.states[new as usize];
+        s.own += w;
+        s.own_recent = self.clock;
+        new
+    }
+
+    /// Recomputes `cnt` and `recent` of every state from `own`/`own_recent` (sums and maxima over
+    /// the suffix-link tree), in O(states) with a counting sort by `len`.
+    pub fn recount(&mut self) {
+        let max_len = self.states.iter().map(|s| s.len).max().unwrap_or(0) as usize;
+        let mut start = vec![0u32; max_len + 2];
+        for s in &self.states {
+            start[s.len as usize + 1] += 1;
+        }
+        for i in 1..start.len() {
+            start[i] += start[i - 1];
+        }
+        let mut order = vec![0u32; self.states.len()];
+        for (i, s) in self.states.iter_mut().enumerate() {
+            s.cnt = s.own;
+            s.recent = s.own_recent;
+            let b = &mut start[s.len as usize];
+            order[*b as usize] = i as u32;
+            *b += 1;
+        }
+        for &v in order.iter().rev() {
+            let s = self.states[v as usize];
+            if s.link != NONE {
+                let l = &mut self.states[s.link as usize];
+                l.cnt += s.cnt;
+                l.recent = l.recent.max(s.recent);
+            }
+        }
     }
 
     fn extend_structure(&mut self, last: u32, c: u32) -> u32 {
@@ -212,7 +256,7 @@ impl Sam {
             return clone;
         }
         let cur = self.states.len() as u32;
-        self.states.push(State { len: last_len + 1, link: 0, head: NONE, cnt: 0.0, recent: 0 });
+        self.states.push(State { len: last_len + 1, link: 0, head: NONE, cnt: 0.0, recent: 0, own: 0.0, own_recent: 0 });
         let mut p = last;
         let mut target = NONE;
         while p != NONE {

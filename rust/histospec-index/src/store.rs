@@ -5,7 +5,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, MaskElem, Node};
 use crate::error::{CoreError, Result};
-use crate::sam::Sam;
+use crate::sam::{Sam, NONE};
 
 /// A fixed, unseeded hasher for integer keys: map iteration order (never relied upon for results)
 /// is the same in every process.
@@ -90,6 +90,12 @@ pub struct Group {
     pub sam: Sam,
     /// Distinct prompts seen in this group (almost always exactly one).
     pub prompts: Vec<Vec<u32>>,
+    /// State of each whole prompt once inserted (`NONE` before): later strings with the same
+    /// prompt continue from it, so a prompt is counted once per group, not once per response.
+    prompt_last: Vec<u32>,
+    /// Occurrence counts are stale (bulk appends since the last recount). Invariant: a group with
+    /// in-flight requests is never dirty, so drafts always see exact counts.
+    dirty: bool,
     /// Finished responses kept, oldest first.
     pub responses: VecDeque<Response>,
     /// Number of in-flight requests drafting from this group (never evicted while > 0).
@@ -109,6 +115,8 @@ impl Group {
         Group {
             sam: Sam::new(),
             prompts: Vec::new(),
+            prompt_last: Vec::new(),
+            dirty: false,
             responses: VecDeque::new(),
             active: 0,
             last_used: 0,
@@ -129,6 +137,7 @@ impl Group {
             return i as u32;
         }
         self.prompts.push(prompt.to_vec());
+        self.prompt_last.push(NONE);
         (self.prompts.len() - 1) as u32
     }
 
@@ -141,16 +150,38 @@ impl Group {
         e.clamp(-80.0, 80.0).exp() as f32
     }
 
-    fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32) -> u32 {
-        let mut last = 0;
-        for i in 0..self.prompts[prompt as usize].len() {
-            let t = self.prompts[prompt as usize][i];
-            last = self.sam.extend(last, t, w);
+    /// Inserts `prompt + tokens` (the prompt only the first time) and returns the last state.
+    /// With `deferred` the counts go stale (`dirty`) until [`Group::ensure_clean`].
+    fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32, deferred: bool) -> u32 {
+        debug_assert!(deferred || !self.dirty, "online insert into a group with stale counts");
+        let step = |sam: &mut Sam, last: u32, t: u32| {
+            if deferred {
+                sam.extend_deferred(last, t, w)
+            } else {
+                sam.extend(last, t, w)
+            }
+        };
+        let mut last = self.prompt_last[prompt as usize];
+        if last == NONE {
+            last = 0;
+            for &t in &self.prompts[prompt as usize] {
+                last = step(&mut self.sam, last, t);
+            }
+            self.prompt_last[prompt as usize] = last;
         }
         for &t in tokens {
-            last = self.sam.extend(last, t, w);
+            last = step(&mut self.sam, last, t);
         }
+        self.dirty |= deferred;
         last
+    }
+
+    /// Brings occurrence counts up to date after bulk appends.
+    fn ensure_clean(&mut self) {
+        if self.dirty {
+            self.sam.recount();
+            self.dirty = false;
+        }
     }
 }
 
@@ -301,7 +332,8 @@ impl HistoryIndex {
         g.max_version = g.max_version.max(version);
         let pi = g.prompt_index(&prompt);
         let weight = g.weight(version, gamma);
-        let last = g.insert(pi, &[], weight);
+        g.ensure_clean();
+        let last = g.insert(pi, &[], weight, false);
         g.active += 1;
         self.seq += 1;
         let seq = self.seq;
@@ -407,7 +439,8 @@ impl HistoryIndex {
         g.max_version = g.max_version.max(version);
         let pi = g.prompt_index(prompt);
         let w = g.weight(version, gamma);
-        g.insert(pi, &response, w);
+        // Idle groups take bulk history with deferred counts; groups drafting now stay exact.
+        g.insert(pi, &response, w, g.active == 0);
         g.responses.push_back(Response { prompt: pi, version, tokens: response });
         if apply_retention(g, cfg) {
             self.rebuild(group);
@@ -461,16 +494,21 @@ impl HistoryIndex {
             .unwrap_or(g.max_version);
         g.weight_base = min_v;
         g.sam = Sam::new();
+        g.prompt_last.iter_mut().for_each(|l| *l = NONE);
+        g.dirty = false;
         let resp = std::mem::take(&mut g.responses);
         for r in &resp {
             let w = g.weight(r.version, gamma);
-            g.insert(r.prompt, &r.tokens, w);
+            g.insert(r.prompt, &r.tokens, w, true);
         }
         g.responses = resp;
         for (_, rid) in active {
             let req = self.requests.get_mut(&rid).expect("listed request");
             req.weight = g.weight(req.version, gamma);
-            req.last = g.insert(req.prompt, &req.tokens, req.weight);
+            req.last = g.insert(req.prompt, &req.tokens, req.weight, true);
+        }
+        if g.active > 0 {
+            g.ensure_clean();
         }
         self.rebuilds += 1;
     }
