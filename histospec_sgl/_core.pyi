@@ -156,5 +156,6 @@ class HistoryIndex:
     ) -> dict[str, Any]:
         """Simulates speculative decoding of ``truth`` as ``rid``'s continuation (see the README).
 
-        Returns ``{"accepted": int32[steps], "drafted": int32[steps], "draft_ns": int, "update_ns": int}``.
+        Returns ``{"accepted", "drafted", "emitted": uint32[steps], "draft_ns": int, "update_ns": int}``;
+        ``emitted`` is accepted + 1 except on a final step that accepts the whole rest.
         """

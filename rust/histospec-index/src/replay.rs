@@ -17,6 +17,8 @@ pub struct ReplayTrace {
     pub accepted: Vec<u32>,
     /// Real draft nodes offered at each step (root excluded).
     pub drafted: Vec<u32>,
+    /// Tokens the step emitted: accepted + 1, or just the accepted rest of the response.
+    pub emitted: Vec<u32>,
     /// Nanoseconds spent drafting, summed over steps.
     pub draft_ns: u64,
     /// Nanoseconds spent appending accepted tokens, summed over steps.
@@ -78,6 +80,7 @@ impl HistoryIndex {
             tr.accepted.push(acc as u32);
             tr.drafted.push(nodes.len() as u32 - 1);
             let adv = if every_position { 1 } else { (acc + 1).min(truth.len() - pos) };
+            tr.emitted.push((acc + 1).min(truth.len() - pos) as u32);
             let t2 = Instant::now();
             self.extend_request(rid, &truth_i32[pos..pos + adv])?;
             tr.update_ns += t2.elapsed().as_nanos() as u64;

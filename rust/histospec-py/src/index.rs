@@ -277,7 +277,7 @@ impl PyHistoryIndex {
     /// `truth[0]` comes from prefill; then at each verify step a `num_nodes`-node tree (or a chain of
     /// `num_nodes - 1` tokens) is drafted, accepted greedily against `truth`, and the request
     /// advances by accepted + 1 tokens (1 with `every_position`). Returns a dict with per-step
-    /// `accepted` and `drafted` (int32 arrays) and the summed `draft_ns` and `update_ns`.
+    /// `accepted`, `drafted` and `emitted` (uint32 arrays) and the summed `draft_ns` and `update_ns`.
     #[pyo3(signature = (rid, truth, num_nodes=16, chain=false, every_position=false))]
     fn replay<'py>(
         &self,
@@ -296,6 +296,7 @@ impl PyHistoryIndex {
         let out = PyDict::new(py);
         out.set_item("accepted", PyArray1::from_vec(py, tr.accepted))?;
         out.set_item("drafted", PyArray1::from_vec(py, tr.drafted))?;
+        out.set_item("emitted", PyArray1::from_vec(py, tr.emitted))?;
         out.set_item("draft_ns", tr.draft_ns)?;
         out.set_item("update_ns", tr.update_ns)?;
         Ok(out)

@@ -1,0 +1,234 @@
+"""``histospec-sgl bench index``: ingest, memory, batch draft latency and acceptance on W1/W2.
+
+Metrics (keys of ``--json``):
+- ``ingest_tokens_per_s``: response tokens per second adding W1's epoch-1 history (256 prompts x 16
+  responses x 2000 tokens) to a fresh index in a fresh process, one thread.
+  ``ingest_tokens_per_s_warm`` repeats it once the allocator holds the memory (a long-running engine).
+- ``bytes_per_token``: resident-set growth over that ingest per response token.
+- ``batch_draft_ms_per_step`` / ``batch_chain_ms_per_step``: one ``draft_batch`` (d=16 tree) /
+  ``draft_chain_batch`` (k=16) call for 256 concurrent requests, each in its own group, median of
+  the measured steps; ``update_ms_per_step``: one ``extend_batch`` appending each request's accepted
+  tokens + 1.
+- ``accepted_per_position_k16``: replaying 64 prompts x 2 epoch-2 responses, a k=16 greedy chain is
+  drafted at every position; mean tokens matching the logged continuation.
+- ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
+  d=16 tree (root included, 15 draft nodes): accepted + 1 tokens per verify step, pooled.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import time
+from typing import Any
+
+import numpy as np
+
+from histospec_sgl import HistoryIndex
+from histospec_sgl.bench.workload import SPECS, Workload, generate
+
+D = 16
+K = 16
+BS = 256
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def ingest(w: Workload, index_kwargs: dict[str, Any]) -> tuple[HistoryIndex, float, float]:
+    """Adds every epoch-1 response; returns (index, seconds, RSS growth in bytes)."""
+    gc.collect()
+    ix = HistoryIndex(**index_kwargs)
+    r0 = _rss()
+    t = time.perf_counter()
+    for p, prompt in enumerate(w.prompts):
+        for resp in w.epoch1[p]:
+            ix.add_response(p, prompt, resp, 1)
+    dt = time.perf_counter() - t
+    return ix, dt, float(_rss() - r0)
+
+
+def latency(ix: HistoryIndex, w: Workload, steps: int, warm_tokens: int = 500) -> dict[str, float]:
+    """256 concurrent requests, one per group, decoding epoch-2 responses step by step."""
+    n = min(BS, len(w.prompts))
+    rids = np.arange(10_000_000, 10_000_000 + n, dtype=np.int64)
+    truths = [w.epoch2(p, 0) for p in range(n)]
+    pos = np.full(n, warm_tokens, dtype=np.int64)
+    for i, p in enumerate(range(n)):
+        ix.begin_request(int(rids[i]), p, w.prompts[p])
+        ix.extend_request(int(rids[i]), truths[i][:warm_tokens])
+    tok = np.zeros(n * D, np.int64)
+    mask = np.zeros(n * D * D, np.int64)
+    ctok = np.zeros(n * K, np.int64)
+    clen = np.zeros(n, np.int64)
+    t_tree, t_chain, t_upd = [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        ix.draft_batch(rids, D, tok, mask)
+        t1 = time.perf_counter()
+        ix.draft_chain_batch(rids, K, ctok, clen)
+        t2 = time.perf_counter()
+        chains = ctok.reshape(n, K)
+        adv = []
+        for i in range(n):
+            want = truths[i][pos[i] : pos[i] + K]
+            m = chains[i, : len(want)] == want
+            acc = int(np.cumprod(m).sum()) if len(want) else 0
+            adv.append(min(acc + 1, max(len(truths[i]) - pos[i], 0)))
+        lens = np.asarray(adv, dtype=np.int64)
+        flat = np.concatenate([truths[i][pos[i] : pos[i] + lens[i]] for i in range(n)]).astype(np.int32)
+        t3 = time.perf_counter()
+        ix.extend_batch(rids, flat, lens)
+        t4 = time.perf_counter()
+        pos += lens
+        t_tree.append(t1 - t0)
+        t_chain.append(t2 - t1)
+        t_upd.append(t4 - t3)
+    for r in rids:
+        ix.finish_request(int(r), keep=False)
+    ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
+    p99 = lambda xs: float(np.percentile(xs, 99) * 1e3)  # noqa: E731
+    return {
+        "batch_draft_ms_per_step": ms(t_tree),
+        "batch_draft_ms_p99": p99(t_tree),
+        "batch_chain_ms_per_step": ms(t_chain),
+        "update_ms_per_step": ms(t_upd),
+        "latency_requests": n,
+        "latency_steps": steps,
+    }
+
+
+def acceptance(ix: HistoryIndex, w: Workload, prompts: int, per_prompt: int = 2) -> dict[str, float]:
+    """Greedy chain acceptance at every position (k=16) and simulated SD tokens per step (d=16)."""
+    acc_sum = 0
+    positions = 0
+    steps = 0
+    toks = 0
+    nonempty = 0
+    draft_ns = 0
+    rid = 20_000_000
+    for p in range(min(prompts, len(w.prompts))):
+        for j in range(per_prompt):
+            truth = w.epoch2(p, j)
+            ix.begin_request(rid, p, w.prompts[p])
+            r = ix.replay(rid, truth, K + 1, chain=True, every_position=True)
+            ix.finish_request(rid, keep=False)
+            acc_sum += int(r["accepted"].sum())
+            positions += len(r["accepted"])
+            rid += 1
+            ix.begin_request(rid, p, w.prompts[p])
+            r = ix.replay(rid, truth, D)
+            ix.finish_request(rid, keep=False)
+            steps += len(r["accepted"])
+            toks += int(r["emitted"].sum())
+            nonempty += int((r["drafted"] > 0).sum())
+            draft_ns += int(r["draft_ns"])
+            rid += 1
+    return {
+        "accepted_per_position_k16": acc_sum / positions,
+        "tokens_per_verify_step_d16": toks / steps,
+        "draft_coverage_d16": nonempty / steps,
+        "replay_draft_us_per_call": draft_ns / steps / 1e3,
+        "positions": positions,
+        "verify_steps": steps,
+    }
+
+
+def peers_status() -> dict[str, dict[str, Any]]:
+    """Which peer indexes can run here; missing ones are reported as missing, never faked."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+
+        out["arctic-suffix"] = {"status": "installed but no adapter in this build"}
+    except ImportError as e:
+        out["arctic-suffix"] = {
+            "status": "missing",
+            "reason": f"{e}; arctic-inference ships only an sdist that needs torch>=2.10 to build",
+        }
+    try:
+        from sglang.srt.speculative.cpp_ngram import ngram_corpus  # noqa: F401
+
+        out["sglang-ngram"] = {"status": "installed but no adapter in this build"}
+    except Exception as e:  # ImportError, or a CUDA-only import failure
+        out["sglang-ngram"] = {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def run(
+    workloads: list[str],
+    latency_steps: int = 100,
+    acc_prompts: int = 64,
+    index_kwargs: dict[str, Any] | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Runs the benchmark; returns the JSON-ready result."""
+    kw = index_kwargs or {}
+    result: dict[str, Any] = {"ours": {}, "peers": peers_status(), "workloads": {}}
+    for name in workloads:
+        spec = SPECS[name]
+        if progress:
+            progress(f"{name}: generating {spec.prompts} prompts x {spec.siblings} responses")
+        w = generate(spec)
+        ntok = sum(len(r) for rs in w.epoch1 for r in rs)
+        if progress:
+            progress(f"{name}: ingesting {ntok:,} tokens")
+        ix, dt, grown = ingest(w, kw)
+        res: dict[str, Any] = {
+            "ingest_tokens_per_s": ntok / dt,
+            "bytes_per_token": grown / ntok,
+            "index_bytes_per_token": ix.stats()["bytes"] / ntok,
+            "tokens_indexed": ntok,
+            "stats": ix.stats(),
+        }
+        del ix
+        ix, dt2, _ = ingest(w, kw)
+        res["ingest_tokens_per_s_warm"] = ntok / dt2
+        if name == "W1":
+            if progress:
+                progress(f"{name}: batch draft latency, {BS} requests x {latency_steps} steps")
+            res.update(latency(ix, w, latency_steps))
+        if progress:
+            progress(f"{name}: acceptance replay, {acc_prompts} prompts x 2 epoch-2 responses")
+        res.update(acceptance(ix, w, acc_prompts))
+        result["workloads"][name] = res
+        del ix
+    w1 = result["workloads"].get("W1", {})
+    w2 = result["workloads"].get("W2", {})
+    keys = [
+        "ingest_tokens_per_s",
+        "bytes_per_token",
+        "batch_draft_ms_per_step",
+        "update_ms_per_step",
+        "accepted_per_position_k16",
+        "tokens_per_verify_step_d16",
+    ]
+    result["ours"] = {k: w1[k] for k in keys if k in w1}
+    if "ingest_tokens_per_s_warm" in w1:
+        result["ours"]["ingest_tokens_per_s_warm"] = w1["ingest_tokens_per_s_warm"]
+    if "batch_chain_ms_per_step" in w1:
+        result["ours"]["batch_chain_ms_per_step"] = w1["batch_chain_ms_per_step"]
+    if w2:
+        result["ours"]["w2_accepted_per_position_k16"] = w2["accepted_per_position_k16"]
+        result["ours"]["w2_tokens_per_verify_step_d16"] = w2["tokens_per_verify_step_d16"]
+    result["machine"] = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "threads": 1,
+    }
+    result["draft_config"] = HistoryIndex(**kw).draft_config()
+    return result
+
+
+TARGETS = {
+    "ingest_tokens_per_s": (">=", 4.4e6),
+    "bytes_per_token": ("<=", 150.0),
+    "batch_draft_ms_per_step": ("<=", 0.5),
+    "accepted_per_position_k16": (">=", 10.5),
+    "tokens_per_verify_step_d16": (">=", 6.6),
+    "w2_accepted_per_position_k16": (">=", 5.0),
+}

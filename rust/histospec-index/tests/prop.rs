@@ -1,0 +1,184 @@
+//! Property tests: the index agrees with the brute-force oracle in `naive.rs` on small inputs.
+
+mod naive;
+
+use histospec_index::draft::{write_tree, Drafter};
+use histospec_index::sam::Sam;
+use histospec_index::{DraftConfig, HistoryIndex, IndexConfig};
+use proptest::prelude::*;
+
+fn strings_strategy() -> impl Strategy<Value = Vec<Vec<u32>>> {
+    // Small alphabets make repeats (and hence clones and long matches) frequent.
+    prop::collection::vec(prop::collection::vec(0u32..4, 1..24), 1..6)
+}
+
+fn to_i32(v: &[u32]) -> Vec<i32> {
+    v.iter().map(|&t| t as i32).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Occurrence counts are exact, whether strings are appended one by one, interleaved, or in
+    /// bulk with a deferred recount.
+    #[test]
+    fn counts_match_oracle(strings in strings_strategy(), pats in prop::collection::vec(prop::collection::vec(0u32..4, 1..5), 1..12), bulk in any::<bool>()) {
+        let mut sam = Sam::new();
+        let mut lasts = vec![0u32; strings.len()];
+        let longest = strings.iter().map(|s| s.len()).max().unwrap();
+        for i in 0..longest {
+            for (k, s) in strings.iter().enumerate() {
+                if i < s.len() {
+                    lasts[k] = if bulk { sam.extend_deferred(lasts[k], s[i], 1.0) } else { sam.extend(lasts[k], s[i], 1.0) };
+                }
+            }
+        }
+        if bulk { sam.recount(); }
+        for p in &pats {
+            let n = naive::occurrences(&strings, p);
+            match sam.walk(p) {
+                Some(st) => prop_assert_eq!(sam.states[st as usize].cnt as usize, n, "pattern {:?}", p),
+                None => prop_assert_eq!(n, 0, "pattern {:?} missing", p),
+            }
+        }
+        for (k, s) in strings.iter().enumerate() {
+            prop_assert_eq!(sam.states[lasts[k] as usize].len as usize, s.len());
+        }
+    }
+
+    /// The anchor is the longest suffix of the context that occurs with a continuation (in the
+    /// history or earlier in the context itself), and every draft edge occurs in the strings.
+    #[test]
+    fn drafts_follow_history(history in strings_strategy(), prompt in prop::collection::vec(0u32..4, 1..6),
+                             gen in prop::collection::vec(0u32..4, 0..16), d in 1usize..20, min_match in 1u32..3) {
+        let cfg = IndexConfig { draft: DraftConfig { min_match, ..Default::default() }, ..Default::default() };
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        for h in &history {
+            ix.add_response(7, &to_i32(&prompt), &to_i32(h), 0).unwrap();
+        }
+        ix.begin_request(1, 7, &to_i32(&prompt), None).unwrap();
+        ix.extend_request(1, &to_i32(&gen)).unwrap();
+        let ctx: Vec<u32> = prompt.iter().chain(&gen).copied().collect();
+        let mut all: Vec<Vec<u32>> = history.iter().map(|h| prompt.iter().chain(h).copied().collect()).collect();
+        all.push(ctx.clone());
+        let nodes = ix.draft_nodes(1, d, false, &mut Drafter::default()).unwrap();
+        prop_assert_eq!(nodes[0].tok, *ctx.last().unwrap());
+        prop_assert!(nodes.len() <= d);
+        let m = naive::longest_match(&all, &ctx, min_match as usize);
+        if m.is_none() { prop_assert_eq!(nodes.len(), 1); }
+        for (i, n) in nodes.iter().enumerate().skip(1) {
+            prop_assert!((n.parent as usize) < i, "parent after child");
+            let ptok = nodes[n.parent as usize].tok;
+            prop_assert!(naive::has_bigram(&all, ptok, n.tok), "edge {}->{} not in history", ptok, n.tok);
+            if n.parent == 0 {
+                let l = m.unwrap();
+                let mut pat = ctx[ctx.len() - l..].to_vec();
+                pat.push(n.tok);
+                prop_assert!(naive::contains(&all, &pat), "first token {} does not follow the anchor", n.tok);
+            }
+            prop_assert!(n.prob > 0.0 && n.prob <= nodes[n.parent as usize].prob + 1e-6);
+        }
+        // No two siblings share a token, also after padding, and the mask is ancestor-or-self.
+        let mut toks = vec![0i64; d];
+        let mut mask = vec![0u8; d * d];
+        write_tree(&nodes, d, &mut toks, &mut mask, None);
+        let mut parent = vec![usize::MAX; d];
+        for i in 1..d {
+            let row = &mask[i * d..(i + 1) * d];
+            prop_assert_eq!(row[i], 1);
+            prop_assert!(row[i + 1..].iter().all(|&x| x == 0));
+            parent[i] = (0..i).rev().find(|&j| row[j] == 1).unwrap();
+            let pr = &mask[parent[i] * d..parent[i] * d + d];
+            for j in 0..i { prop_assert_eq!(row[j], pr[j]); }
+        }
+        for i in 1..d {
+            for j in i + 1..d {
+                prop_assert!(!(parent[i] == parent[j] && toks[i] == toks[j]), "duplicate siblings {} {}", i, j);
+            }
+        }
+    }
+
+    /// The same calls give the same drafts, and a snapshot round trip keeps history and drafts.
+    #[test]
+    fn deterministic_and_snapshot_roundtrip(history in strings_strategy(), prompt in prop::collection::vec(0u32..4, 1..6), gen in prop::collection::vec(0u32..4, 0..8)) {
+        let build = || {
+            let mut ix = HistoryIndex::new(IndexConfig::default()).unwrap();
+            for (v, h) in history.iter().enumerate() {
+                ix.add_response(3, &to_i32(&prompt), &to_i32(h), v as u64).unwrap();
+            }
+            ix
+        };
+        let draft = |ix: &mut HistoryIndex| {
+            ix.begin_request(9, 3, &to_i32(&prompt), None).unwrap();
+            ix.extend_request(9, &to_i32(&gen)).unwrap();
+            let n = ix.draft_nodes(9, 12, false, &mut Drafter::default()).unwrap();
+            ix.finish_request(9, false).unwrap();
+            n
+        };
+        let mut a = build();
+        let mut b = build();
+        prop_assert_eq!(a.to_bytes(), b.to_bytes());
+        let da = draft(&mut a);
+        prop_assert_eq!(&da, &draft(&mut b));
+        let mut c = HistoryIndex::from_bytes(&a.to_bytes(), IndexConfig::default()).unwrap();
+        prop_assert_eq!(c.stats().tokens, a.stats().tokens);
+        prop_assert_eq!(&draft(&mut c), &da);
+    }
+
+    /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.
+    #[test]
+    fn retention_limits_hold(history in prop::collection::vec(prop::collection::vec(0u32..6, 1..12), 1..10), n in 1usize..4) {
+        let cfg = IndexConfig { max_responses: n, ..Default::default() };
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        let prompt = vec![9i32];
+        for (i, h) in history.iter().enumerate() {
+            ix.begin_request(i as u64, 5, &prompt, None).unwrap();
+            ix.extend_request(i as u64, &to_i32(h)).unwrap();
+            ix.finish_request(i as u64, true).unwrap();
+        }
+        let kept = ix.responses(5);
+        let expect: Vec<&Vec<u32>> = history.iter().rev().take(n).rev().collect();
+        prop_assert_eq!(kept.len(), expect.len());
+        for (k, e) in kept.iter().zip(&expect) { prop_assert_eq!(&k.1.tokens, *e); }
+        prop_assert_eq!(ix.stats().tokens, expect.iter().map(|e| e.len()).sum::<usize>());
+    }
+}
+
+#[test]
+fn memory_budget_evicts_least_recently_used_idle_groups() {
+    let cfg = IndexConfig { max_bytes: 2_000_000, ..Default::default() };
+    let mut ix = HistoryIndex::new(cfg).unwrap();
+    let resp: Vec<i32> = (0..2000).map(|i| (i * 7919 % 1000) as i32).collect();
+    for g in 0..40u64 {
+        ix.add_response(g, &[1, 2, 3], &resp, 0).unwrap();
+    }
+    let st = ix.stats();
+    assert!(st.bytes <= 2_000_000, "{st:?}");
+    assert!(st.evictions > 0);
+    // The most recent group survives, the first one is gone.
+    assert!(ix.group_keys().contains(&39));
+    assert!(!ix.group_keys().contains(&0));
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_panic() {
+    let cfg = IndexConfig { vocab_size: Some(100), ..Default::default() };
+    let mut ix = HistoryIndex::new(cfg).unwrap();
+    assert!(ix.begin_request(1, 1, &[], None).is_err());
+    assert!(ix.begin_request(1, 1, &[5, 100], None).is_err());
+    assert!(ix.begin_request(1, 1, &[-1], None).is_err());
+    ix.begin_request(1, 1, &[5], None).unwrap();
+    assert!(ix.begin_request(1, 1, &[5], None).is_err());
+    assert!(ix.extend_request(2, &[1]).is_err());
+    let mut toks = vec![0i64; 3];
+    let mut mask = vec![0i64; 9];
+    assert!(ix.draft_tree_batch(&[1], 0, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
+    assert!(ix.draft_tree_batch(&[1], 4, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
+    assert!(ix.draft_tree_batch(&[2], 3, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
+    assert!(HistoryIndex::from_bytes(b"garbage", IndexConfig::default()).is_err());
+    let mut snap = ix.to_bytes();
+    let n = snap.len();
+    snap[n - 9] ^= 1;
+    assert!(HistoryIndex::from_bytes(&snap, IndexConfig::default()).is_err());
+    assert!(HistoryIndex::new(IndexConfig { version_decay: 0.0, ..Default::default() }).is_err());
+}

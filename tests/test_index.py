@@ -1,0 +1,306 @@
+"""The Python surface of HistoryIndex: literal drafts, buffer shapes, errors, snapshots, threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import xxhash
+
+import histospec_sgl as hs
+from histospec_sgl import HistoryIndex
+
+
+def make_index(**kw) -> HistoryIndex:
+    ix = HistoryIndex(**kw)
+    ix.add_response(None, [1, 2, 3], [4, 5, 6, 7, 8], 0)
+    ix.add_response(None, [1, 2, 3], [4, 5, 9, 7, 8], 0)
+    ix.add_response(None, [1, 2, 3], [4, 5, 6, 7, 10], 0)
+    return ix
+
+
+def test_prompt_key_is_xxh3_of_int32_le_bytes():
+    # The reference is the independent xxhash package; the key must not depend on the container.
+    a = hs.prompt_key([1, 2, 3])
+    assert a == hs.prompt_key(np.array([1, 2, 3], dtype=np.int32))
+    assert a == hs.prompt_key(np.array([1, 2, 3], dtype=np.int64))
+    assert a != hs.prompt_key([1, 2, 4])
+    assert a == xxhash.xxh3_64_intdigest(np.array([1, 2, 3], dtype="<i4").tobytes())
+
+
+def test_draft_follows_most_frequent_continuation():
+    ix = make_index()
+    g = ix.begin_request(1, None, [1, 2, 3])
+    assert g == hs.prompt_key([1, 2, 3])
+    ix.extend_request(1, [4, 5])
+    d = hs.draft(ix, 1, num_nodes=4, chain=True)
+    # After "4 5": 6 (twice) beats 9 (once); then 7 always follows 6.
+    assert d.tokens.tolist() == [5, 6, 7, 8]
+    assert d.parents.tolist() == [-1, 0, 1, 2]
+    assert d.probs[0] == 1.0 and np.all(np.diff(d.probs) <= 0)
+
+
+def test_tree_offers_alternatives_without_duplicate_siblings():
+    ix = make_index()
+    ix.begin_request(1, None, [1, 2, 3])
+    ix.extend_request(1, [4, 5])
+    d = hs.draft(ix, 1, num_nodes=8)
+    assert [6, 7, 8] in d.paths() or [6, 7, 8] in [p[:3] for p in d.paths()]
+    first = [int(t) for t, p in zip(d.tokens, d.parents) if p == 0]
+    assert sorted(first) == [6, 9]
+    for parent in set(d.parents.tolist()):
+        kids = d.tokens[d.parents == parent]
+        assert len(kids) == len(set(kids.tolist()))
+
+
+@pytest.mark.parametrize("mask_dtype", [np.int64, np.int32, np.uint8, np.bool_])
+def test_draft_batch_fills_sglang_layout(mask_dtype):
+    ix = make_index()
+    for rid in (10, 11):
+        ix.begin_request(rid, None, [1, 2, 3])
+    ix.extend_request(10, [4, 5])
+    d = 6
+    tokens = np.full(2 * d, -7, np.int64)
+    mask = np.zeros(2 * d * d, mask_dtype)
+    probs = np.zeros(2 * d, np.float32)
+    nonempty, nodes = ix.draft_batch(np.array([10, 11]), d, tokens, mask, probs)
+    assert nonempty == 2 and nodes > 0
+    t = tokens.reshape(2, d)
+    m = mask.reshape(2, d, d).astype(bool)
+    assert t[0, 0] == 5 and t[1, 0] == 3  # roots are the last context tokens
+    for b in range(2):
+        assert m[b, 0].tolist() == [True] + [False] * (d - 1)
+        for i in range(1, d):
+            assert m[b, i, i] and not m[b, i, i + 1 :].any()
+            parent = max(j for j in range(i) if m[b, i, j])
+            assert (m[b, i, :i] == m[b, parent, :i]).all()
+        parents = [max(j for j in range(i) if m[b, i, j]) for i in range(1, d)]
+        sib = {}
+        for i, p in enumerate(parents, start=1):
+            assert t[b, i] not in sib.setdefault(p, set()), "duplicate sibling"
+            sib[p].add(t[b, i])
+    # The same request drafted alone gives the same tree as in the batch.
+    single = hs.draft(ix, 10, num_nodes=d)
+    assert t[0, : len(single)].tolist() == single.tokens.tolist()
+    assert np.allclose(probs[: len(single)], single.probs)
+
+
+def test_draft_chain_batch():
+    ix = make_index()
+    ix.begin_request(1, None, [1, 2, 3])
+    ix.extend_request(1, [4])
+    tokens = np.zeros(4, np.int64)
+    lens = np.zeros(1, np.int64)
+    assert ix.draft_chain_batch([1], 4, tokens, lens) == (1, 4)
+    assert tokens.tolist() == [5, 6, 7, 8] and lens.tolist() == [4]
+
+
+def test_buffer_errors_are_clear():
+    ix = make_index()
+    ix.begin_request(1, None, [1, 2, 3])
+    with pytest.raises(ValueError, match="tokens"):
+        ix.draft_batch([1], 4, np.zeros(3, np.int64), np.zeros(16, np.int64))
+    with pytest.raises(ValueError, match="mask"):
+        ix.draft_batch([1], 4, np.zeros(4, np.int64), np.zeros(15, np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        ix.draft_batch([1], 4, np.zeros(4, np.int32), np.zeros(16, np.int64))
+    with pytest.raises(TypeError, match="mask"):
+        ix.draft_batch([1], 4, np.zeros(4, np.int64), np.zeros(16, np.float64))
+    with pytest.raises(ValueError, match="at least 1"):
+        ix.draft_batch([1], 0, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    with pytest.raises(ValueError, match="contiguous"):
+        ix.draft_batch([1], 4, np.zeros(8, np.int64)[::2], np.zeros(16, np.int64))
+    ro = np.zeros(4, np.int64)
+    ro.flags.writeable = False
+    with pytest.raises(TypeError, match="writable"):
+        ix.draft_batch([1], 4, ro, np.zeros(16, np.int64))
+    tokens = np.full(4, 42, np.int64)
+    with pytest.raises(hs.UnknownRequestError):
+        ix.draft_batch([1, 99], 2, tokens, np.zeros(8, np.int64))
+    assert tokens.tolist() == [42] * 4, "nothing is written when a request id is unknown"
+
+
+def test_bad_tokens_and_ids():
+    ix = HistoryIndex(vocab_size=100)
+    with pytest.raises(hs.InvalidTokenError, match="out of range"):
+        ix.begin_request(1, None, [1, 100])
+    with pytest.raises(ValueError):
+        ix.begin_request(1, None, [-3])
+    with pytest.raises(hs.InvalidTokenError):
+        ix.begin_request(1, None, [2**40])
+    with pytest.raises(ValueError, match="at least one token"):
+        ix.begin_request(1, None, [])
+    with pytest.raises(ValueError, match=">= 0"):
+        ix.begin_request(-1, None, [1])
+    with pytest.raises(TypeError):
+        ix.begin_request(1, None, ["a"])
+    ix.begin_request(1, None, [1])
+    with pytest.raises(hs.DuplicateRequestError):
+        ix.begin_request(1, None, [1])
+    with pytest.raises(KeyError):
+        ix.extend_request(2, [1])
+    with pytest.raises(hs.UnknownRequestError):
+        ix.finish_request(2)
+    with pytest.raises(ValueError, match="version_decay"):
+        HistoryIndex(version_decay=1.5)
+    with pytest.raises(ValueError, match="min_match"):
+        HistoryIndex(min_match=0)
+    assert isinstance(hs.UnknownRequestError("x"), hs.HistospecError)
+
+
+def test_extend_batch_validates_before_applying():
+    ix = make_index()
+    ix.begin_request(1, None, [1, 2, 3])
+    ix.begin_request(2, None, [1, 2, 3])
+    with pytest.raises(hs.UnknownRequestError):
+        ix.extend_batch([1, 7], [4, 5, 6], [2, 1])
+    with pytest.raises(ValueError):
+        ix.extend_batch([1, 2], [4, 5, 6], [2, 2])
+    assert ix.stats()["tokens"] == 15  # untouched
+    ix.extend_batch(np.array([1, 2]), np.array([4, 5, 4], np.int32), np.array([2, 1]))
+    assert ix.stats()["tokens"] == 18
+
+
+def test_siblings_in_flight_draft_from_each_other():
+    ix = HistoryIndex()
+    ix.begin_request(1, 77, [1, 2])
+    ix.begin_request(2, 77, [1, 2])
+    ix.extend_request(1, [30, 31, 32, 33])
+    ix.extend_request(2, [30])
+    assert hs.draft(ix, 2, 4, chain=True).tokens.tolist() == [30, 31, 32, 33]
+
+
+def test_self_repetition_counts():
+    ix = HistoryIndex()
+    ix.begin_request(1, None, [1])
+    ix.extend_request(1, [50, 51, 52, 53, 50, 51])
+    assert hs.draft(ix, 1, 3, chain=True).tokens.tolist() == [51, 52, 53]
+
+
+def test_finish_keep_and_drop():
+    ix = HistoryIndex()
+    ix.begin_request(1, 5, [1])
+    ix.extend_request(1, [2, 3])
+    ix.finish_request(1, keep=True)
+    ix.begin_request(2, 5, [1])
+    ix.extend_request(2, [7, 8])
+    ix.finish_request(2, keep=False)
+    assert [r[1] for r in ix.responses(5)] == [[2, 3]]
+    ix.begin_request(3, 5, [1])
+    assert hs.draft(ix, 3, 3, chain=True).tokens.tolist() == [1, 2, 3]
+
+
+def test_retention_and_versions():
+    ix = HistoryIndex(max_versions=2)
+    for v in range(4):
+        ix.add_response(9, [1], [v + 10, v + 20], v)
+    assert [r[2] for r in ix.responses(9)] == [2, 3]
+    ix = HistoryIndex(max_responses=1)
+    ix.add_response(9, [1], [10], 0)
+    ix.add_response(9, [1], [11], 1)
+    assert [r[1] for r in ix.responses(9)] == [[11]]
+
+
+def test_version_decay_prefers_newer_epochs():
+    ix = HistoryIndex(version_decay=0.25)
+    for _ in range(2):
+        ix.add_response(1, [5], [6, 7], 0)  # old policy: 6 -> 7, twice
+    ix.add_response(1, [5], [6, 8], 1)  # new policy: 6 -> 8, once
+    ix.begin_request(1, 1, [5], version=1)
+    ix.extend_request(1, [6])
+    assert hs.draft(ix, 1, 2, chain=True).tokens.tolist() == [6, 8]
+    flat = HistoryIndex()
+    for _ in range(2):
+        flat.add_response(1, [5], [6, 7], 0)
+    flat.add_response(1, [5], [6, 8], 1)
+    flat.begin_request(1, 1, [5])
+    flat.extend_request(1, [6])
+    assert hs.draft(flat, 1, 2, chain=True).tokens.tolist() == [6, 7]
+
+
+def test_snapshot_roundtrip_bytes_and_file(tmp_path):
+    ix = make_index(max_responses=8)
+    ix.version = 3
+    data = ix.to_bytes()
+    other = HistoryIndex()
+    other.load_bytes(data)
+    assert other.stats()["tokens"] == ix.stats()["tokens"] and other.version == 3
+    assert other.responses(hs.prompt_key([1, 2, 3])) == ix.responses(hs.prompt_key([1, 2, 3]))
+    path = tmp_path / "h.snap"
+    ix.save(path)
+    third = HistoryIndex()
+    third.load(str(path))
+    assert third.to_bytes() == data
+    corrupt = bytearray(data)
+    corrupt[30] ^= 0xFF
+    with pytest.raises(hs.SnapshotError, match="checksum"):
+        third.load_bytes(bytes(corrupt))
+    with pytest.raises(hs.SnapshotError, match="magic"):
+        third.load_bytes(b"PK\x03\x04 not a snapshot at all")
+    with pytest.raises(hs.SnapshotError, match="truncated|expected"):
+        third.load_bytes(data[:-3])
+    foreign = bytearray(data)
+    foreign[8] = 99
+    with pytest.raises(hs.SnapshotError, match="format version 99"):
+        third.load_bytes(bytes(foreign))
+    with pytest.raises(hs.SnapshotError, match="I/O"):
+        third.load(tmp_path / "missing.snap")
+    assert third.to_bytes() == data, "a failed load leaves the index unchanged"
+
+
+def test_stats_and_repr():
+    ix = make_index()
+    s = ix.stats()
+    assert s["groups"] == 1 and s["responses"] == 3 and s["tokens"] == 15 and s["prompt_tokens"] == 3
+    assert s["states"] > 1 and s["edges"] > 0 and s["bytes"] > 0
+    assert "groups=1" in repr(ix)
+    assert ix.config()["max_children"] == 8
+
+
+def test_concurrent_drafts_and_updates_from_threads():
+    ix = make_index()
+    rids = list(range(100, 132))
+    for r in rids:
+        ix.begin_request(r, None, [1, 2, 3])
+        ix.extend_request(r, [4])
+    expected = hs.draft(ix, 100, 8).tokens.tolist()
+    errors: list[BaseException] = []
+
+    def drafter():
+        try:
+            tok = np.zeros(len(rids) * 8, np.int64)
+            mask = np.zeros(len(rids) * 64, np.uint8)
+            for _ in range(300):
+                ix.draft_batch(rids, 8, tok, mask)
+                assert tok[: len(expected)].tolist() == expected
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def writer():
+        try:
+            for i in range(300):
+                ix.add_response(999, [7, 7], [i % 50, 1, 2], 0)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=drafter) for _ in range(3)] + [threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert ix.stats()["groups"] == 2
+
+
+def test_replay_counts_tokens_per_step():
+    ix = HistoryIndex()
+    truth = [10, 11, 12, 13, 14, 15, 16, 17]
+    ix.add_response(1, [1], truth, 0)
+    ix.begin_request(5, 1, [1])
+    r = ix.replay(5, truth, num_nodes=4)
+    # Prefill emits 10; each verify step accepts 3 drafted tokens and emits 1 more.
+    assert r["accepted"].tolist() == [3, 3]
+    # The second step's draft covers the rest of the response, so no bonus token follows.
+    assert r["emitted"].tolist() == [4, 3]
+    assert int(r["emitted"].sum()) == len(truth) - 1
