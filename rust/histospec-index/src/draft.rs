@@ -67,13 +67,19 @@ impl DraftConfig {
             return Err(format!("min_prob must be in [0, 1], got {}", self.min_prob));
         }
         if !(self.escape >= 0.0 && self.escape.is_finite()) {
-            return Err(format!("escape must be a finite number >= 0, got {}", self.escape));
+            return Err(format!(
+                "escape must be a finite number >= 0, got {}",
+                self.escape
+            ));
         }
         if !(0.0..=1.0).contains(&self.recency) {
             return Err(format!("recency must be in [0, 1], got {}", self.recency));
         }
         if !(0.0..1.0).contains(&self.recency_decay) {
-            return Err(format!("recency_decay must be in [0, 1), got {}", self.recency_decay));
+            return Err(format!(
+                "recency_decay must be in [0, 1), got {}",
+                self.recency_decay
+            ));
         }
         if self.max_children == 0 {
             return Err("max_children must be at least 1".into());
@@ -114,7 +120,9 @@ impl PartialOrd for Cand {
 impl Ord for Cand {
     fn cmp(&self, o: &Self) -> Ordering {
         // Highest score first; among equals, the earliest pushed (deterministic).
-        self.score.total_cmp(&o.score).then_with(|| o.seq.cmp(&self.seq))
+        self.score
+            .total_cmp(&o.score)
+            .then_with(|| o.seq.cmp(&self.seq))
     }
 }
 
@@ -145,6 +153,7 @@ impl Drafter {
     /// (`None` = nothing to draft), and returns the nodes in BFS order, unpadded.
     ///
     /// `w_new` is the weight of one occurrence of the newest version (scales `escape`).
+    #[allow(clippy::too_many_arguments)]
     pub fn grow(
         &mut self,
         sam: &Sam,
@@ -158,7 +167,11 @@ impl Drafter {
         self.heap.clear();
         self.nodes.clear();
         self.depth.clear();
-        self.nodes.push(Node { tok: root_tok, parent: NONE, prob: 1.0 });
+        self.nodes.push(Node {
+            tok: root_tok,
+            parent: NONE,
+            prob: 1.0,
+        });
         self.depth.push(0);
         let per_node = if chain { 1 } else { cfg.max_children as usize };
         let mut seq = 0u32;
@@ -171,7 +184,11 @@ impl Drafter {
                 break;
             }
             let id = self.nodes.len() as u32;
-            self.nodes.push(Node { tok: c.tok, parent: c.parent, prob: c.score });
+            self.nodes.push(Node {
+                tok: c.tok,
+                parent: c.parent,
+                prob: c.score,
+            });
             self.depth.push(self.depth[c.parent as usize] + 1);
             let st = if sam.states[c.state as usize].head != NONE {
                 Some(c.state)
@@ -182,7 +199,7 @@ impl Drafter {
                 self.offer(sam, s, id, c.score, per_node, w_new, cfg, &mut seq);
             }
         }
-        self.to_bfs();
+        self.reorder_bfs();
         &self.out
     }
 
@@ -203,7 +220,13 @@ impl Drafter {
         for (tok, to) in sam.children(s) {
             let st = &sam.states[to as usize];
             total += st.cnt;
-            self.kids.push(Kid { tok, to, cnt: st.cnt, recent: st.recent, p: 0.0 });
+            self.kids.push(Kid {
+                tok,
+                to,
+                cnt: st.cnt,
+                recent: st.recent,
+                p: 0.0,
+            });
         }
         if self.kids.is_empty() || total <= 0.0 {
             return;
@@ -217,7 +240,10 @@ impl Drafter {
         if a > 0.0 {
             // Rank by recency (ties: larger count, then smaller token) and add the recency share.
             self.kids.sort_unstable_by(|x, y| {
-                y.recent.cmp(&x.recent).then(y.cnt.total_cmp(&x.cnt)).then(x.tok.cmp(&y.tok))
+                y.recent
+                    .cmp(&x.recent)
+                    .then(y.cnt.total_cmp(&x.cnt))
+                    .then(x.tok.cmp(&y.tok))
             });
             let b = cfg.recency_decay;
             let mut r = a * conf * (1.0 - b);
@@ -241,12 +267,18 @@ impl Drafter {
             if score < cfg.min_prob {
                 break;
             }
-            self.heap.push(Cand { score, seq: *seq, parent, tok: k.tok, state: k.to });
+            self.heap.push(Cand {
+                score,
+                seq: *seq,
+                parent,
+                tok: k.tok,
+                state: k.to,
+            });
             *seq += 1;
         }
     }
 
-    fn to_bfs(&mut self) {
+    fn reorder_bfs(&mut self) {
         let n = self.nodes.len();
         self.order.clear();
         self.order.extend(0..n as u32);
@@ -358,7 +390,9 @@ mod tests {
         let (sam, _) = sam_of(&[&[1, 2, 3, 4], &[1, 2, 3, 5], &[1, 2, 3, 4]]);
         let anchor = sam.walk(&[2, 3]);
         let mut d = Drafter::default();
-        let nodes = d.grow(&sam, 3, anchor, 4, true, 1.0, &DraftConfig::default()).to_vec();
+        let nodes = d
+            .grow(&sam, 3, anchor, 4, true, 1.0, &DraftConfig::default())
+            .to_vec();
         assert_eq!(nodes.iter().map(|n| n.tok).collect::<Vec<_>>(), vec![3, 4]);
         assert!((nodes[1].prob - 2.0 / 4.0).abs() < 1e-6);
     }
@@ -368,7 +402,9 @@ mod tests {
         let (sam, _) = sam_of(&[&[1, 2, 3, 4], &[1, 2, 5, 6], &[1, 2, 7, 8]]);
         let anchor = sam.walk(&[1, 2]);
         let mut d = Drafter::default();
-        let nodes = d.grow(&sam, 2, anchor, 8, false, 1.0, &DraftConfig::default()).to_vec();
+        let nodes = d
+            .grow(&sam, 2, anchor, 8, false, 1.0, &DraftConfig::default())
+            .to_vec();
         assert_eq!(nodes.len(), 7);
         for (i, n) in nodes.iter().enumerate().skip(1) {
             assert!(n.parent < i as u32);

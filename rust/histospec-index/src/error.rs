@@ -19,7 +19,11 @@ pub enum CoreError {
     InvalidArgument(String),
     /// A caller-provided buffer of the wrong length.
     #[error("buffer `{name}` has {got} elements, expected {expected}")]
-    BufferShape { name: &'static str, got: usize, expected: usize },
+    BufferShape {
+        name: &'static str,
+        got: usize,
+        expected: usize,
+    },
     /// A snapshot that is truncated, fails its checksum, or is not a snapshot at all.
     #[error("corrupt snapshot: {0}")]
     CorruptSnapshot(String),

@@ -59,7 +59,9 @@ impl HistoryIndex {
         drafter: &mut Drafter,
     ) -> Result<ReplayTrace> {
         if budget < 2 {
-            return Err(CoreError::InvalidArgument("replay needs a draft budget of at least 2 nodes".into()));
+            return Err(CoreError::InvalidArgument(
+                "replay needs a draft budget of at least 2 nodes".into(),
+            ));
         }
         let truth = self.check_tokens(truth)?;
         let truth_i32: Vec<i32> = truth.iter().map(|&t| t as i32).collect();
@@ -79,7 +81,11 @@ impl HistoryIndex {
             let acc = accept_greedy(&nodes, &truth[pos..]);
             tr.accepted.push(acc as u32);
             tr.drafted.push(nodes.len() as u32 - 1);
-            let adv = if every_position { 1 } else { (acc + 1).min(truth.len() - pos) };
+            let adv = if every_position {
+                1
+            } else {
+                (acc + 1).min(truth.len() - pos)
+            };
             tr.emitted.push((acc + 1).min(truth.len() - pos) as u32);
             let t2 = Instant::now();
             self.extend_request(rid, &truth_i32[pos..pos + adv])?;

@@ -86,7 +86,15 @@ impl Sam {
     /// An automaton holding only the root.
     pub fn new() -> Self {
         Sam {
-            states: vec![State { len: 0, link: NONE, head: NONE, cnt: 0.0, recent: 0, own: 0.0, own_recent: 0 }],
+            states: vec![State {
+                len: 0,
+                link: NONE,
+                head: NONE,
+                cnt: 0.0,
+                recent: 0,
+                own: 0.0,
+                own_recent: 0,
+            }],
             edges: Vec::new(),
             slots: vec![0; 16],
             clock: 0,
@@ -154,7 +162,12 @@ impl Sam {
         }
         let id = self.edges.len() as u32;
         let head = self.states[from as usize].head;
-        self.edges.push(Edge { from, tok, to, next: head });
+        self.edges.push(Edge {
+            from,
+            tok,
+            to,
+            next: head,
+        });
         self.states[from as usize].head = id;
         Self::insert_slot(&mut self.slots, from, tok, id);
     }
@@ -162,7 +175,15 @@ impl Sam {
     fn clone_state(&mut self, q: u32, len: u32) -> u32 {
         let src = self.states[q as usize];
         let id = self.states.len() as u32;
-        self.states.push(State { len, link: src.link, head: NONE, cnt: src.cnt, recent: src.recent, own: 0.0, own_recent: 0 });
+        self.states.push(State {
+            len,
+            link: src.link,
+            head: NONE,
+            cnt: src.cnt,
+            recent: src.recent,
+            own: 0.0,
+            own_recent: 0,
+        });
         let mut e = src.head;
         while e != NONE {
             let edge = self.edges[e as usize];
@@ -256,7 +277,15 @@ impl Sam {
             return clone;
         }
         let cur = self.states.len() as u32;
-        self.states.push(State { len: last_len + 1, link: 0, head: NONE, cnt: 0.0, recent: 0, own: 0.0, own_recent: 0 });
+        self.states.push(State {
+            len: last_len + 1,
+            link: 0,
+            head: NONE,
+            cnt: 0.0,
+            recent: 0,
+            own: 0.0,
+            own_recent: 0,
+        });
         let mut p = last;
         let mut target = NONE;
         while p != NONE {
@@ -292,7 +321,10 @@ impl Sam {
 
     /// Iterates the outgoing edges `(token, target)` of `s` (most recently created first).
     pub fn children(&self, s: u32) -> ChildIter<'_> {
-        ChildIter { sam: self, e: self.states[s as usize].head }
+        ChildIter {
+            sam: self,
+            e: self.states[s as usize].head,
+        }
     }
 
     /// The first state on the suffix-link path of `s` (itself included) that has a continuation and

@@ -43,22 +43,35 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8]> {
         if self.b.len() - self.at < n {
-            return Err(CoreError::CorruptSnapshot(format!("truncated at byte {}", self.at)));
+            return Err(CoreError::CorruptSnapshot(format!(
+                "truncated at byte {}",
+                self.at
+            )));
         }
         let s = &self.b[self.at..self.at + n];
         self.at += n;
         Ok(s)
     }
     fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     fn toks(&mut self) -> Result<Vec<u32>> {
         let n = self.u32()? as usize;
-        let raw = self.take(n.checked_mul(4).ok_or_else(|| CoreError::CorruptSnapshot("length overflow".into()))?)?;
-        Ok(raw.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+        let raw = self.take(
+            n.checked_mul(4)
+                .ok_or_else(|| CoreError::CorruptSnapshot("length overflow".into()))?,
+        )?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect())
     }
 }
 
@@ -67,7 +80,8 @@ impl HistoryIndex {
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut w = Writer(Vec::new());
         w.u64(self.version());
-        let mut order: Vec<(u64, u64)> = self.groups.iter().map(|(&k, g)| (g.last_used, k)).collect();
+        let mut order: Vec<(u64, u64)> =
+            self.groups.iter().map(|(&k, g)| (g.last_used, k)).collect();
         order.sort_unstable();
         w.u64(order.len() as u64);
         for (_, key) in order {
@@ -98,11 +112,16 @@ impl HistoryIndex {
     /// Retention and the vocabulary of `cfg` apply to the loaded history.
     pub fn from_bytes(bytes: &[u8], cfg: IndexConfig) -> Result<Self> {
         if bytes.len() < 20 || &bytes[..8] != MAGIC {
-            return Err(CoreError::CorruptSnapshot("not a histospec snapshot (bad magic bytes)".into()));
+            return Err(CoreError::CorruptSnapshot(
+                "not a histospec snapshot (bad magic bytes)".into(),
+            ));
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
         if version != FORMAT_VERSION {
-            return Err(CoreError::SnapshotVersion { found: version, supported: FORMAT_VERSION });
+            return Err(CoreError::SnapshotVersion {
+                found: version,
+                supported: FORMAT_VERSION,
+            });
         }
         let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes")) as usize;
         if bytes.len() - 20 < 8 || bytes.len() - 20 - 8 != len {
@@ -134,26 +153,34 @@ impl HistoryIndex {
                 let pi = r.u32()? as usize;
                 let v = r.u64()?;
                 let toks = r.toks()?;
-                let prompt = prompts
-                    .get(pi)
-                    .ok_or_else(|| CoreError::CorruptSnapshot(format!("response names prompt {pi} of {np}")))?;
+                let prompt = prompts.get(pi).ok_or_else(|| {
+                    CoreError::CorruptSnapshot(format!("response names prompt {pi} of {np}"))
+                })?;
                 if let Some(vs) = limit {
                     if let Some(&bad) = prompt.iter().chain(&toks).find(|&&t| t >= vs) {
-                        return Err(CoreError::InvalidToken { token: bad as i64, limit: vs as u64 });
+                        return Err(CoreError::InvalidToken {
+                            token: bad as i64,
+                            limit: vs as u64,
+                        });
                     }
                 }
                 idx.add_response_checked(key, prompt, toks, v);
             }
         }
         if r.at != payload.len() {
-            return Err(CoreError::CorruptSnapshot("trailing bytes after the last group".into()));
+            return Err(CoreError::CorruptSnapshot(
+                "trailing bytes after the last group".into(),
+            ));
         }
         Ok(idx)
     }
 
     /// Writes a snapshot to `path` crash-safely (temporary file, fsync, rename).
     pub fn save(&self, path: &Path) -> Result<()> {
-        let io = |e: std::io::Error| CoreError::Io { path: path.display().to_string(), message: e.to_string() };
+        let io = |e: std::io::Error| CoreError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
         let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
         let mut f = std::fs::File::create(&tmp).map_err(io)?;
         f.write_all(&self.to_bytes()).map_err(io)?;
@@ -165,8 +192,10 @@ impl HistoryIndex {
 
     /// Loads a snapshot file written by [`HistoryIndex::save`].
     pub fn load(path: &Path, cfg: IndexConfig) -> Result<Self> {
-        let bytes = std::fs::read(path)
-            .map_err(|e| CoreError::Io { path: path.display().to_string(), message: e.to_string() })?;
+        let bytes = std::fs::read(path).map_err(|e| CoreError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
         Self::from_bytes(&bytes, cfg)
     }
 }

@@ -60,7 +60,9 @@ impl IndexConfig {
     /// Checks every field's domain.
     pub fn validate(&self) -> Result<()> {
         if self.vocab_size == Some(0) {
-            return Err(CoreError::InvalidArgument("vocab_size must be at least 1".into()));
+            return Err(CoreError::InvalidArgument(
+                "vocab_size must be at least 1".into(),
+            ));
         }
         if !(self.version_decay > 0.0 && self.version_decay <= 1.0) {
             return Err(CoreError::InvalidArgument(format!(
@@ -128,7 +130,11 @@ impl Group {
 
     fn measure(&self) -> usize {
         let toks: usize = self.prompts.iter().map(|p| p.capacity()).sum::<usize>()
-            + self.responses.iter().map(|r| r.tokens.capacity()).sum::<usize>();
+            + self
+                .responses
+                .iter()
+                .map(|r| r.tokens.capacity())
+                .sum::<usize>();
         self.sam.bytes() + 4 * toks + std::mem::size_of::<Group>()
     }
 
@@ -153,7 +159,10 @@ impl Group {
     /// Inserts `prompt + tokens` (the prompt only the first time) and returns the last state.
     /// With `deferred` the counts go stale (`dirty`) until [`Group::ensure_clean`].
     fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32, deferred: bool) -> u32 {
-        debug_assert!(deferred || !self.dirty, "online insert into a group with stale counts");
+        debug_assert!(
+            deferred || !self.dirty,
+            "online insert into a group with stale counts"
+        );
         let step = |sam: &mut Sam, last: u32, t: u32| {
             if deferred {
                 sam.extend_deferred(last, t, w)
@@ -231,7 +240,10 @@ pub fn check_tokens(tokens: &[i32], vocab: Option<u32>) -> Result<Vec<u32>> {
         .iter()
         .map(|&t| {
             if t < 0 || t as u64 >= limit {
-                Err(CoreError::InvalidToken { token: t as i64, limit })
+                Err(CoreError::InvalidToken {
+                    token: t as i64,
+                    limit,
+                })
             } else {
                 Ok(t as u32)
             }
@@ -313,17 +325,27 @@ impl HistoryIndex {
     }
 
     fn group_mut(&mut self, key: u64, version: u64) -> &mut Group {
-        self.groups.entry(key).or_insert_with(|| Group::new(version))
+        self.groups
+            .entry(key)
+            .or_insert_with(|| Group::new(version))
     }
 
     /// Starts a request of `group` whose context begins with `prompt` (non-empty). Its tokens are
     /// visible to every other request of the group as they are appended.
-    pub fn begin_request(&mut self, rid: u64, group: u64, prompt: &[i32], version: Option<u64>) -> Result<()> {
+    pub fn begin_request(
+        &mut self,
+        rid: u64,
+        group: u64,
+        prompt: &[i32],
+        version: Option<u64>,
+    ) -> Result<()> {
         if self.requests.contains_key(&rid) {
             return Err(CoreError::DuplicateRequest(rid));
         }
         if prompt.is_empty() {
-            return Err(CoreError::InvalidArgument("prompt must contain at least one token".into()));
+            return Err(CoreError::InvalidArgument(
+                "prompt must contain at least one token".into(),
+            ));
         }
         let prompt = self.check_tokens(prompt)?;
         let version = version.unwrap_or(self.version);
@@ -337,7 +359,18 @@ impl HistoryIndex {
         g.active += 1;
         self.seq += 1;
         let seq = self.seq;
-        self.requests.insert(rid, Request { group, prompt: pi, last, tokens: Vec::new(), version, weight, seq });
+        self.requests.insert(
+            rid,
+            Request {
+                group,
+                prompt: pi,
+                last,
+                tokens: Vec::new(),
+                version,
+                weight,
+                seq,
+            },
+        );
         self.rebase_if_needed(group);
         self.touch(group);
         self.remeasure(group);
@@ -352,8 +385,14 @@ impl HistoryIndex {
     }
 
     fn extend_checked(&mut self, rid: u64, toks: &[u32]) -> Result<()> {
-        let req = self.requests.get_mut(&rid).ok_or(CoreError::UnknownRequest(rid))?;
-        let g = self.groups.get_mut(&req.group).expect("in-flight request without its group");
+        let req = self
+            .requests
+            .get_mut(&rid)
+            .ok_or(CoreError::UnknownRequest(rid))?;
+        let g = self
+            .groups
+            .get_mut(&req.group)
+            .expect("in-flight request without its group");
         for &t in toks {
             req.last = g.sam.extend(req.last, t, req.weight);
         }
@@ -368,17 +407,27 @@ impl HistoryIndex {
     /// for `rids[i]`. Everything is validated before anything is applied.
     pub fn extend_batch(&mut self, rids: &[u64], tokens: &[i32], lens: &[i64]) -> Result<()> {
         if lens.len() != rids.len() {
-            return Err(CoreError::BufferShape { name: "lens", got: lens.len(), expected: rids.len() });
+            return Err(CoreError::BufferShape {
+                name: "lens",
+                got: lens.len(),
+                expected: rids.len(),
+            });
         }
         let mut total = 0usize;
         for &l in lens {
             if l < 0 {
-                return Err(CoreError::InvalidArgument(format!("lens must be >= 0, got {l}")));
+                return Err(CoreError::InvalidArgument(format!(
+                    "lens must be >= 0, got {l}"
+                )));
             }
             total += l as usize;
         }
         if total != tokens.len() {
-            return Err(CoreError::BufferShape { name: "tokens", got: tokens.len(), expected: total });
+            return Err(CoreError::BufferShape {
+                name: "tokens",
+                got: tokens.len(),
+                expected: total,
+            });
         }
         for &r in rids {
             if !self.requests.contains_key(&r) {
@@ -398,13 +447,23 @@ impl HistoryIndex {
     /// Ends a request. With `keep` its response becomes history of its group (tagged with its
     /// version); otherwise it is removed from the group's automaton.
     pub fn finish_request(&mut self, rid: u64, keep: bool) -> Result<()> {
-        let req = self.requests.remove(&rid).ok_or(CoreError::UnknownRequest(rid))?;
+        let req = self
+            .requests
+            .remove(&rid)
+            .ok_or(CoreError::UnknownRequest(rid))?;
         let key = req.group;
-        let g = self.groups.get_mut(&key).expect("in-flight request without its group");
+        let g = self
+            .groups
+            .get_mut(&key)
+            .expect("in-flight request without its group");
         g.active -= 1;
         let mut rebuild = !keep;
         if keep {
-            g.responses.push_back(Response { prompt: req.prompt, version: req.version, tokens: req.tokens });
+            g.responses.push_back(Response {
+                prompt: req.prompt,
+                version: req.version,
+                tokens: req.tokens,
+            });
             rebuild |= apply_retention(g, &self.cfg);
         }
         if g.responses.is_empty() && g.active == 0 {
@@ -421,9 +480,17 @@ impl HistoryIndex {
     }
 
     /// Adds a finished response to a group's history directly (bulk loads, other engines).
-    pub fn add_response(&mut self, group: u64, prompt: &[i32], response: &[i32], version: u64) -> Result<()> {
+    pub fn add_response(
+        &mut self,
+        group: u64,
+        prompt: &[i32],
+        response: &[i32],
+        version: u64,
+    ) -> Result<()> {
         if prompt.is_empty() {
-            return Err(CoreError::InvalidArgument("prompt must contain at least one token".into()));
+            return Err(CoreError::InvalidArgument(
+                "prompt must contain at least one token".into(),
+            ));
         }
         let prompt = self.check_tokens(prompt)?;
         let response = self.check_tokens(response)?;
@@ -432,16 +499,29 @@ impl HistoryIndex {
         Ok(())
     }
 
-    pub(crate) fn add_response_checked(&mut self, group: u64, prompt: &[u32], response: Vec<u32>, version: u64) {
+    pub(crate) fn add_response_checked(
+        &mut self,
+        group: u64,
+        prompt: &[u32],
+        response: Vec<u32>,
+        version: u64,
+    ) {
         let gamma = self.cfg.version_decay;
         let cfg = &self.cfg;
-        let g = self.groups.entry(group).or_insert_with(|| Group::new(version));
+        let g = self
+            .groups
+            .entry(group)
+            .or_insert_with(|| Group::new(version));
         g.max_version = g.max_version.max(version);
         let pi = g.prompt_index(prompt);
         let w = g.weight(version, gamma);
         // Idle groups take bulk history with deferred counts; groups drafting now stay exact.
         g.insert(pi, &response, w, g.active == 0);
-        g.responses.push_back(Response { prompt: pi, version, tokens: response });
+        g.responses.push_back(Response {
+            prompt: pi,
+            version,
+            tokens: response,
+        });
         if apply_retention(g, cfg) {
             self.rebuild(group);
         } else {
@@ -453,7 +533,12 @@ impl HistoryIndex {
 
     /// Forgets a whole group (its in-flight requests are finished without keeping them).
     pub fn remove_group(&mut self, group: u64) -> bool {
-        let rids: Vec<u64> = self.requests.iter().filter(|(_, r)| r.group == group).map(|(&k, _)| k).collect();
+        let rids: Vec<u64> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.group == group)
+            .map(|(&k, _)| k)
+            .collect();
         for r in rids {
             self.requests.remove(&r);
         }
@@ -481,10 +566,17 @@ impl HistoryIndex {
     /// Cost: one insertion per token held by the group (the same speed as ingest).
     fn rebuild(&mut self, key: u64) {
         let gamma = self.cfg.version_decay;
-        let mut active: Vec<(u64, u64)> =
-            self.requests.iter().filter(|(_, r)| r.group == key).map(|(&rid, r)| (r.seq, rid)).collect();
+        let mut active: Vec<(u64, u64)> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.group == key)
+            .map(|(&rid, r)| (r.seq, rid))
+            .collect();
         active.sort_unstable();
-        let g = self.groups.get_mut(&key).expect("rebuild of a missing group");
+        let g = self
+            .groups
+            .get_mut(&key)
+            .expect("rebuild of a missing group");
         let min_v = g
             .responses
             .iter()
@@ -533,8 +625,12 @@ impl HistoryIndex {
         // Evict down to 90% of the budget so that a steady stream of finishes does not evict on
         // every call.
         let target = max / 10 * 9;
-        let mut idle: Vec<(u64, u64)> =
-            self.groups.iter().filter(|(_, g)| g.active == 0).map(|(&k, g)| (g.last_used, k)).collect();
+        let mut idle: Vec<(u64, u64)> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| g.active == 0)
+            .map(|(&k, g)| (g.last_used, k))
+            .collect();
         idle.sort_unstable();
         for (_, k) in idle {
             if self.total_bytes <= target {
@@ -562,7 +658,11 @@ impl HistoryIndex {
             s.states += g.sam.num_states();
             s.edges += g.sam.edges.len();
         }
-        s.tokens += self.requests.values().map(|r| r.tokens.len()).sum::<usize>();
+        s.tokens += self
+            .requests
+            .values()
+            .map(|r| r.tokens.len())
+            .sum::<usize>();
         s
     }
 
@@ -573,13 +673,20 @@ impl HistoryIndex {
 
     /// The group a request belongs to.
     pub fn request_group(&self, rid: u64) -> Result<u64> {
-        self.requests.get(&rid).map(|r| r.group).ok_or(CoreError::UnknownRequest(rid))
+        self.requests
+            .get(&rid)
+            .map(|r| r.group)
+            .ok_or(CoreError::UnknownRequest(rid))
     }
 
     /// The kept responses of a group, oldest first (empty when the group is unknown).
     pub fn responses(&self, group: u64) -> Vec<(Vec<u32>, &Response)> {
         match self.groups.get(&group) {
-            Some(g) => g.responses.iter().map(|r| (g.prompts[r.prompt as usize].clone(), r)).collect(),
+            Some(g) => g
+                .responses
+                .iter()
+                .map(|r| (g.prompts[r.prompt as usize].clone(), r))
+                .collect(),
             None => Vec::new(),
         }
     }
@@ -592,19 +699,38 @@ impl HistoryIndex {
     }
 
     /// Grows the draft for one request: nodes in BFS order, unpadded, root first.
-    pub fn draft_nodes(&self, rid: u64, budget: usize, chain: bool, drafter: &mut Drafter) -> Result<Vec<Node>> {
+    pub fn draft_nodes(
+        &self,
+        rid: u64,
+        budget: usize,
+        chain: bool,
+        drafter: &mut Drafter,
+    ) -> Result<Vec<Node>> {
         if budget == 0 {
-            return Err(CoreError::InvalidArgument("draft budget must be at least 1".into()));
+            return Err(CoreError::InvalidArgument(
+                "draft budget must be at least 1".into(),
+            ));
         }
         Ok(self.grow(rid, budget, chain, drafter)?.to_vec())
     }
 
-    fn grow<'d>(&self, rid: u64, budget: usize, chain: bool, drafter: &'d mut Drafter) -> Result<&'d [Node]> {
-        let req = self.requests.get(&rid).ok_or(CoreError::UnknownRequest(rid))?;
+    fn grow<'d>(
+        &self,
+        rid: u64,
+        budget: usize,
+        chain: bool,
+        drafter: &'d mut Drafter,
+    ) -> Result<&'d [Node]> {
+        let req = self
+            .requests
+            .get(&rid)
+            .ok_or(CoreError::UnknownRequest(rid))?;
         let g = &self.groups[&req.group];
         let root_tok = match req.tokens.last() {
             Some(&t) => t,
-            None => *g.prompts[req.prompt as usize].last().expect("non-empty prompt"),
+            None => *g.prompts[req.prompt as usize]
+                .last()
+                .expect("non-empty prompt"),
         };
         let cfg = &self.cfg.draft;
         let anchor = g.sam.longest_with_children(req.last, cfg.min_match);
@@ -633,7 +759,9 @@ impl HistoryIndex {
         drafter: &mut Drafter,
     ) -> Result<BatchDraftStats> {
         if d == 0 {
-            return Err(CoreError::InvalidArgument("the number of draft nodes must be at least 1".into()));
+            return Err(CoreError::InvalidArgument(
+                "the number of draft nodes must be at least 1".into(),
+            ));
         }
         let bs = rids.len();
         expect_len("tokens", tokens.len(), bs * d)?;
@@ -646,7 +774,13 @@ impl HistoryIndex {
         for (i, &rid) in rids.iter().enumerate() {
             let nodes = self.grow(rid, d, false, drafter)?;
             let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
-            let n = write_tree(nodes, d, &mut tokens[i * d..(i + 1) * d], &mut mask[i * d * d..(i + 1) * d * d], p);
+            let n = write_tree(
+                nodes,
+                d,
+                &mut tokens[i * d..(i + 1) * d],
+                &mut mask[i * d * d..(i + 1) * d * d],
+                p,
+            );
             st.nodes += n - 1;
             st.nonempty += (n > 1) as usize;
         }
@@ -665,7 +799,9 @@ impl HistoryIndex {
         drafter: &mut Drafter,
     ) -> Result<BatchDraftStats> {
         if k == 0 {
-            return Err(CoreError::InvalidArgument("the chain length must be at least 1".into()));
+            return Err(CoreError::InvalidArgument(
+                "the chain length must be at least 1".into(),
+            ));
         }
         let bs = rids.len();
         expect_len("tokens", tokens.len(), bs * k)?;
@@ -689,7 +825,11 @@ impl HistoryIndex {
 
 fn expect_len(name: &'static str, got: usize, expected: usize) -> Result<()> {
     if got != expected {
-        return Err(CoreError::BufferShape { name, got, expected });
+        return Err(CoreError::BufferShape {
+            name,
+            got,
+            expected,
+        });
     }
     Ok(())
 }

@@ -146,9 +146,12 @@ proptest! {
 
 #[test]
 fn memory_budget_evicts_least_recently_used_idle_groups() {
-    let cfg = IndexConfig { max_bytes: 2_000_000, ..Default::default() };
+    let cfg = IndexConfig {
+        max_bytes: 2_000_000,
+        ..Default::default()
+    };
     let mut ix = HistoryIndex::new(cfg).unwrap();
-    let resp: Vec<i32> = (0..2000).map(|i| (i * 7919 % 1000) as i32).collect();
+    let resp: Vec<i32> = (0..2000i32).map(|i| i * 7919 % 1000).collect();
     for g in 0..40u64 {
         ix.add_response(g, &[1, 2, 3], &resp, 0).unwrap();
     }
@@ -162,7 +165,10 @@ fn memory_budget_evicts_least_recently_used_idle_groups() {
 
 #[test]
 fn bad_input_is_an_error_not_a_panic() {
-    let cfg = IndexConfig { vocab_size: Some(100), ..Default::default() };
+    let cfg = IndexConfig {
+        vocab_size: Some(100),
+        ..Default::default()
+    };
     let mut ix = HistoryIndex::new(cfg).unwrap();
     assert!(ix.begin_request(1, 1, &[], None).is_err());
     assert!(ix.begin_request(1, 1, &[5, 100], None).is_err());
@@ -172,13 +178,23 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(ix.extend_request(2, &[1]).is_err());
     let mut toks = vec![0i64; 3];
     let mut mask = vec![0i64; 9];
-    assert!(ix.draft_tree_batch(&[1], 0, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
-    assert!(ix.draft_tree_batch(&[1], 4, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
-    assert!(ix.draft_tree_batch(&[2], 3, &mut toks, &mut mask, None, &mut Drafter::default()).is_err());
+    assert!(ix
+        .draft_tree_batch(&[1], 0, &mut toks, &mut mask, None, &mut Drafter::default())
+        .is_err());
+    assert!(ix
+        .draft_tree_batch(&[1], 4, &mut toks, &mut mask, None, &mut Drafter::default())
+        .is_err());
+    assert!(ix
+        .draft_tree_batch(&[2], 3, &mut toks, &mut mask, None, &mut Drafter::default())
+        .is_err());
     assert!(HistoryIndex::from_bytes(b"garbage", IndexConfig::default()).is_err());
     let mut snap = ix.to_bytes();
     let n = snap.len();
     snap[n - 9] ^= 1;
     assert!(HistoryIndex::from_bytes(&snap, IndexConfig::default()).is_err());
-    assert!(HistoryIndex::new(IndexConfig { version_decay: 0.0, ..Default::default() }).is_err());
+    assert!(HistoryIndex::new(IndexConfig {
+        version_decay: 0.0,
+        ..Default::default()
+    })
+    .is_err());
 }

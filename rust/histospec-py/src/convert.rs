@@ -12,7 +12,10 @@ pub fn tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i32>> {
         return Ok(contiguous(&a, what)?.to_vec());
     }
     if let Ok(a) = obj.extract::<PyReadonlyArrayDyn<'_, i64>>() {
-        return contiguous(&a, what)?.iter().map(|&v| narrow(v, what)).collect();
+        return contiguous(&a, what)?
+            .iter()
+            .map(|&v| narrow(v, what))
+            .collect();
     }
     if let Ok(v) = obj.extract::<Vec<i64>>() {
         return v.into_iter().map(|x| narrow(x, what)).collect();
@@ -25,7 +28,10 @@ pub fn tokens(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<i32>> {
 
 fn narrow(v: i64, _what: &str) -> PyResult<i32> {
     i32::try_from(v).map_err(|_| {
-        crate::errors::to_py(histospec_index::CoreError::InvalidToken { token: v, limit: i32::MAX as u64 + 1 })
+        crate::errors::to_py(histospec_index::CoreError::InvalidToken {
+            token: v,
+            limit: i32::MAX as u64 + 1,
+        })
     })
 }
 
@@ -36,15 +42,27 @@ pub fn rids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     } else if let Ok(v) = obj.extract::<Vec<i64>>() {
         v
     } else {
-        return Err(PyTypeError::new_err("rids must be an int64 numpy array or a sequence of ints"));
+        return Err(PyTypeError::new_err(
+            "rids must be an int64 numpy array or a sequence of ints",
+        ));
     };
     raw.into_iter()
-        .map(|r| u64::try_from(r).map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {r}"))))
+        .map(|r| {
+            u64::try_from(r)
+                .map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {r}")))
+        })
         .collect()
 }
 
 /// Borrows a C-contiguous array as a slice.
-pub fn contiguous<'a, T: numpy::Element>(a: &'a PyReadonlyArrayDyn<'_, T>, what: &str) -> PyResult<&'a [T]> {
-    a.as_slice()
-        .map_err(|_| PyValueError::new_err(format!("{what} must be C-contiguous (shape {:?})", a.shape())))
+pub fn contiguous<'a, T: numpy::Element>(
+    a: &'a PyReadonlyArrayDyn<'_, T>,
+    what: &str,
+) -> PyResult<&'a [T]> {
+    a.as_slice().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{what} must be C-contiguous (shape {:?})",
+            a.shape()
+        ))
+    })
 }

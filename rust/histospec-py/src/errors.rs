@@ -8,7 +8,10 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 fn raise(py: Python<'_>, class: &str, msg: String) -> PyErr {
-    match py.import("histospec_sgl.errors").and_then(|m| m.getattr(class)) {
+    match py
+        .import("histospec_sgl.errors")
+        .and_then(|m| m.getattr(class))
+    {
         Ok(cls) => PyErr::from_type(cls.cast_into().expect("exception class"), msg),
         Err(_) => PyRuntimeError::new_err(msg),
     }
@@ -22,8 +25,12 @@ pub fn to_py(e: CoreError) -> PyErr {
             CoreError::InvalidToken { .. } => raise(py, "InvalidTokenError", msg),
             CoreError::UnknownRequest(_) => raise(py, "UnknownRequestError", msg),
             CoreError::DuplicateRequest(_) => raise(py, "DuplicateRequestError", msg),
-            CoreError::InvalidArgument(_) | CoreError::BufferShape { .. } => PyValueError::new_err(msg),
-            CoreError::CorruptSnapshot(_) | CoreError::SnapshotVersion { .. } => raise(py, "SnapshotError", msg),
+            CoreError::InvalidArgument(_) | CoreError::BufferShape { .. } => {
+                PyValueError::new_err(msg)
+            }
+            CoreError::CorruptSnapshot(_) | CoreError::SnapshotVersion { .. } => {
+                raise(py, "SnapshotError", msg)
+            }
             CoreError::Io { .. } => raise(py, "SnapshotError", msg),
         }
     })
@@ -31,5 +38,7 @@ pub fn to_py(e: CoreError) -> PyErr {
 
 /// Error for a lock poisoned by an earlier internal failure.
 pub fn poisoned() -> PyErr {
-    PyRuntimeError::new_err("the history index is unusable after an earlier internal error; recreate it")
+    PyRuntimeError::new_err(
+        "the history index is unusable after an earlier internal error; recreate it",
+    )
 }

@@ -12,6 +12,9 @@ use pyo3::types::{PyBytes, PyDict};
 use crate::convert::{rids as rids_arg, tokens as tokens_arg};
 use crate::errors::{poisoned, to_py};
 
+/// (prompt_ids, response_ids, version) as returned to Python.
+type ResponseTuple = (Vec<u32>, Vec<u32>, u64);
+
 thread_local! {
     // One scratch drafter per thread: concurrent drafts share the index under a read lock.
     static DRAFTER: RefCell<Drafter> = RefCell::new(Drafter::default());
@@ -80,9 +83,20 @@ fn make_config(
     let vocab_size = match vocab_size {
         None => None,
         Some(v) if v >= 1 && v <= i32::MAX as i64 + 1 => Some(v as u32),
-        Some(v) => return Err(PyValueError::new_err(format!("vocab_size must be in 1..=2^31, got {v}"))),
+        Some(v) => {
+            return Err(PyValueError::new_err(format!(
+                "vocab_size must be in 1..=2^31, got {v}"
+            )))
+        }
     };
-    let cfg = IndexConfig { vocab_size, max_responses, max_versions, max_bytes, version_decay, draft };
+    let cfg = IndexConfig {
+        vocab_size,
+        max_responses,
+        max_versions,
+        max_bytes,
+        version_decay,
+        draft,
+    };
     cfg.validate().map_err(to_py)?;
     Ok(cfg)
 }
@@ -106,7 +120,8 @@ fn group_or_key(group: Option<i64>, prompt: &[i32]) -> PyResult<u64> {
 }
 
 fn rid_arg(rid: i64) -> PyResult<u64> {
-    u64::try_from(rid).map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {rid}")))
+    u64::try_from(rid)
+        .map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {rid}")))
 }
 
 #[pymethods]
@@ -128,9 +143,25 @@ impl PyHistoryIndex {
         recency_decay: f32,
         max_children: u32,
     ) -> PyResult<Self> {
-        let draft = DraftConfig { min_match, min_prob, escape, recency, recency_decay, max_children };
-        let cfg = make_config(vocab_size, max_responses, max_versions, max_bytes, version_decay, draft)?;
-        Ok(PyHistoryIndex { inner: RwLock::new(HistoryIndex::new(cfg).map_err(to_py)?) })
+        let draft = DraftConfig {
+            min_match,
+            min_prob,
+            escape,
+            recency,
+            recency_decay,
+            max_children,
+        };
+        let cfg = make_config(
+            vocab_size,
+            max_responses,
+            max_versions,
+            max_bytes,
+            version_decay,
+            draft,
+        )?;
+        Ok(PyHistoryIndex {
+            inner: RwLock::new(HistoryIndex::new(cfg).map_err(to_py)?),
+        })
     }
 
     /// Starts request `rid` in `group` (None: the prompt's key) with context `prompt_ids`.
@@ -167,7 +198,10 @@ impl PyHistoryIndex {
     ) -> PyResult<()> {
         let rids = rids_arg(rids)?;
         let toks = tokens_arg(tokens, "tokens")?;
-        let lens: Vec<i64> = tokens_arg(lens, "lens")?.into_iter().map(i64::from).collect();
+        let lens: Vec<i64> = tokens_arg(lens, "lens")?
+            .into_iter()
+            .map(i64::from)
+            .collect();
         self.mutate(py, |g| g.extend_batch(&rids, &toks, &lens))
     }
 
@@ -197,12 +231,28 @@ impl PyHistoryIndex {
 
     /// The draft for one request: (tokens, parents, probs) in BFS order, root first, unpadded.
     #[pyo3(signature = (rid, num_nodes=16, chain=false))]
-    fn draft(&self, py: Python<'_>, rid: i64, num_nodes: usize, chain: bool) -> PyResult<(Vec<i64>, Vec<i64>, Vec<f32>)> {
+    fn draft(
+        &self,
+        py: Python<'_>,
+        rid: i64,
+        num_nodes: usize,
+        chain: bool,
+    ) -> PyResult<(Vec<i64>, Vec<i64>, Vec<f32>)> {
         let rid = rid_arg(rid)?;
-        let nodes =
-            self.inspect(py, |g| DRAFTER.with(|d| g.draft_nodes(rid, num_nodes, chain, &mut d.borrow_mut())))?;
+        let nodes = self.inspect(py, |g| {
+            DRAFTER.with(|d| g.draft_nodes(rid, num_nodes, chain, &mut d.borrow_mut()))
+        })?;
         let toks = nodes.iter().map(|n| n.tok as i64).collect();
-        let parents = nodes.iter().map(|n| if n.parent == u32::MAX { -1 } else { n.parent as i64 }).collect();
+        let parents = nodes
+            .iter()
+            .map(|n| {
+                if n.parent == u32::MAX {
+                    -1
+                } else {
+                    n.parent as i64
+                }
+            })
+            .collect();
         let probs = nodes.iter().map(|n| n.prob).collect();
         Ok((toks, parents, probs))
     }
@@ -223,7 +273,9 @@ impl PyHistoryIndex {
     ) -> PyResult<(usize, usize)> {
         let rids = rids_arg(rids)?;
         let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
-        let mut probs = probs.map(|p| writable::<f32>(p, "probs", "float32")).transpose()?;
+        let mut probs = probs
+            .map(|p| writable::<f32>(p, "probs", "float32"))
+            .transpose()?;
         let mut mask = MaskArg::extract(mask)?;
         let toks_s = slice_mut(&mut toks, "tokens")?;
         let probs_s = match probs.as_mut() {
@@ -232,16 +284,24 @@ impl PyHistoryIndex {
         };
         let mask_s = mask.slice()?;
         let st = self.inspect(py, |g| {
-                DRAFTER.with(|d| {
-                    let d = &mut d.borrow_mut();
-                    match mask_s {
-                        MaskElemAny::I64(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
-                        MaskElemAny::I32(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
-                        MaskElemAny::U8(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
-                        MaskElemAny::Bool(m) => g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d),
+            DRAFTER.with(|d| {
+                let d = &mut d.borrow_mut();
+                match mask_s {
+                    MaskElemAny::I64(m) => {
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
                     }
-                })
-            })?;
+                    MaskElemAny::I32(m) => {
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                    }
+                    MaskElemAny::U8(m) => {
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                    }
+                    MaskElemAny::Bool(m) => {
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                    }
+                }
+            })
+        })?;
         Ok((st.nonempty, st.nodes))
     }
 
@@ -260,7 +320,9 @@ impl PyHistoryIndex {
         let rids = rids_arg(rids)?;
         let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
         let mut lens = writable::<i64>(lens, "lens", "int64")?;
-        let mut probs = probs.map(|p| writable::<f32>(p, "probs", "float32")).transpose()?;
+        let mut probs = probs
+            .map(|p| writable::<f32>(p, "probs", "float32"))
+            .transpose()?;
         let toks_s = slice_mut(&mut toks, "tokens")?;
         let lens_s = slice_mut(&mut lens, "lens")?;
         let probs_s = match probs.as_mut() {
@@ -268,7 +330,9 @@ impl PyHistoryIndex {
             None => None,
         };
         let st = self.inspect(py, |g| {
-            DRAFTER.with(|d| g.draft_chain_batch(&rids, k, toks_s, lens_s, probs_s, &mut d.borrow_mut()))
+            DRAFTER.with(|d| {
+                g.draft_chain_batch(&rids, k, toks_s, lens_s, probs_s, &mut d.borrow_mut())
+            })
         })?;
         Ok((st.nonempty, st.nodes))
     }
@@ -291,7 +355,16 @@ impl PyHistoryIndex {
         let rid = rid_arg(rid)?;
         let truth = tokens_arg(truth, "truth")?;
         let tr = self.mutate(py, |g| {
-            DRAFTER.with(|d| g.replay(rid, &truth, num_nodes, chain, every_position, &mut d.borrow_mut()))
+            DRAFTER.with(|d| {
+                g.replay(
+                    rid,
+                    &truth,
+                    num_nodes,
+                    chain,
+                    every_position,
+                    &mut d.borrow_mut(),
+                )
+            })
         })?;
         let out = PyDict::new(py);
         out.set_item("accepted", PyArray1::from_vec(py, tr.accepted))?;
@@ -391,9 +464,12 @@ impl PyHistoryIndex {
     }
 
     /// The kept responses of a group, oldest first, as (prompt_ids, response_ids, version).
-    fn responses(&self, group: u64) -> PyResult<Vec<(Vec<u32>, Vec<u32>, u64)>> {
+    fn responses(&self, group: u64) -> PyResult<Vec<ResponseTuple>> {
         let g = self.read()?;
-        Ok(g.responses(group).into_iter().map(|(p, r)| (p, r.tokens.clone(), r.version)).collect())
+        Ok(g.responses(group)
+            .into_iter()
+            .map(|(p, r)| (p, r.tokens.clone(), r.version))
+            .collect())
     }
 
     /// Forgets a group and its in-flight requests; True if it existed.
@@ -448,14 +524,18 @@ fn writable<'py, T: numpy::Element>(
     what: &str,
     dtype: &str,
 ) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
-    obj.extract::<PyReadwriteArrayDyn<'py, T>>().map_err(|_| {
-        PyTypeError::new_err(format!("{what} must be a writable {dtype} numpy array"))
-    })
+    obj.extract::<PyReadwriteArrayDyn<'py, T>>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a writable {dtype} numpy array")))
 }
 
-fn slice_mut<'a, T: numpy::Element>(a: &'a mut PyReadwriteArrayDyn<'_, T>, what: &str) -> PyResult<&'a mut [T]> {
+fn slice_mut<'a, T: numpy::Element>(
+    a: &'a mut PyReadwriteArrayDyn<'_, T>,
+    what: &str,
+) -> PyResult<&'a mut [T]> {
     let shape = a.shape().to_vec();
-    a.as_slice_mut().map_err(|_| PyValueError::new_err(format!("{what} must be C-contiguous (shape {shape:?})")))
+    a.as_slice_mut().map_err(|_| {
+        PyValueError::new_err(format!("{what} must be C-contiguous (shape {shape:?})"))
+    })
 }
 
 /// A borrowed mask buffer of one of the accepted element types.
@@ -487,7 +567,9 @@ impl<'py> MaskArg<'py> {
         if let Ok(a) = obj.extract() {
             return Ok(MaskArg::Bool(a));
         }
-        Err(PyTypeError::new_err("mask must be a writable int64, int32, uint8 or bool numpy array"))
+        Err(PyTypeError::new_err(
+            "mask must be a writable int64, int32, uint8 or bool numpy array",
+        ))
     }
 
     fn slice(&mut self) -> PyResult<MaskElemAny<'_>> {

@@ -18,6 +18,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<index::PyHistoryIndex>()?;
     m.add_function(wrap_pyfunction!(prompt_key, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add("SNAPSHOT_FORMAT_VERSION", histospec_index::snapshot::FORMAT_VERSION)?;
+    m.add(
+        "SNAPSHOT_FORMAT_VERSION",
+        histospec_index::snapshot::FORMAT_VERSION,
+    )?;
     Ok(())
 }

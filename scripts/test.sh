@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every test: Rust (unit + property tests) then Python (binding surface, errors, threads).
+# Ends with pytest's summary line.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup_env.sh
+echo "[test] Rust"
+# The binding crate (histospec-py) is glue with no Rust tests; it is exercised from Python.
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --exclude histospec-py --no-fail-fast
+else
+  cargo test --workspace --exclude histospec-py
+fi
+echo "[test] Python"
+.venv/bin/python -m pytest tests "$@"
