@@ -25,7 +25,7 @@ class HistoryIndex:
         max_versions: keep only the responses of the last E versions per group (0: all).
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
-        min_match, min_prob, escape, recency, recency_decay, max_children: the draft policy
+        min_match, min_prob, escape, recency, recency_decay, max_children, recover: the draft policy
             (see ``rust/histospec-index/src/draft.rs`` and the README).
 
     Raises:
@@ -46,6 +46,7 @@ class HistoryIndex:
         recency: float = 0.0,
         recency_decay: float = 0.5,
         max_children: int = 8,
+        recover: float = 0.0,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
@@ -123,6 +124,7 @@ class HistoryIndex:
         recency: float | None = None,
         recency_decay: float | None = None,
         max_children: int | None = None,
+        recover: float | None = None,
     ) -> None:
         """Changes some draft-policy knobs."""
 

@@ -42,6 +42,9 @@ pub struct DraftConfig {
     pub recency_decay: f32,
     /// Most children a tree node offers to the frontier (a chain uses 1).
     pub max_children: u32,
+    /// Share of the root's probability given to recovery hypotheses when the last token broke a
+    /// longer match (it was inserted, or it replaced the token history predicted), in [0, 1).
+    pub recover: f32,
 }
 
 impl Default for DraftConfig {
@@ -53,6 +56,7 @@ impl Default for DraftConfig {
             recency: 0.0,
             recency_decay: 0.5,
             max_children: 8,
+            recover: 0.0,
         }
     }
 }
@@ -80,6 +84,9 @@ impl DraftConfig {
                 "recency_decay must be in [0, 1), got {}",
                 self.recency_decay
             ));
+        }
+        if !(0.0..1.0).contains(&self.recover) {
+            return Err(format!("recover must be in [0, 1), got {}", self.recover));
         }
         if self.max_children == 0 {
             return Err("max_children must be at least 1".into());
@@ -149,8 +156,8 @@ pub struct Drafter {
 }
 
 impl Drafter {
-    /// Grows a draft of at most `budget` nodes (root included) from `anchor`, the matched state
-    /// (`None` = nothing to draft), and returns the nodes in BFS order, unpadded.
+    /// Grows a draft of at most `budget` nodes (root included) from the weighted root `anchors`
+    /// (matched states; empty = nothing to draft), and returns the nodes in BFS order, unpadded.
     ///
     /// `w_new` is the weight of one occurrence of the newest version (scales `escape`).
     #[allow(clippy::too_many_arguments)]
@@ -158,7 +165,7 @@ impl Drafter {
         &mut self,
         sam: &Sam,
         root_tok: u32,
-        anchor: Option<u32>,
+        anchors: &[(u32, f32)],
         budget: usize,
         chain: bool,
         w_new: f32,
@@ -175,9 +182,7 @@ impl Drafter {
         self.depth.push(0);
         let per_node = if chain { 1 } else { cfg.max_children as usize };
         let mut seq = 0u32;
-        if let Some(a) = anchor {
-            self.offer(sam, a, 0, 1.0, per_node, w_new, cfg, &mut seq);
-        }
+        self.offer(sam, anchors, 0, 1.0, per_node, w_new, cfg, &mut seq);
         while self.nodes.len() < budget {
             let Some(c) = self.heap.pop() else { break };
             if c.score < cfg.min_prob || c.score <= 0.0 {
@@ -196,18 +201,28 @@ impl Drafter {
                 sam.longest_with_children(sam.states[c.state as usize].link, cfg.min_match)
             };
             if let Some(s) = st {
-                self.offer(sam, s, id, c.score, per_node, w_new, cfg, &mut seq);
+                self.offer(
+                    sam,
+                    &[(s, 1.0)],
+                    id,
+                    c.score,
+                    per_node,
+                    w_new,
+                    cfg,
+                    &mut seq,
+                );
             }
         }
         self.reorder_bfs();
         &self.out
     }
 
+    /// Offers the children of the weighted `sources` (merged by token) as candidates under `parent`.
     #[allow(clippy::too_many_arguments)]
     fn offer(
         &mut self,
         sam: &Sam,
-        s: u32,
+        sources: &[(u32, f32)],
         parent: u32,
         pprob: f32,
         per_node: usize,
@@ -216,44 +231,31 @@ impl Drafter {
         seq: &mut u32,
     ) {
         self.kids.clear();
-        let mut total = 0.0f32;
-        for (tok, to) in sam.children(s) {
-            let st = &sam.states[to as usize];
-            total += st.cnt;
-            self.kids.push(Kid {
-                tok,
-                to,
-                cnt: st.cnt,
-                recent: st.recent,
-                p: 0.0,
-            });
+        for &(s, weight) in sources {
+            let from = self.kids.len();
+            self.estimate(sam, s, w_new, cfg, from);
+            for k in &mut self.kids[from..] {
+                k.p *= weight;
+            }
         }
-        if self.kids.is_empty() || total <= 0.0 {
-            return;
-        }
-        let denom = total + cfg.escape * w_new;
-        let conf = total / denom;
-        let a = cfg.recency;
-        for k in self.kids.iter_mut() {
-            k.p = (1.0 - a) * k.cnt / denom;
-        }
-        if a > 0.0 {
-            // Rank by recency (ties: larger count, then smaller token) and add the recency share.
-            self.kids.sort_unstable_by(|x, y| {
-                y.recent
-                    .cmp(&x.recent)
-                    .then(y.cnt.total_cmp(&x.cnt))
-                    .then(x.tok.cmp(&y.tok))
-            });
-            let b = cfg.recency_decay;
-            let mut r = a * conf * (1.0 - b);
-            for k in self.kids.iter_mut() {
-                k.p += r;
-                r *= b;
-                if r < 1e-6 {
-                    break;
+        if sources.len() > 1 {
+            // Merge duplicate tokens from different sources: sum their estimates, follow the
+            // state of the larger one.
+            self.kids
+                .sort_unstable_by(|x, y| x.tok.cmp(&y.tok).then(y.p.total_cmp(&x.p)));
+            let mut w = 0usize;
+            for r in 0..self.kids.len() {
+                if w > 0 && self.kids[w - 1].tok == self.kids[r].tok {
+                    self.kids[w - 1].p += self.kids[r].p;
+                } else {
+                    self.kids[w] = self.kids[r];
+                    w += 1;
                 }
             }
+            self.kids.truncate(w);
+        }
+        if self.kids.is_empty() {
+            return;
         }
         let m = per_node.min(self.kids.len());
         let by_p = |x: &Kid, y: &Kid| y.p.total_cmp(&x.p).then(x.tok.cmp(&y.tok));
@@ -275,6 +277,51 @@ impl Drafter {
                 state: k.to,
             });
             *seq += 1;
+        }
+    }
+
+    /// Appends the children of `s` to `kids[from..]` with their estimated probabilities.
+    fn estimate(&mut self, sam: &Sam, s: u32, w_new: f32, cfg: &DraftConfig, from: usize) {
+        let mut total = 0.0f32;
+        for (tok, to) in sam.children(s) {
+            let st = &sam.states[to as usize];
+            total += st.cnt;
+            self.kids.push(Kid {
+                tok,
+                to,
+                cnt: st.cnt,
+                recent: st.recent,
+                p: 0.0,
+            });
+        }
+        if self.kids.len() == from || total <= 0.0 {
+            self.kids.truncate(from);
+            return;
+        }
+        let denom = total + cfg.escape * w_new;
+        let conf = total / denom;
+        let a = cfg.recency;
+        let kids = &mut self.kids[from..];
+        for k in kids.iter_mut() {
+            k.p = (1.0 - a) * k.cnt / denom;
+        }
+        if a > 0.0 {
+            // Rank by recency (ties: larger count, then smaller token) and add the recency share.
+            kids.sort_unstable_by(|x, y| {
+                y.recent
+                    .cmp(&x.recent)
+                    .then(y.cnt.total_cmp(&x.cnt))
+                    .then(x.tok.cmp(&y.tok))
+            });
+            let b = cfg.recency_decay;
+            let mut r = a * conf * (1.0 - b);
+            for k in kids.iter_mut() {
+                k.p += r;
+                r *= b;
+                if r < 1e-6 {
+                    break;
+                }
+            }
         }
     }
 
@@ -391,7 +438,15 @@ mod tests {
         let anchor = sam.walk(&[2, 3]);
         let mut d = Drafter::default();
         let nodes = d
-            .grow(&sam, 3, anchor, 4, true, 1.0, &DraftConfig::default())
+            .grow(
+                &sam,
+                3,
+                &[(anchor.unwrap(), 1.0)],
+                4,
+                true,
+                1.0,
+                &DraftConfig::default(),
+            )
             .to_vec();
         assert_eq!(nodes.iter().map(|n| n.tok).collect::<Vec<_>>(), vec![3, 4]);
         assert!((nodes[1].prob - 2.0 / 4.0).abs() < 1e-6);
@@ -403,7 +458,15 @@ mod tests {
         let anchor = sam.walk(&[1, 2]);
         let mut d = Drafter::default();
         let nodes = d
-            .grow(&sam, 2, anchor, 8, false, 1.0, &DraftConfig::default())
+            .grow(
+                &sam,
+                2,
+                &[(anchor.unwrap(), 1.0)],
+                8,
+                false,
+                1.0,
+                &DraftConfig::default(),
+            )
             .to_vec();
         assert_eq!(nodes.len(), 7);
         for (i, n) in nodes.iter().enumerate().skip(1) {

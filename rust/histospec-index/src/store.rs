@@ -200,6 +200,8 @@ struct Request {
     prompt: u32,
     /// The automaton state of the request's whole context (prompt + generated).
     last: u32,
+    /// The state of the context without its last token (`NONE` right after begin).
+    prev: u32,
     /// Generated tokens so far.
     tokens: Vec<u32>,
     version: u64,
@@ -365,6 +367,7 @@ impl HistoryIndex {
                 group,
                 prompt: pi,
                 last,
+                prev: NONE,
                 tokens: Vec::new(),
                 version,
                 weight,
@@ -394,6 +397,7 @@ impl HistoryIndex {
             .get_mut(&req.group)
             .expect("in-flight request without its group");
         for &t in toks {
+            req.prev = req.last;
             req.last = g.sam.extend(req.last, t, req.weight);
         }
         req.tokens.extend_from_slice(toks);
@@ -597,7 +601,16 @@ impl HistoryIndex {
         for (_, rid) in active {
             let req = self.requests.get_mut(&rid).expect("listed request");
             req.weight = g.weight(req.version, gamma);
-            req.last = g.insert(req.prompt, &req.tokens, req.weight, true);
+            match req.tokens.split_last() {
+                Some((&t, head)) => {
+                    req.prev = g.insert(req.prompt, head, req.weight, true);
+                    req.last = g.sam.extend_deferred(req.prev, t, req.weight);
+                }
+                None => {
+                    req.prev = NONE;
+                    req.last = g.insert(req.prompt, &[], req.weight, true);
+                }
+            }
         }
         if g.active > 0 {
             g.ensure_clean();
@@ -733,9 +746,42 @@ impl HistoryIndex {
                 .expect("non-empty prompt"),
         };
         let cfg = &self.cfg.draft;
-        let anchor = g.sam.longest_with_children(req.last, cfg.min_match);
+        let sam = &g.sam;
+        let anchor = sam.longest_with_children(req.last, cfg.min_match);
+        let l0 = anchor.map_or(0, |a| sam.states[a as usize].len);
+        let mut anchors = [(0u32, 0f32); 3];
+        let mut n = 0;
+        if let Some(a) = anchor {
+            anchors[0] = (a, 1.0);
+            n = 1;
+        }
+        // Recovery: the last token broke a longer match (l1 >= l0). The response may go on as if
+        // that token had been inserted (continue the old match) or had replaced the predicted one
+        // (continue after the old match's most frequent next token).
+        if cfg.recover > 0.0 && req.prev != NONE {
+            if let Some(a1) = sam.longest_with_children(req.prev, cfg.min_match.max(3)) {
+                if sam.states[a1 as usize].len >= l0 {
+                    let share = if n == 1 { cfg.recover } else { 1.0 };
+                    if n == 1 {
+                        anchors[0].1 = 1.0 - share;
+                    }
+                    anchors[n] = (a1, share / 2.0);
+                    n += 1;
+                    let best = sam.children(a1).max_by(|x, y| {
+                        let (cx, cy) = (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
+                        cx.total_cmp(&cy).then(y.0.cmp(&x.0))
+                    });
+                    if let Some((_, s)) = best {
+                        if sam.states[s as usize].head != NONE {
+                            anchors[n] = (s, share / 2.0);
+                            n += 1;
+                        }
+                    }
+                }
+            }
+        }
         let w_new = g.weight(g.max_version, self.cfg.version_decay);
-        Ok(drafter.grow(&g.sam, root_tok, anchor, budget, chain, w_new, cfg))
+        Ok(drafter.grow(sam, root_tok, &anchors[..n], budget, chain, w_new, cfg))
     }
 
     fn check_rids(&self, rids: &[u64]) -> Result<()> {

@@ -109,6 +109,7 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     out.set_item("recency", d.recency)?;
     out.set_item("recency_decay", d.recency_decay)?;
     out.set_item("max_children", d.max_children)?;
+    out.set_item("recover", d.recover)?;
     Ok(out)
 }
 
@@ -128,7 +129,8 @@ fn rid_arg(rid: i64) -> PyResult<u64> {
 impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
-                        min_match=1, min_prob=0.0, escape=1.0, recency=0.0, recency_decay=0.5, max_children=8))]
+                        min_match=1, min_prob=0.0, escape=1.0, recency=0.0, recency_decay=0.5, max_children=8,
+                        recover=0.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -142,6 +144,7 @@ impl PyHistoryIndex {
         recency: f32,
         recency_decay: f32,
         max_children: u32,
+        recover: f32,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
             min_match,
@@ -150,6 +153,7 @@ impl PyHistoryIndex {
             recency,
             recency_decay,
             max_children,
+            recover,
         };
         let cfg = make_config(
             vocab_size,
@@ -393,7 +397,7 @@ impl PyHistoryIndex {
     }
 
     /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None))]
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None))]
     #[allow(clippy::too_many_arguments)]
     fn set_draft_config(
         &self,
@@ -403,6 +407,7 @@ impl PyHistoryIndex {
         recency: Option<f32>,
         recency_decay: Option<f32>,
         max_children: Option<u32>,
+        recover: Option<f32>,
     ) -> PyResult<()> {
         let mut g = self.write()?;
         let mut d = g.config().draft.clone();
@@ -412,6 +417,7 @@ impl PyHistoryIndex {
         d.recency = recency.unwrap_or(d.recency);
         d.recency_decay = recency_decay.unwrap_or(d.recency_decay);
         d.max_children = max_children.unwrap_or(d.max_children);
+        d.recover = recover.unwrap_or(d.recover);
         g.set_draft_config(d).map_err(to_py)
     }
 
