@@ -12,8 +12,12 @@ import histospec_sgl as hs
 from histospec_sgl import HistoryIndex
 
 
+FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0}
+
+
 def make_index(**kw) -> HistoryIndex:
-    ix = HistoryIndex(**kw)
+    # Frequency-only draft policy, so the expected drafts below can be computed by hand.
+    ix = HistoryIndex(**{**FREQUENCY, **kw})
     ix.add_response(None, [1, 2, 3], [4, 5, 6, 7, 8], 0)
     ix.add_response(None, [1, 2, 3], [4, 5, 9, 7, 8], 0)
     ix.add_response(None, [1, 2, 3], [4, 5, 6, 7, 10], 0)

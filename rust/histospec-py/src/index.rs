@@ -110,6 +110,8 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     out.set_item("recency_decay", d.recency_decay)?;
     out.set_item("max_children", d.max_children)?;
     out.set_item("recover", d.recover)?;
+    out.set_item("blend", d.blend)?;
+    out.set_item("escape_short", d.escape_short)?;
     Ok(out)
 }
 
@@ -129,8 +131,8 @@ fn rid_arg(rid: i64) -> PyResult<u64> {
 impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
-                        min_match=1, min_prob=0.0, escape=1.0, recency=0.0, recency_decay=0.5, max_children=8,
-                        recover=0.0))]
+                        min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
+                        recover=0.0, blend=3, escape_short=2.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -145,6 +147,8 @@ impl PyHistoryIndex {
         recency_decay: f32,
         max_children: u32,
         recover: f32,
+        blend: u32,
+        escape_short: f32,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
             min_match,
@@ -154,6 +158,8 @@ impl PyHistoryIndex {
             recency_decay,
             max_children,
             recover,
+            blend,
+            escape_short,
         };
         let cfg = make_config(
             vocab_size,
@@ -397,7 +403,7 @@ impl PyHistoryIndex {
     }
 
     /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None))]
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None))]
     #[allow(clippy::too_many_arguments)]
     fn set_draft_config(
         &self,
@@ -408,6 +414,8 @@ impl PyHistoryIndex {
         recency_decay: Option<f32>,
         max_children: Option<u32>,
         recover: Option<f32>,
+        blend: Option<u32>,
+        escape_short: Option<f32>,
     ) -> PyResult<()> {
         let mut g = self.write()?;
         let mut d = g.config().draft.clone();
@@ -418,6 +426,8 @@ impl PyHistoryIndex {
         d.recency_decay = recency_decay.unwrap_or(d.recency_decay);
         d.max_children = max_children.unwrap_or(d.max_children);
         d.recover = recover.unwrap_or(d.recover);
+        d.blend = blend.unwrap_or(d.blend);
+        d.escape_short = escape_short.unwrap_or(d.escape_short);
         g.set_draft_config(d).map_err(to_py)
     }
 
