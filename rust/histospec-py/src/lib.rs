@@ -3,6 +3,7 @@
 mod convert;
 mod errors;
 mod index;
+mod peers;
 
 use pyo3::prelude::*;
 
@@ -16,6 +17,7 @@ fn prompt_key(prompt_ids: &Bound<'_, PyAny>) -> PyResult<u64> {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<index::PyHistoryIndex>()?;
+    m.add_class::<peers::PyTriePeer>()?;
     m.add_function(wrap_pyfunction!(prompt_key, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
