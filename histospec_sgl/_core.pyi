@@ -25,7 +25,8 @@ class HistoryIndex:
         max_versions: keep only the responses of the last E versions per group (0: all).
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
-        min_match, min_prob, escape, recency, recency_decay, max_children, recover: the draft policy
+        min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short:
+            the draft policy
             (see ``rust/histospec-index/src/draft.rs`` and the README).
 
     Raises:
@@ -43,10 +44,12 @@ class HistoryIndex:
         min_match: int = 1,
         min_prob: float = 0.0,
         escape: float = 1.0,
-        recency: float = 0.0,
+        recency: float = 0.3,
         recency_decay: float = 0.5,
         max_children: int = 8,
         recover: float = 0.0,
+        blend: int = 0,
+        escape_short: float = 2.0,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
@@ -125,6 +128,8 @@ class HistoryIndex:
         recency_decay: float | None = None,
         max_children: int | None = None,
         recover: float | None = None,
+        blend: int | None = None,
+        escape_short: float | None = None,
     ) -> None:
         """Changes some draft-policy knobs."""
 
@@ -161,3 +166,17 @@ class HistoryIndex:
         Returns ``{"accepted", "drafted", "emitted": uint32[steps], "draft_ns": int, "update_ns": int}``;
         ``emitted`` is accepted + 1 except on a final step that accepts the whole rest.
         """
+
+
+class TriePeer:
+    """Model of SGLang 0.5.23's NGRAM trie drafter (recency BFS), used by the replay as a peer."""
+
+    def __init__(self, max_depth: int = 18, min_breadth: int = 1, max_breadth: int = 10) -> None: ...
+    def insert(self, tokens: _Tokens) -> None:
+        """Inserts every suffix of ``tokens`` truncated to ``max_depth``."""
+
+    def draft(self, context: _Tokens, num_nodes: int) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of a tree of at most ``num_nodes`` nodes; the root's parent is -1."""
+
+    def clear(self) -> None: ...
+    def __len__(self) -> int: ...

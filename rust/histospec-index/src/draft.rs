@@ -14,8 +14,10 @@
 //!    `escape + escape_short/L` for a context of length `L` (short matches are less reliable).
 //!    With `blend > 0`, the escape mass goes to the next shorter suffix that has continuations
 //!    (PPM blending, up to `blend` levels), so a node also offers what shorter contexts predict.
-//!    Defaults (recency 0.3, blend 3, escape_short 2) were chosen on real rollouts with
-//!    `histospec-sgl replay` (GRPO, expert iteration, HumanEval); each gave +1-3% tokens per step.
+//!    Defaults (recency 0.3, escape_short 2) were chosen on real rollouts with `histospec-sgl
+//!    replay` (GRPO, expert iteration, HumanEval): +1% tokens per step. `blend = 1` adds another
+//!    +2% there, but costs 5x the draft time of a 256-request batch (short contexts have many
+//!    children to score) and 18% tokens per step on the synthetic W1 workload, so it is opt-in.
 //! 3. *Growth.* Best-first: the frontier is a max-heap of path probabilities (product of the
 //!    estimates along the path); the best candidate becomes a node until the budget is used or the
 //!    best candidate falls below `min_prob`. Each node offers at most `max_children` children.
@@ -69,7 +71,7 @@ impl Default for DraftConfig {
             recency_decay: 0.5,
             max_children: 8,
             recover: 0.0,
-            blend: 3,
+            blend: 0,
             escape_short: 2.0,
         }
     }

@@ -132,7 +132,7 @@ impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
                         min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
-                        recover=0.0, blend=3, escape_short=2.0))]
+                        recover=0.0, blend=0, escape_short=2.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
