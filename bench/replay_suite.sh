@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The replay table of bench/RESULTS.md: every scenario of issue 3 on the shared rollout logs,
+# ours and the peers in the same run. Needs ../shared/data (or HISTOSPEC_DATA_DIR and
+# HISTOSPEC_TOKENIZER). Writes bench/out/replay/<name>.json and plots, then prints a markdown table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-bench/out/replay}
+mkdir -p "$OUT"
+run() {
+  local name=$1; shift
+  echo "== $name: histospec-sgl replay $*" >&2
+  "$PY" -m histospec_sgl.cli replay "$@" --no-progress --json "$OUT/$name.json" --plot-dir "$OUT/plots" >/dev/null
+}
+run grpo-cross-sample          --preset grpo --scenario cross-sample
+run grpo-cross-sample-inflight --preset grpo --scenario cross-sample-inflight
+run grpo-cross-epoch           --preset grpo --scenario cross-epoch
+run grpo-cross-policy          --preset grpo --scenario cross-policy
+run ei-cross-policy            --preset ei --scenario cross-policy
+run humaneval-cross-sample     --preset humaneval --scenario cross-sample
+run grpo-cold                  --preset grpo --scenario cold
+run ei-cold                    --preset ei --scenario cold
+run humaneval-cold             --preset humaneval --scenario cold
+"$PY" bench/replay_table.py "$OUT"

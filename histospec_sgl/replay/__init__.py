@@ -1,0 +1,23 @@
+"""Offline replay of rollout logs: tokens per verify step and projected speedup, ours and peers."""
+
+from histospec_sgl.replay.data import PRESETS, FieldMap, ReplayDataError, Rollout, load_rollouts
+from histospec_sgl.replay.run import ReplayOptions, run_replay
+from histospec_sgl.replay.scenarios import SCENARIOS, Case, Selection, build_cases
+from histospec_sgl.replay.simulate import Tally, accept_greedy, run_method
+
+__all__ = [
+    "PRESETS",
+    "SCENARIOS",
+    "Case",
+    "FieldMap",
+    "ReplayDataError",
+    "ReplayOptions",
+    "Rollout",
+    "Selection",
+    "Tally",
+    "accept_greedy",
+    "build_cases",
+    "load_rollouts",
+    "run_method",
+    "run_replay",
+]

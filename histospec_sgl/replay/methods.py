@@ -1,0 +1,221 @@
+"""Draft sources the replay drives through one interface: ours and the peers.
+
+Each method sees the same calls in the same order: ``reset`` at a new case (per-prompt methods
+start empty; global ones keep what they had), ``add_history`` for the case's finished responses,
+``begin`` per request, then per verify step ``draft`` and ``extend`` with the tokens the step
+emitted, and ``finish`` when a response ends (a finished in-flight sibling becomes history).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from histospec_sgl._core import HistoryIndex, TriePeer
+
+
+class Method(Protocol):
+    name: str
+    description: str
+
+    def reset(self, case_online_visible: bool) -> None: ...
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None: ...
+    def begin(self, rid: int, prompt: Sequence[int]) -> None: ...
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]: ...
+    def extend(self, rid: int, tokens: Sequence[int]) -> None: ...
+    def finish(self, rid: int) -> None: ...
+
+
+class Ours:
+    """histospec-sgl's HistoryIndex, exactly as the SGLang worker uses it (one index per case)."""
+
+    name = "ours"
+
+    def __init__(self, chain: bool = False, draft_config: dict[str, Any] | None = None):
+        self.chain = chain
+        self.draft_config = dict(draft_config or {})
+        self.description = "histospec-sgl HistoryIndex, per-prompt GSAM, " + ("chain" if chain else "tree")
+        self.index: HistoryIndex | None = None
+
+    def reset(self, case_online_visible: bool) -> None:
+        self.index = HistoryIndex()
+        if self.draft_config:
+            self.index.set_draft_config(**self.draft_config)
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        assert self.index is not None
+        self.index.add_response(None, prompt, response)
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        assert self.index is not None
+        self.index.begin_request(rid, None, prompt)
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        assert self.index is not None
+        toks, parents, _ = self.index.draft(rid, num_nodes, self.chain)
+        return toks, parents
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        assert self.index is not None
+        self.index.extend_request(rid, tokens)
+
+    def finish(self, rid: int) -> None:
+        assert self.index is not None
+        self.index.finish_request(rid, keep=True)
+
+
+class SGLangTrie:
+    """Model of SGLang's NGRAM trie (recency BFS, depth 18, breadth 1..10), see ``TriePeer``.
+
+    ``per_prompt``: one trie per prompt, holding the prompt once and each history response behind
+    the prompt's last 18 tokens (the best peer of ../shared/reference/anchors-real.md). Otherwise the
+    trie as stock SGLang runs it online (``global``): it only holds what the engine itself inserted
+    (each request's last 18 tokens per step; the prompt body never), and history only when the
+    engine would have decoded it since the last weight update (finished siblings of the same step),
+    since ``flush_cache`` wipes it at every weight update. It starts empty at every case: the logs
+    hold one question per run and step, so other prompts of the same batch cannot be modelled, and
+    one run's requests must not leak into another run's.
+    """
+
+    def __init__(self, per_prompt: bool, depth: int = 18):
+        self.per_prompt = per_prompt
+        self.depth = depth
+        self.name = "sglang_trie_per_prompt" if per_prompt else "sglang_trie_global"
+        self.description = (
+            "SGLang NGRAM trie algorithm (reimplemented), " + ("per-prompt history" if per_prompt else "global, online")
+        )
+        self.trie = TriePeer(max_depth=depth)
+        self.ctx: dict[int, list[int]] = {}
+        self.inserted_len: dict[int, int] = {}
+        self.prompts: set[tuple[int, ...]] = set()
+        self.visible = True
+
+    def reset(self, case_online_visible: bool) -> None:
+        self.trie = TriePeer(max_depth=self.depth)
+        self.prompts.clear()
+        self.visible = case_online_visible
+        self.ctx.clear()
+        self.inserted_len.clear()
+
+    def _prompt(self, prompt: Sequence[int]) -> None:
+        key = tuple(prompt)
+        if self.per_prompt and key not in self.prompts:
+            self.prompts.add(key)
+            self.trie.insert(list(prompt))
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        if not self.per_prompt and not self.visible:
+            return
+        self._prompt(prompt)
+        self.trie.insert(list(prompt[-self.depth :]) + list(response))
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self._prompt(prompt)
+        self.ctx[rid] = list(prompt)
+        self.inserted_len[rid] = len(prompt) - min(len(prompt), self.depth)
+
+    def _sync(self, rid: int) -> None:
+        # The worker inserts the request's last window every step, so all of its output is in.
+        ctx = self.ctx[rid]
+        if self.inserted_len[rid] < len(ctx):
+            start = max(0, len(ctx) - self.depth)
+            if len(ctx) - self.inserted_len[rid] > self.depth:
+                start = max(0, self.inserted_len[rid] - self.depth + 1)
+            self.trie.insert(ctx[start:])
+            self.inserted_len[rid] = len(ctx)
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        self._sync(rid)
+        return self.trie.draft(self.ctx[rid][-self.depth :], num_nodes)
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        self.ctx[rid].extend(tokens)
+
+    def finish(self, rid: int) -> None:
+        self._sync(rid)
+        del self.ctx[rid]
+
+
+class PromptLookup:
+    """Plain prompt-lookup n-gram: the last 3, 2, then 1 tokens' most recent earlier occurrence in
+    the request's own context, then in the group's finished responses; drafts the chain after it."""
+
+    name = "ngram"
+    description = "prompt-lookup n-gram (last 3..1 tokens, most recent occurrence, chain)"
+
+    def __init__(self, max_n: int = 3):
+        self.max_n = max_n
+        self.hist_seqs: list[list[int]] = []
+        self.hist_map: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.reqs: dict[int, tuple[list[int], dict[tuple[int, ...], int]]] = {}
+
+    def reset(self, case_online_visible: bool) -> None:
+        self.hist_seqs, self.hist_map, self.reqs = [], {}, {}
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        self._remember(list(prompt) + list(response))
+
+    def _remember(self, seq: list[int]) -> None:
+        # Later occurrences overwrite earlier ones: the map keeps the most recent.
+        sid = len(self.hist_seqs)
+        self.hist_seqs.append(seq)
+        for i in range(len(seq) - 1):  # an n-gram ending at i, continued by seq[i + 1]
+            for n in range(1, self.max_n + 1):
+                if i - n + 1 >= 0:
+                    self.hist_map[tuple(seq[i - n + 1 : i + 1])] = (sid, i)
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self.reqs[rid] = ([], {})
+        self.extend(rid, prompt)
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        seq, m = self.reqs[rid]
+        for t in tokens:
+            seq.append(t)
+            i = len(seq) - 2  # the n-grams ending just before the new token now have a continuation
+            for n in range(1, self.max_n + 1):
+                if i - n + 1 >= 0:
+                    m[tuple(seq[i - n + 1 : i + 1])] = i
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        seq, m = self.reqs[rid]
+        k = num_nodes - 1
+        cont: list[int] = []
+        for n in range(min(self.max_n, len(seq)), 0, -1):
+            key = tuple(seq[-n:])
+            if key in m:
+                i = m[key]
+                cont = seq[i + 1 : i + 1 + k]
+                break
+            if key in self.hist_map:
+                sid, i = self.hist_map[key]
+                cont = self.hist_seqs[sid][i + 1 : i + 1 + k]
+                break
+        toks = [seq[-1] if seq else 0, *cont]
+        return toks, list(range(-1, len(cont)))
+
+    def finish(self, rid: int) -> None:
+        seq, _ = self.reqs.pop(rid)
+        self._remember(seq)
+
+
+def missing_peers() -> dict[str, dict[str, str]]:
+    """Peers this replay cannot drive here, and why."""
+    out = {}
+    arctic = importlib.util.find_spec("arctic_inference") is not None
+    sglang = importlib.util.find_spec("sglang") is not None
+    why_a = (
+        "arctic_inference is installed but its SuffixDecodingCache adapter is not written yet"
+        if arctic
+        else "arctic-inference is not installed (it builds only against torch and vLLM)"
+    )
+    why_s = (
+        "sglang is installed but driving its JIT-built C++ NgramCorpus offline is not wired up yet"
+        if sglang
+        else "sglang is not installed; its trie algorithm is measured through the reimplementation"
+    )
+    out["arctic_per_prompt"] = {"status": "missing", "reason": why_a}
+    out["arctic_global"] = {"status": "missing", "reason": why_a}
+    out["sglang_sam_per_group"] = {"status": "missing", "reason": why_s}
+    return out

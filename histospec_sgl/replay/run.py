@@ -1,0 +1,164 @@
+"""``histospec-sgl replay``: load a log, build a scenario, replay it with ours and the peers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from histospec_sgl.replay.data import (
+    PRESETS,
+    FieldMap,
+    ReplayDataError,
+    Tokenization,
+    default_tokenizer,
+    load_rollouts,
+    preset_path,
+)
+from histospec_sgl.replay.methods import Method, Ours, PromptLookup, SGLangTrie, missing_peers
+from histospec_sgl.replay.scenarios import Case, Selection, build_cases
+from histospec_sgl.replay.simulate import run_method
+
+PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
+DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
+
+
+@dataclass
+class ReplayOptions:
+    preset: str | None = None
+    input: Path | None = None
+    fields: FieldMap | None = None
+    data_root: Path | None = None
+    tokenizer: Path | None = None
+    scenario: str = "cross-sample"
+    draft_tokens: int = 16
+    chain: bool = False
+    seed: int = 0
+    max_groups: int | None = None
+    per_group: int | None = None
+    history_size: int | None = None
+    history_policies: int | None = None
+    min_step: int | None = None
+    peers: Sequence[str] = PEERS
+    draft_config: dict[str, Any] = field(default_factory=dict)
+    verify_costs: Sequence[float] = DEFAULT_VERIFY_COSTS
+    batch_size: int = 64
+    decode_step_ms: float = 20.0
+    progress: bool = True
+
+
+def _selection(o: ReplayOptions, defaults: dict[str, Any]) -> Selection:
+    def pick(name: str, fallback: Any) -> Any:
+        v = getattr(o, name)
+        return v if v is not None else defaults.get(name, fallback)
+
+    return Selection(
+        max_groups=pick("max_groups", 0),
+        per_group=pick("per_group", 2),
+        history_size=pick("history_size", 0),
+        history_policies=pick("history_policies", 0),
+        min_step=pick("min_step", None),
+        seed=o.seed,
+    )
+
+
+def make_methods(o: ReplayOptions) -> list[Method]:
+    methods: list[Method] = [Ours(chain=o.chain, draft_config=o.draft_config)]
+    for p in o.peers:
+        if p == "ngram":
+            methods.append(PromptLookup())
+        elif p == "sglang_trie_per_prompt":
+            methods.append(SGLangTrie(per_prompt=True))
+        elif p == "sglang_trie_global":
+            methods.append(SGLangTrie(per_prompt=False))
+        else:
+            raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    return methods
+
+
+def load_cases(o: ReplayOptions) -> tuple[list[Case], dict[str, Any]]:
+    if (o.preset is None) == (o.input is None):
+        raise ReplayDataError("give exactly one of --preset NAME or --input PATH")
+    if o.preset is not None:
+        if o.preset not in PRESETS:
+            raise ReplayDataError(f"unknown preset {o.preset!r}; choose from {', '.join(PRESETS)}")
+        pre = PRESETS[o.preset]
+        path, fields, defaults, mirror = preset_path(pre, o.data_root), pre.fields, pre.defaults, pre.history_scenario
+    else:
+        if o.fields is None:
+            raise ReplayDataError("--input needs at least --prompt-field and --response-field")
+        path, fields, defaults, mirror = o.input, o.fields, {}, "cross-sample"
+    rows = load_rollouts(path, fields)  # type: ignore[arg-type]
+    sel = _selection(o, defaults)
+    cases = build_cases(rows, o.scenario, sel, cold_mirrors=mirror)
+    if not cases:
+        raise ReplayDataError(f"scenario {o.scenario} selected no responses from {path}")
+    tok = Tokenization(o.tokenizer or (None if fields.token_ids else default_tokenizer()))
+    needed = [r for c in cases for r in (*c.history, *c.replay, *c.siblings)]
+    tok.ensure(needed)
+    info = {
+        "input": str(path),
+        "preset": o.preset,
+        "scenario": o.scenario,
+        "cold_mirrors": mirror if o.scenario == "cold" else None,
+        "selection": sel.__dict__,
+        "tokenizer": None if fields.token_ids else str(tok.path),
+        "cases": len(cases),
+        "replayed_responses": sum(len(c.replay) for c in cases),
+        "history_responses": sum(len(c.history) for c in cases),
+        "inflight_siblings": sum(len(c.siblings) for c in cases),
+    }
+    return cases, info
+
+
+def run_replay(o: ReplayOptions, command: str | None = None) -> dict[str, Any]:
+    cases, info = load_cases(o)
+    methods = make_methods(o)
+    bar = None
+    if o.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(cases) * len(methods), desc="replay", unit="case", file=sys.stderr, leave=False)
+    results: dict[str, Any] = {}
+    try:
+        for m in methods:
+            if bar is not None:
+                bar.set_postfix_str(m.name)
+            tally = run_method(m, cases, o.draft_tokens, on_case=(bar.update if bar is not None else None))
+            s = tally.summary(o.verify_costs, o.batch_size, o.decode_step_ms)
+            s["description"] = m.description
+            results[m.name] = s
+    finally:
+        if bar is not None:
+            bar.close()
+    ours = results.pop("ours")
+    peers: dict[str, Any] = {k: {"status": "ok", **v} for k, v in results.items()}
+    for k, v in missing_peers().items():
+        peers.setdefault(k, v)
+    measured = {k: v for k, v in peers.items() if v.get("status") == "ok"}
+    best = max(measured, key=lambda k: measured[k]["tokens_per_verify_step"]) if measured else None
+    out: dict[str, Any] = {
+        "command": command,
+        "config": {
+            **info,
+            "draft_tokens": o.draft_tokens,
+            "chain": o.chain,
+            "seed": o.seed,
+            "draft_config": o.draft_config,
+            "cost_model": {
+                "verify_costs": list(o.verify_costs),
+                "batch_size": o.batch_size,
+                "decode_step_ms": o.decode_step_ms,
+                "formula": "tokens_per_verify_step / (verify_cost + (draft_us + update_us) * batch_size / decode_step_us)",
+            },
+        },
+        "ours": ours,
+        "peers": peers,
+        "best_peer": best,
+        "ours_vs_best_peer": (
+            ours["tokens_per_verify_step"] / measured[best]["tokens_per_verify_step"] if best else None
+        ),
+    }
+    return out

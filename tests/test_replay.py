@@ -1,0 +1,251 @@
+"""Offline replay: hand-computed tiny logs, the real shared logs, errors, and the CLI end to end."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from histospec_sgl.replay import (
+    FieldMap,
+    ReplayDataError,
+    ReplayOptions,
+    Selection,
+    accept_greedy,
+    build_cases,
+    load_rollouts,
+    run_replay,
+)
+from histospec_sgl.replay.data import PRESETS, default_data_root, default_tokenizer, preset_path
+from histospec_sgl.replay.methods import Ours, PromptLookup, SGLangTrie
+from histospec_sgl.replay.simulate import run_method
+
+IDS = FieldMap("p", "r", group="g", token_ids=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def tiny_log(tmp_path: Path) -> Path:
+    # One group, prompt [1, 2], two responses that share "3 4 5" and then differ.
+    return write_jsonl(
+        tmp_path / "tiny.jsonl",
+        [
+            {"g": "q", "p": [1, 2], "r": [3, 4, 5, 9, 6, 7]},  # A
+            {"g": "q", "p": [1, 2], "r": [3, 4, 5, 6, 8]},  # B
+        ],
+    )
+
+
+def test_accept_greedy_walks_the_matching_branch():
+    # root(0) -> 5(1) -> 6(3); root -> 7(2) -> 8(4)
+    toks, parents = [0, 5, 7, 6, 8], [-1, 0, 0, 1, 2]
+    assert accept_greedy(toks, parents, [9, 7, 8, 1], 1) == 2
+    assert accept_greedy(toks, parents, [5, 6], 0) == 2
+    assert accept_greedy(toks, parents, [6], 0) == 0
+    assert accept_greedy([0], [-1], [1, 2], 0) == 0
+
+
+def test_tiny_log_gives_hand_computed_tokens_per_step(tmp_path):
+    rows = load_rollouts(tiny_log(tmp_path), IDS)
+    cases = build_cases(rows, "cross-sample", Selection(per_group=0))
+    assert [(c.replay[0].response_ids, [h.response_ids for h in c.history]) for c in cases] == [
+        ([3, 4, 5, 9, 6, 7], [[3, 4, 5, 6, 8]]),
+        ([3, 4, 5, 6, 8], [[3, 4, 5, 9, 6, 7]]),
+    ]
+    t = run_method(Ours(), cases, 16)
+    # A over B: prefill 3; step 1 drafts 4 5 6 8, accepts 4 5, emits 4 5 9; step 2 has nothing
+    # after "9" (empty draft), emits 6; step 3 drafts 8 after "6", emits 7.
+    # B over A: prefill 3; step 1 drafts 4 5 9 6 7, accepts 4 5, emits 4 5 6; step 2 drafts 7
+    # after "6", emits 8.  Total: 9 tokens in 5 verify steps, 4 of them with a draft.
+    assert (t.emitted, t.steps, t.covered, t.accepted) == (9, 5, 4, 4)
+    assert t.hist[:3] == [3, 0, 2] and sum(t.hist) == 5
+    s = t.summary([1.0], batch_size=1, decode_step_ms=1e9)
+    assert s["tokens_per_verify_step"] == pytest.approx(9 / 5)
+    assert s["draft_coverage"] == pytest.approx(4 / 5)
+    assert s["projected_speedup"]["1"] == pytest.approx(9 / 5, rel=1e-6)
+
+
+def test_tiny_log_peers_hand_computed(tmp_path):
+    cases = build_cases(load_rollouts(tiny_log(tmp_path), IDS), "cross-sample", Selection(per_group=0))
+    # n-gram over A (history B = 1 2 3 4 5 6 8): after "3", 3-gram "1 2 3" -> 4 5 6 8: accept 4 5,
+    # emit 4 5 9; after "5 9": own "9" has no continuation, history has none -> empty, emit 6;
+    # after "9 6": 1-gram "6" in history -> 8, emit 7.  Over B (history A): after "3" -> 4 5 9 6 7:
+    # accept 4 5, emit 4 5 6; after "5 6": 1-gram "6" -> 7, emit 8.  9 tokens in 5 steps again.
+    t = run_method(PromptLookup(), cases, 16)
+    assert (t.emitted, t.steps, t.covered, t.accepted) == (9, 5, 4, 4)
+    t = run_method(SGLangTrie(per_prompt=True), cases, 16)
+    assert (t.emitted, t.steps) == (9, 5)
+
+
+def test_inflight_siblings_draft_from_each_other(tmp_path):
+    # Two identical-prefix samples decoding together, one ahead of the other by construction:
+    # B is shorter, finishes, and becomes history; A then drafts from it.
+    log = write_jsonl(
+        tmp_path / "inflight.jsonl",
+        [
+            {"g": "q", "p": [1], "r": [2, 3, 4, 5, 6, 7, 8, 9]},
+            {"g": "q", "p": [1], "r": [2, 3, 4, 5, 6, 7, 8, 9]},
+            {"g": "q", "p": [1], "r": [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]},
+        ],
+    )
+    rows = load_rollouts(log, IDS)
+    cold = run_method(Ours(), build_cases(rows, "cold", Selection(per_group=0)), 16)
+    infl = run_method(Ours(), build_cases(rows, "cross-sample-inflight", Selection(per_group=1)), 16)
+    # Cold, every response only sees itself: nothing repeats, one token per step.
+    assert cold.emitted == cold.steps
+    # In flight, the replayed sample sees siblings that are exactly as far as itself, so the first
+    # steps have no continuation either; nothing may be drafted from the future.
+    assert infl.emitted == infl.steps
+
+
+def test_scenarios_select_the_documented_history(tmp_path):
+    rows = []
+    for pol in ("a", "b"):
+        for step in (1, 2):
+            for k in range(3):
+                rows.append({"g": "q", "p": [1], "r": [10 * step + k, 7], "pol": pol, "s": step, "i": k})
+    log = write_jsonl(tmp_path / "multi.jsonl", rows)
+    fm = FieldMap("p", "r", group="g", step="s", sample="i", policy="pol", token_ids=True)
+    loaded = load_rollouts(log, fm)
+    ep = build_cases(loaded, "cross-epoch", Selection())
+    assert len(ep) == 6
+    for c in ep:
+        assert {h.step for h in c.history} == {1} and c.replay[0].step == 2
+        assert {h.policy for h in c.history} == {c.replay[0].policy}
+    pol = build_cases(loaded, "cross-policy", Selection(per_group=1))
+    assert len(pol) == 2
+    for c in pol:
+        assert all(h.policy != c.replay[0].policy and h.step == c.replay[0].step for h in c.history)
+        assert len(c.history) == 3
+    cs = build_cases(loaded, "cross-sample", Selection(per_group=0, seed=3))
+    for c in cs:
+        r = c.replay[0]
+        assert r not in c.history and len(c.history) == 2
+        assert all((h.policy, h.step) == (r.policy, r.step) for h in c.history)
+    cold = build_cases(loaded, "cold", Selection(per_group=0, seed=3))
+    assert [c.replay[0].source for c in cold] == [c.replay[0].source for c in cs]
+    assert all(not c.history and not c.siblings for c in cold)
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"g": "q", "p": [1], "r": [2]}\n\n{"g": "q", "p": [1], "r": [2]\n')
+    with pytest.raises(ReplayDataError, match=r"bad\.jsonl:3: malformed JSON"):
+        load_rollouts(p, IDS)
+    gz = tmp_path / "bad.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write('{"g": "q", "p": [1], "r": [2]}\n[1, 2]\n')
+    with pytest.raises(ReplayDataError, match=r"bad\.jsonl\.gz:2: expected a JSON object"):
+        load_rollouts(gz, IDS)
+
+
+def test_wrong_field_mapping_says_which_field(tmp_path):
+    p = write_jsonl(tmp_path / "x.jsonl", [{"question": "hi", "answer": "there"}])
+    with pytest.raises(ReplayDataError, match=r"x\.jsonl:1: field 'response' \(--response-field\) is missing"):
+        load_rollouts(p, FieldMap("question", "response"))
+    with pytest.raises(ReplayDataError, match=r"field 'step' \(--step-field\) is missing; the line has: answer, question"):
+        load_rollouts(p, FieldMap("question", "answer", step="step"))
+    with pytest.raises(ReplayDataError, match="list of non-negative token ids"):
+        load_rollouts(p, FieldMap("question", "answer", token_ids=True))
+
+
+def test_text_log_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HISTOSPEC_TOKENIZER", str(tmp_path / "missing.json"))
+    p = write_jsonl(tmp_path / "t.jsonl", [{"q": "a b", "a": ["c", "d"]}])
+    opts = ReplayOptions(input=p, fields=FieldMap("q", "a"), peers=(), progress=False, per_group=0)
+    with pytest.raises(ReplayDataError, match="not a usable tokenizer file"):
+        run_replay(opts)
+
+
+SHARED = default_data_root()
+needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared/data/rollouts is not present on this machine")
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    ("preset", "rows", "groups"),
+    [("grpo", 25_848, 475), ("ei", 35_840, 640), ("humaneval", 16_400, 164), ("humaneval-sample", 2_400, 24)],
+)
+def test_presets_parse_the_real_files(preset, rows, groups):
+    pre = PRESETS[preset]
+    loaded = load_rollouts(preset_path(pre, None), pre.fields)
+    assert len(loaded) == rows
+    if preset == "grpo":
+        assert len({r.group for r in loaded}) >= groups  # prompt text: a few questions have two templates
+    else:
+        assert len({r.group for r in loaded}) == groups
+
+
+@needs_shared
+def test_shipped_sample_is_the_qwen3_tokenization_of_the_source():
+    from tokenizers import Tokenizer
+
+    from histospec_sgl.replay.data import iter_jsonl
+
+    tok = default_tokenizer()
+    assert tok is not None and tok.is_file()
+    t = Tokenizer.from_file(str(tok))
+    pre = PRESETS["humaneval"]
+    by_prompt: dict[str, list[str]] = {}
+    for r in load_rollouts(preset_path(pre, None), pre.fields):
+        by_prompt.setdefault(r.prompt, []).append(r.response)  # type: ignore[arg-type]
+    checked = 0
+    for _, rec in iter_jsonl(Path(PRESETS["humaneval-sample"].relpath)):
+        texts = by_prompt[rec["prompt"]]
+        assert rec["prompt_ids"] == t.encode(rec["prompt"], add_special_tokens=False).ids
+        for text, ids in list(zip(texts, rec["samples_ids"]))[:5]:
+            assert ids == t.encode(text, add_special_tokens=False).ids
+            checked += 1
+    assert checked == 24 * 5
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    ("preset", "scenario"),
+    [("grpo", "cross-sample"), ("grpo", "cross-epoch"), ("grpo", "cross-policy"), ("ei", "cross-policy"), ("humaneval", "cold")],
+)
+def test_real_scenarios_replay(preset, scenario):
+    opts = ReplayOptions(preset=preset, scenario=scenario, max_groups=3, progress=False)
+    r = run_replay(opts)
+    assert r["config"]["replayed_responses"] > 0
+    for name in ("ours", "ngram", "sglang_trie_per_prompt"):
+        m = r["ours"] if name == "ours" else r["peers"][name]
+        assert 1.0 <= m["tokens_per_verify_step"] <= 16.0
+        assert 0.0 <= m["draft_coverage"] <= 1.0
+        assert sum(m["accepted_length_histogram"]) == m["verify_steps"]
+
+
+def test_cli_quickstart_job_writes_json_and_plots(tmp_path):
+    out = tmp_path / "r.json"
+    plots = tmp_path / "plots"
+    cmd = [sys.executable, "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
+           "--scenario", "cross-sample", "--json", str(out), "--plot-dir", str(plots),
+           "--no-progress", "--max-groups", "6"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    r = json.loads(out.read_text())
+    assert set(r) >= {"ours", "peers", "config", "best_peer", "ours_vs_best_peer"}
+    for k in ("tokens_per_verify_step", "draft_coverage", "projected_speedup", "accepted_length_histogram",
+              "draft_us_per_step", "update_us_per_step"):
+        assert k in r["ours"]
+    assert r["peers"]["sglang_trie_per_prompt"]["status"] == "ok"
+    assert r["peers"]["arctic_global"]["status"] in ("missing", "ok")
+    assert (plots / "accepted_hist_humaneval-sample_cross-sample.png").stat().st_size > 1000
+    assert "tok/step" in res.stdout
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text("not json\n")
+    cmd = [sys.executable, "-m", "histospec_sgl.cli", "replay", "--input", str(p), "--prompt-field", "p",
+           "--response-field", "r", "--token-ids", "--no-progress"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "bad.jsonl:1: malformed JSON" in res.stderr and "Traceback" not in res.stderr
