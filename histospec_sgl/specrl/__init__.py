@@ -1,0 +1,10 @@
+"""SPEC-RL mode: reuse a prompt's previous response, score it in one pass, cut at the first rejection.
+
+:func:`cut_points` is the acceptance rule over a batch; :func:`plan` decides what is left to
+generate; :mod:`histospec_sgl.specrl.synthetic` holds the synthetic policy pair behind the tests
+and ``histospec-sgl bench specrl``.
+"""
+
+from histospec_sgl.specrl.acceptance import Plan, SpecRLError, acceptance_probs, check_lenience, cut_points, plan
+
+__all__ = ["Plan", "SpecRLError", "acceptance_probs", "check_lenience", "cut_points", "plan"]
