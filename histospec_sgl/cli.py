@@ -1,4 +1,4 @@
-"""The ``histospec-sgl`` command line: benchmarks (and, in later releases, replay and servers)."""
+"""The ``histospec-sgl`` command line: offline replay of rollout logs and benchmarks."""
 
 from __future__ import annotations
 
@@ -66,9 +66,165 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_specrl(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import specrl_bench
+    from histospec_sgl.specrl import SpecRLError
+
+    try:
+        r = specrl_bench.run(
+            lenience=args.lenience or specrl_bench.DEFAULT_LENIENCE,
+            vocab=args.vocab,
+            length=args.length,
+            divergence=args.divergence,
+            seed=args.seed,
+            samples=args.samples,
+        )
+    except SpecRLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    r["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
+    specrl_bench.print_table(r)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(r, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        specrl_bench.plot(r, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _kv(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        k, sep, v = part.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected key=value, got {part!r}")
+        out[k.strip()] = float(v) if any(c in v for c in ".e") else int(v)
+    return out
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from histospec_sgl.replay.data import FieldMap, ReplayDataError
+    from histospec_sgl.replay.report import print_table, write_plots
+    from histospec_sgl.replay.run import ReplayOptions, run_replay
+
+    fields = None
+    if args.input:
+        if not (args.prompt_field and args.response_field):
+            print("error: --input needs --prompt-field and --response-field", file=sys.stderr)
+            return 2
+        fields = FieldMap(
+            prompt=args.prompt_field,
+            response=args.response_field,
+            group=args.group_field,
+            step=args.step_field or args.epoch_field,
+            sample=args.sample_field,
+            policy=args.policy_field,
+            token_ids=args.token_ids,
+        )
+    peers = [] if args.peers in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
+    opts = ReplayOptions(
+        preset=args.preset,
+        input=Path(args.input) if args.input else None,
+        fields=fields,
+        data_root=Path(args.data_root) if args.data_root else None,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else None,
+        scenario=args.scenario,
+        draft_tokens=args.draft_tokens,
+        chain=args.chain,
+        seed=args.seed,
+        max_groups=args.max_groups,
+        per_group=args.per_group,
+        history_size=args.history_size,
+        history_policies=args.history_policies,
+        min_step=args.min_step,
+        peers=peers,
+        draft_config=args.draft_config or {},
+        verify_costs=args.verify_cost,
+        batch_size=args.batch_size,
+        decode_step_ms=args.decode_step_ms,
+        progress=not args.no_progress,
+    )
+    try:
+        result = run_replay(opts, command="histospec-sgl " + " ".join(sys.argv[1:]))
+    except ReplayDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot_dir:
+        for p in write_plots(result, Path(args.plot_dir)):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+def _add_replay(sub: Any) -> None:
+    from histospec_sgl.replay.data import PRESETS
+    from histospec_sgl.replay.run import DEFAULT_VERIFY_COSTS, PEERS
+    from histospec_sgl.replay.scenarios import SCENARIOS
+
+    rp = sub.add_parser(
+        "replay",
+        help="tokens per verify step and projected speedup on rollout logs (no GPU)",
+        description="Simulate speculative decoding with the history index on logged rollouts, next to peers.",
+    )
+    src = rp.add_argument_group("input")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in dataset (see README)")
+    src.add_argument("--input", metavar="PATH", help="a JSONL or JSONL.gz log (with the --*-field mapping)")
+    src.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    src.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
+    src.add_argument("--prompt-field")
+    src.add_argument("--response-field", help="text, or a list of texts (several samples)")
+    src.add_argument("--group-field", help="prompt group id (default: the prompt itself)")
+    src.add_argument("--step-field", help="training step / iteration of the sample")
+    src.add_argument("--epoch-field", help="alias of --step-field")
+    src.add_argument("--sample-field")
+    src.add_argument("--policy-field", help="run / checkpoint id (cross-policy)")
+    src.add_argument("--token-ids", action="store_true", help="prompt and response fields hold token-id lists")
+    sc = rp.add_argument_group("scenario")
+    sc.add_argument("--scenario", choices=SCENARIOS, default="cross-sample")
+    sc.add_argument("--draft-tokens", type=int, default=16, help="tree nodes per verify step, root included")
+    sc.add_argument("--chain", action="store_true", help="draft chains instead of trees (ours)")
+    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument("--max-groups", type=int, help="groups sampled (0 = all; preset default otherwise)")
+    sc.add_argument("--per-group", type=int, help="responses replayed per group (0 = all)")
+    sc.add_argument("--history-size", type=int, help="cap on history responses per case (0 = all)")
+    sc.add_argument("--history-policies", type=int, help="cross-policy: other policies in the history (0 = all)")
+    sc.add_argument("--min-step", type=int, help="only steps/iterations >= this")
+    sc.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}, or none")
+    sc.add_argument("--draft-config", type=_kv, help="ours: DraftConfig overrides, e.g. recency=0.5,escape=1")
+    cm = rp.add_argument_group("cost model")
+    cm.add_argument(
+        "--verify-cost",
+        type=_floats,
+        default=list(DEFAULT_VERIFY_COSTS),
+        help="cost of verifying d nodes in decode steps, comma list (default 1,1.1,1.25,1.5,2)",
+    )
+    cm.add_argument("--batch-size", type=int, default=64, help="requests per decode step (CPU draft cost)")
+    cm.add_argument("--decode-step-ms", type=float, default=20.0, help="one plain decode step of the batch")
+    out = rp.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH")
+    out.add_argument("--plot-dir", metavar="DIR")
+    out.add_argument("--no-progress", action="store_true")
+    rp.set_defaults(func=_replay)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="histospec-sgl", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    _add_replay(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("index", help="index ingest, memory, batch draft latency and acceptance (W1/W2)")
@@ -77,6 +233,16 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--latency-steps", type=int, default=100)
     bi.add_argument("--acc-prompts", type=int, default=64, help="prompts replayed for acceptance")
     bi.set_defaults(func=_bench_index)
+    bs = bsub.add_parser("specrl", help="SPEC-RL lenience trade-off on a synthetic policy pair")
+    bs.add_argument("--json", metavar="PATH")
+    bs.add_argument("--plot", metavar="PNG", help="write the trade-off plot")
+    bs.add_argument("--lenience", type=_floats, help="comma list of ℓ >= 1 (inf allowed); default 1,e^.15,e^.3,e^.5,e,e^2,inf")
+    bs.add_argument("--vocab", type=int, default=4)
+    bs.add_argument("--length", type=int, default=6)
+    bs.add_argument("--divergence", type=float, default=0.5, help="std of the old policy's logit noise")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--samples", type=int, default=100_000)
+    bs.set_defaults(func=_bench_specrl)
     return ap
 
 
