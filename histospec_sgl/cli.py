@@ -17,6 +17,12 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _write_json(path: str, obj: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=2))
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def _print_index(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -60,9 +66,7 @@ def _bench_index(args: argparse.Namespace) -> int:
     result["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
     _print_index(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, result)
     return 0
 
 
@@ -85,9 +89,7 @@ def _bench_specrl(args: argparse.Namespace) -> int:
     r["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
     specrl_bench.print_table(r)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, r)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         specrl_bench.plot(r, args.plot)
@@ -161,9 +163,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     print_table(result)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, result)
     if args.plot_dir:
         for p in write_plots(result, Path(args.plot_dir)):
             print(f"wrote {p}", file=sys.stderr)

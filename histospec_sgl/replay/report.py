@@ -56,6 +56,16 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
+def _save(fig: Any, ax: Any, path: Path, out: list[Path]) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    out.append(path)
+
+
 def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -65,7 +75,8 @@ def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     cfg = result["config"]
     rows = [(n, r) for n, r in _rows(result) if r.get("status", "ok") == "ok"]
-    out = []
+    out: list[Path] = []
+    tag = f"{cfg['preset'] or 'custom'}_{cfg['scenario']}"
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(rows)
@@ -76,12 +87,7 @@ def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
     ax.set_xlabel("accepted draft tokens per verify step")
     ax.set_ylabel("fraction of verify steps")
     ax.set_title(f"accepted length, {cfg['scenario']} ({cfg['preset'] or 'custom'}, d={cfg['draft_tokens']})")
-    ax.legend()
-    fig.tight_layout()
-    p = plot_dir / f"accepted_hist_{cfg['preset'] or 'custom'}_{cfg['scenario']}.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    out.append(p)
+    _save(fig, ax, plot_dir / f"accepted_hist_{tag}.png", out)
 
     by = result["ours"]["tokens_per_verify_step_by_step"]
     if len(by) > 1:
@@ -93,10 +99,5 @@ def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
         ax.set_xlabel("step / epoch of the replayed responses")
         ax.set_ylabel("tokens per verify step")
         ax.set_title(f"tokens per verify step by step, {cfg['scenario']} ({cfg['preset'] or 'custom'})")
-        ax.legend()
-        fig.tight_layout()
-        p = plot_dir / f"tokens_per_step_by_step_{cfg['preset'] or 'custom'}_{cfg['scenario']}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        out.append(p)
+        _save(fig, ax, plot_dir / f"tokens_per_step_by_step_{tag}.png", out)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from histospec_sgl.replay.data import ReplayDataError, Rollout
@@ -38,7 +38,7 @@ class Selection:
     seed: int = 0
 
 
-def _buckets(rows: Sequence[Rollout], key: callable) -> dict[Hashable, list[Rollout]]:  # type: ignore[valid-type]
+def _buckets(rows: Sequence[Rollout], key: Callable[[Rollout], Hashable]) -> dict[Hashable, list[Rollout]]:
     out: dict[Hashable, list[Rollout]] = defaultdict(list)
     for r in rows:
         out[key(r)].append(r)

@@ -28,7 +28,7 @@ def check_lenience(lenience: float) -> float:
     return lenience
 
 
-def _flat(seqs: Sequence[np.ndarray] | np.ndarray, what: str) -> tuple[np.ndarray, np.ndarray]:
+def _flat(seqs: Sequence[np.ndarray] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     arrs = [np.asarray(s, dtype=np.float64).reshape(-1) for s in seqs]
     lens = np.array([a.size for a in arrs], dtype=np.int64)
     flat = np.concatenate(arrs) if arrs else np.zeros(0)
@@ -69,27 +69,27 @@ def cut_points(
     lenience = check_lenience(lenience)
     if len(logp_new) != len(logp_old):
         raise SpecRLError(f"{len(logp_new)} new log-prob arrays but {len(logp_old)} old ones")
-    new, lens = _flat(logp_new, "logp_new")
-    old, lens_old = _flat(logp_old, "logp_old")
+    new, lens = _flat(logp_new)
+    old, lens_old = _flat(logp_old)
     bad = np.nonzero(lens != lens_old)[0]
     if bad.size:
         i = int(bad[0])
         raise SpecRLError(f"sequence {i}: {lens[i]} new log-probs but {lens_old[i]} old ones")
+    ends = np.cumsum(lens)
+    starts = ends - lens
     for name, arr in (("logp_new", new), ("logp_old", old)):
         broken = np.isnan(arr) | (arr == np.inf) | (arr > 1e-6)
         if broken.any():
             pos = int(np.nonzero(broken)[0][0])
-            seq = int(np.searchsorted(np.cumsum(lens), pos, side="right"))
-            start = int(np.cumsum(lens)[seq - 1]) if seq else 0
-            raise SpecRLError(f"sequence {seq}, token {pos - start}: {name} is {arr[pos]} (log-probs must be <= 0, not NaN)")
+            seq = int(np.searchsorted(ends, pos, side="right"))
+            raise SpecRLError(f"sequence {seq}, token {pos - int(starts[seq])}: {name} is {arr[pos]} (log-probs must be <= 0, not NaN)")
     acc = acceptance_probs(new, old, lenience)
     u = rng.random(acc.size)
     rejected = u >= acc
     out = lens.copy()
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]) if lens.size else lens
     idx = np.nonzero(rejected)[0]
     if idx.size:
-        seq_of = np.searchsorted(np.cumsum(lens), idx, side="right")
+        seq_of = np.searchsorted(ends, idx, side="right")
         # First rejection per sequence: idx is sorted, so the first occurrence of each seq.
         first = np.unique(seq_of, return_index=True)
         out[first[0]] = idx[first[1]] - starts[first[0]]

@@ -12,28 +12,8 @@
 //! Not a product path: it exists to measure a peer. Capacity is unbounded (SGLang evicts leaves
 //! from a fixed pool; with per-prompt history the pool is never full).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
-
 use crate::draft::Node;
-
-/// Multiplicative hash for the packed (parent, token) edge key: deterministic and cheap.
-#[derive(Default)]
-pub struct EdgeHasher(u64);
-
-impl Hasher for EdgeHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (v ^ (v >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
+use crate::store::FixedMap;
 
 /// Parameters, with SGLang's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -68,7 +48,7 @@ struct TNode {
 pub struct TriePeer {
     cfg: TrieConfig,
     nodes: Vec<TNode>,
-    edges: HashMap<u64, u32, BuildHasherDefault<EdgeHasher>>,
+    edges: FixedMap<u64, u32>,
     clock: u64,
 }
 
@@ -90,7 +70,7 @@ impl TriePeer {
                 touched: 0,
                 children: Vec::new(),
             }],
-            edges: HashMap::default(),
+            edges: FixedMap::default(),
             clock: 0,
         }
     }
@@ -186,7 +166,7 @@ impl TriePeer {
             prob: 1.0,
         }];
         // (tree node, token) -> tree node, to merge expansions from several anchors.
-        let mut next: HashMap<u64, u32, BuildHasherDefault<EdgeHasher>> = HashMap::default();
+        let mut next: FixedMap<u64, u32> = FixedMap::default();
         let max_match = (self.cfg.max_depth as i64 - 1).max(1) as f64;
         let scale = (self.cfg.max_breadth - self.cfg.min_breadth) as f64 / max_match;
         let mut scratch = Vec::new();

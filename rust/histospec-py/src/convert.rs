@@ -66,3 +66,19 @@ pub fn contiguous<'a, T: numpy::Element>(
         ))
     })
 }
+
+/// A draft tree as Python lists: (tokens, parents), the root's parent as -1.
+pub fn tree_lists(nodes: &[histospec_index::Node]) -> (Vec<i64>, Vec<i64>) {
+    let toks = nodes.iter().map(|n| n.tok as i64).collect();
+    let parents = nodes
+        .iter()
+        .map(|n| {
+            if n.parent == u32::MAX {
+                -1
+            } else {
+                n.parent as i64
+            }
+        })
+        .collect();
+    (toks, parents)
+}

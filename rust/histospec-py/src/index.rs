@@ -9,7 +9,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::convert::{rids as rids_arg, tokens as tokens_arg};
+use crate::convert::{rids as rids_arg, tokens as tokens_arg, tree_lists};
 use crate::errors::{poisoned, to_py};
 
 /// (prompt_ids, response_ids, version) as returned to Python.
@@ -252,17 +252,7 @@ impl PyHistoryIndex {
         let nodes = self.inspect(py, |g| {
             DRAFTER.with(|d| g.draft_nodes(rid, num_nodes, chain, &mut d.borrow_mut()))
         })?;
-        let toks = nodes.iter().map(|n| n.tok as i64).collect();
-        let parents = nodes
-            .iter()
-            .map(|n| {
-                if n.parent == u32::MAX {
-                    -1
-                } else {
-                    n.parent as i64
-                }
-            })
-            .collect();
+        let (toks, parents) = tree_lists(&nodes);
         let probs = nodes.iter().map(|n| n.prob).collect();
         Ok((toks, parents, probs))
     }

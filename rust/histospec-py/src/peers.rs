@@ -6,7 +6,7 @@ use histospec_index::peer_trie::{TrieConfig, TriePeer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::convert::tokens as tokens_arg;
+use crate::convert::{tokens as tokens_arg, tree_lists};
 use crate::errors::poisoned;
 
 /// Model of SGLang 0.5.23's NGRAM trie drafter (recency BFS), for comparisons only.
@@ -73,18 +73,7 @@ impl PyTriePeer {
                     .map_err(|_| ())
             })
             .map_err(|_| poisoned())?;
-        let toks = nodes.iter().map(|n| n.tok as i64).collect();
-        let parents = nodes
-            .iter()
-            .map(|n| {
-                if n.parent == u32::MAX {
-                    -1
-                } else {
-                    n.parent as i64
-                }
-            })
-            .collect();
-        Ok((toks, parents))
+        Ok(tree_lists(&nodes))
     }
 
     fn clear(&self) -> PyResult<()> {
