@@ -1,4 +1,4 @@
-"""The ``histospec-sgl`` command line: offline replay of rollout logs and benchmarks."""
+"""The ``histospec-sgl`` command line: offline replay of rollout logs, the draft server, benchmarks."""
 
 from __future__ import annotations
 
@@ -221,10 +221,80 @@ def _add_replay(sub: Any) -> None:
     rp.set_defaults(func=_replay)
 
 
+def _draft_server(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    from histospec_sgl import _core
+
+    token = None
+    if args.auth_token_file:
+        try:
+            token = Path(args.auth_token_file).read_text().strip()
+        except OSError as e:
+            print(f"error: --auth-token-file: {e}", file=sys.stderr)
+            return 2
+        if not token:
+            print(f"error: --auth-token-file {args.auth_token_file} is empty", file=sys.stderr)
+            return 2
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    host = args.listen.rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and token is None:
+        print(f"warning: listening on {args.listen} without --auth-token-file: anyone who can reach it can "
+              "publish history", file=sys.stderr)
+    try:
+        _core.run_draft_server(
+            args.listen,
+            auth_token=token,
+            data_dir=args.data_dir,
+            max_tokens=args.max_tokens,
+            max_records=args.max_records,
+            max_message_bytes=args.max_message_bytes,
+            max_tokens_per_record=args.max_tokens_per_record,
+            snapshot_every_bytes=args.snapshot_every_bytes,
+            subscriber_buffer=args.subscriber_buffer,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_draft_server(sub: Any) -> None:
+    ds = sub.add_parser(
+        "draft-server",
+        help="serve history to index replicas over gRPC (histospec.v1)",
+        description="The draft server: trainers and engines publish finished rollouts, index replicas "
+        "subscribe and converge to the same history. Stops gracefully on SIGTERM/SIGINT.",
+    )
+    ds.add_argument("--listen", default="127.0.0.1:50061", help="host:port (default loopback; port 0: any free)")
+    ds.add_argument("--auth-token-file", metavar="F", help="require `authorization: Bearer <token in F>`")
+    ds.add_argument("--data-dir", metavar="D", help="persist the log and snapshots here (fsync before ack)")
+    ds.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                    help="retain at most N prompt+response tokens, evicting the oldest records (0: no limit)")
+    ds.add_argument("--max-records", type=int, default=0, metavar="N", help="retain at most N records (0: no limit)")
+    ds.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message (default 64 MiB)")
+    ds.add_argument("--max-tokens-per-record", type=int, default=1 << 20)
+    ds.add_argument("--snapshot-every-bytes", type=int, default=256 << 20,
+                    help="compact the log into a snapshot after this much log (default 256 MiB)")
+    ds.add_argument("--subscriber-buffer", type=int, default=8, help="messages buffered per subscriber")
+    ds.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
+    ds.add_argument("--tls-key", metavar="PEM", help="and this private key")
+    ds.set_defaults(func=_draft_server)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="histospec-sgl", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_replay(sub)
+    _add_draft_server(sub)
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("index", help="index ingest, memory, batch draft latency and acceptance (W1/W2)")

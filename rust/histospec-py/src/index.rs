@@ -48,7 +48,7 @@ impl PyHistoryIndex {
     }
     /// Runs `f` under the write lock with the GIL released. The lock is taken without the GIL, so
     /// a thread blocked on it never holds the GIL that the lock holder needs to return.
-    fn mutate<T: Send>(
+    pub(crate) fn mutate<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut HistoryIndex) -> Result<T, CoreError> + Send,
@@ -115,11 +115,20 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     Ok(out)
 }
 
-fn group_or_key(group: Option<i64>, prompt: &[i32]) -> PyResult<u64> {
-    match group {
-        Some(g) => Ok(g as u64),
-        None => Ok(histospec_index::prompt_key(prompt)),
+/// An explicit group key: any int in [-2^63, 2^64) (negative ones are taken modulo 2^64, so keys
+/// from `prompt_key` and signed 64-bit keys from other systems both work).
+pub(crate) fn group_or_key(group: Option<&Bound<'_, PyAny>>, prompt: &[i32]) -> PyResult<u64> {
+    let Some(g) = group.filter(|g| !g.is_none()) else {
+        return Ok(histospec_index::prompt_key(prompt));
+    };
+    if let Ok(k) = g.extract::<u64>() {
+        return Ok(k);
     }
+    g.extract::<i64>().map(|k| k as u64).map_err(|_| {
+        PyValueError::new_err(format!(
+            "group must be an int in [-2**63, 2**64) or None, got {g}"
+        ))
+    })
 }
 
 fn rid_arg(rid: i64) -> PyResult<u64> {
@@ -180,7 +189,7 @@ impl PyHistoryIndex {
         &self,
         py: Python<'_>,
         rid: i64,
-        group: Option<i64>,
+        group: Option<&Bound<'_, PyAny>>,
         prompt_ids: &Bound<'_, PyAny>,
         version: Option<u64>,
     ) -> PyResult<u64> {
@@ -227,7 +236,7 @@ impl PyHistoryIndex {
     fn add_response(
         &self,
         py: Python<'_>,
-        group: Option<i64>,
+        group: Option<&Bound<'_, PyAny>>,
         prompt_ids: &Bound<'_, PyAny>,
         response_ids: &Bound<'_, PyAny>,
         version: u64,

@@ -4,6 +4,7 @@ mod convert;
 mod errors;
 mod index;
 mod peers;
+mod wire;
 
 use pyo3::prelude::*;
 
@@ -19,6 +20,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<index::PyHistoryIndex>()?;
     m.add_class::<peers::PyTriePeer>()?;
     m.add_function(wrap_pyfunction!(prompt_key, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::encode_publish, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::decode_publish_response, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::encode_subscribe, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::decode_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::decode_records, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::apply_records, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_span, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::run_draft_server, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "SNAPSHOT_FORMAT_VERSION",

@@ -1,0 +1,477 @@
+"""grpcio clients of the draft server: :class:`HistoryPublisher` and :class:`HistorySubscriber`.
+
+Messages travel as raw bytes; the native module encodes and decodes them with the server's own
+protobuf types (``proto/histospec/v1/history.proto``), so no protobuf runtime is needed and a
+subscriber applies records to a :class:`~histospec_sgl.HistoryIndex` without a Python object per token.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from histospec_sgl import _core
+from histospec_sgl.errors import HistospecError
+
+__all__ = [
+    "DraftServerError",
+    "PublishError",
+    "HistoryPublisher",
+    "HistorySubscriber",
+    "SERVICE",
+]
+
+log = logging.getLogger("histospec_sgl.sync")
+
+SERVICE = "histospec.v1.HistoryService"
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+# Codes worth retrying: the server is down or restarting, or the call ran out of time.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+
+
+class DraftServerError(HistospecError):
+    """A draft-server call failed; ``code`` is the gRPC status code (or None)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class PublishError(DraftServerError):
+    """A publish failed for good (refused, or still failing after every retry)."""
+
+
+def _describe(e: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return code, f"{code.name if code else 'error'}: {details}"
+
+
+class _Client:
+    """A channel to the server with the auth metadata and size limits every call uses."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_token: str | None = None,
+        tls_root_certificates: bytes | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        self.address = address
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 20_000),
+        ]
+        if tls_root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls_root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options)
+        else:
+            self._channel = grpc.insecure_channel(address, options)
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+
+    def _unary(self, method: str, request: bytes, timeout: float | None) -> bytes:
+        call = self._channel.unary_unary(f"/{SERVICE}/{method}")
+        return call(request, timeout=timeout, metadata=self._metadata)
+
+    def _stream(self, method: str, request: bytes, timeout: float | None = None) -> Any:
+        call = self._channel.unary_stream(f"/{SERVICE}/{method}")
+        return call(request, timeout=timeout, metadata=self._metadata)
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The server's counters (records, tokens, groups, head_sequence, subscribers, ...)."""
+        try:
+            return _core.decode_stats(self._unary("Stats", b"", timeout))
+        except grpc.RpcError as e:
+            code, msg = _describe(e)
+            raise DraftServerError(f"Stats on {self.address} failed: {msg}", code) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class HistoryPublisher(_Client):
+    """Publishes finished responses to the draft server, batched, with retries.
+
+    Every record gets an id when :meth:`publish` queues it (``record_id`` or ``<prefix>:<n>`` with a
+    random prefix per publisher), so a batch resent after a timeout or a server restart is stored once.
+    Pass your own ids (e.g. ``f"{run}:{step}:{prompt}:{sample}"``) to make a restarted trainer's
+    re-publish idempotent too.
+
+    Args:
+        address: ``host:port`` of the server.
+        auth_token: sent as ``authorization: Bearer <token>``.
+        tls_root_certificates: PEM roots to verify a TLS server (None: plaintext).
+        batch_records, batch_tokens: :meth:`publish` sends once either is reached.
+        max_attempts: tries per batch before :class:`PublishError` (retrying UNAVAILABLE,
+            DEADLINE_EXCEEDED, ABORTED); the batch stays queued, so calling :meth:`flush` again resumes.
+        backoff, max_backoff: first and largest pause between tries (exponential, with jitter).
+        timeout: seconds per attempt.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        auth_token: str | None = None,
+        tls_root_certificates: bytes | None = None,
+        batch_records: int = 256,
+        batch_tokens: int = 1 << 20,
+        max_attempts: int = 10,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        timeout: float = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        id_prefix: str | None = None,
+    ):
+        super().__init__(
+            address,
+            auth_token=auth_token,
+            tls_root_certificates=tls_root_certificates,
+            max_message_bytes=max_message_bytes,
+        )
+        if batch_records < 1 or batch_tokens < 1 or max_attempts < 1:
+            raise ValueError("batch_records, batch_tokens and max_attempts must be >= 1")
+        self.batch_records = batch_records
+        self.batch_tokens = batch_tokens
+        self.max_attempts = max_attempts
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.timeout = timeout
+        self._prefix = id_prefix if id_prefix is not None else uuid.uuid4().hex
+        self._n = 0
+        self._pending: list[tuple] = []
+        self._pending_tokens = 0
+        self._lock = threading.Lock()
+        self.published = 0
+        self.duplicates = 0
+        self.retries = 0
+        self.last_sequence = 0
+
+    def publish(
+        self,
+        prompt_ids: Sequence[int] | Any,
+        response_ids: Sequence[int] | Any,
+        *,
+        group: int | None = None,
+        version: int = 0,
+        sample_index: int = 0,
+        logprobs: Sequence[float] | Any | None = None,
+        reward: float | None = None,
+        record_id: bytes | str | None = None,
+    ) -> bytes:
+        """Queues one finished response (sending the batch when it is full); returns its record id."""
+        with self._lock:
+            if record_id is None:
+                rid = f"{self._prefix}:{self._n}".encode()
+                self._n += 1
+            else:
+                rid = record_id.encode() if isinstance(record_id, str) else bytes(record_id)
+            self._pending.append((rid, group, prompt_ids, response_ids, version, sample_index, logprobs, reward))
+            self._pending_tokens += len(prompt_ids) + len(response_ids)
+            full = len(self._pending) >= self.batch_records or self._pending_tokens >= self.batch_tokens
+        if full:
+            self.flush()
+        return rid
+
+    def flush(self) -> dict[str, Any] | None:
+        """Sends everything queued; returns the last reply (``sequences``, ``accepted``, ``duplicates``,
+        ``durable``), or None when nothing was queued.
+
+        Raises:
+            PublishError: the server refused the batch (bad record, reused id with other contents,
+                wrong token, too large), or it stayed unreachable for ``max_attempts`` tries.
+            ValueError: a record that cannot be encoded (names the record).
+        """
+        with self._lock:
+            if not self._pending:
+                return None
+            request = _core.encode_publish(self._pending)
+            reply = self._send(request, len(self._pending))
+            self._pending.clear()
+            self._pending_tokens = 0
+            self.published += reply["accepted"]
+            self.duplicates += reply["duplicates"]
+            if reply["sequences"]:
+                self.last_sequence = max(self.last_sequence, max(reply["sequences"]))
+            return reply
+
+    def _send(self, request: bytes, n: int) -> dict[str, Any]:
+        pause = self.backoff
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return _core.decode_publish_response(self._unary("Publish", request, self.timeout))
+            except grpc.RpcError as e:
+                code, msg = _describe(e)
+                if code not in RETRYABLE:
+                    hint = ""
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        hint = " (lower batch_records/batch_tokens, or raise the server's --max-message-bytes)"
+                    raise PublishError(f"Publish of {n} records to {self.address} refused: {msg}{hint}", code) from None
+                if attempt == self.max_attempts:
+                    raise PublishError(
+                        f"Publish of {n} records to {self.address} failed {attempt} times, last: {msg}; "
+                        "the records stay queued (call flush() again)",
+                        code,
+                    ) from None
+                self.retries += 1
+                log.warning("publish attempt %d failed (%s); retrying in %.2fs", attempt, msg, pause)
+                time.sleep(pause * (0.5 + random.random()))
+                pause = min(pause * 2, self.max_backoff)
+        raise AssertionError("unreachable")
+
+    @property
+    def queued(self) -> int:
+        """Records queued and not yet acknowledged."""
+        return len(self._pending)
+
+    def close(self) -> None:
+        """Flushes what is queued, then closes the channel."""
+        try:
+            self.flush()
+        finally:
+            super().close()
+
+
+class HistorySubscriber(_Client):
+    """Follows the server's global record order and applies it to a :class:`HistoryIndex`.
+
+    A background thread receives messages (a Snapshot first when starting from nothing or after
+    falling behind retention, then Subscribe), reconnecting with backoff when the server goes away and
+    resuming after the last record received. Records reach the index in one of two ways:
+
+    - ``background=False`` (default; what an engine uses): messages wait in a bounded queue and the
+      owner applies them with :meth:`poll` at a point of its choosing, e.g. between decode steps.
+      ``poll(index, through_sequence=s)`` applies exactly up to ``s``, so every tensor-parallel rank
+      can apply the same records at the same logical point (rank 0 picks ``s`` from
+      :attr:`received_sequence` and broadcasts it).
+    - ``background=True`` (a standalone replica): the receiving thread applies them itself.
+
+    Args:
+        index: the index to feed.
+        after_sequence: records up to this sequence are already in ``index`` (0: none).
+        max_buffered: messages held before the stream is paused (back-pressure to the server).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        index: Any,
+        *,
+        auth_token: str | None = None,
+        tls_root_certificates: bytes | None = None,
+        after_sequence: int = 0,
+        background: bool = False,
+        max_buffered: int = 64,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        super().__init__(
+            address,
+            auth_token=auth_token,
+            tls_root_certificates=tls_root_certificates,
+            max_message_bytes=max_message_bytes,
+        )
+        self.index = index
+        self.background = background
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=max(1, max_buffered))
+        self._held: tuple[str, bytes] | None = None  # a message applied only up to through_sequence
+        self._received = after_sequence
+        self._applied = after_sequence
+        self._head = 0
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._error: DraftServerError | None = None
+        self.applied_records = 0
+        self.rejected_records = 0
+        self.snapshots = 0
+        self.reconnects = 0
+        self._thread = threading.Thread(target=self._run, name="histospec-subscriber", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> HistorySubscriber:
+        self._thread.start()
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def close(self) -> None:
+        """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        super().close()
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def received_sequence(self) -> int:
+        """Highest sequence received (applied or waiting in the queue)."""
+        return self._received
+
+    @property
+    def applied_sequence(self) -> int:
+        """Highest sequence applied to the index."""
+        return self._applied
+
+    @property
+    def head_sequence(self) -> int:
+        """The server's head as of the last message."""
+        return self._head
+
+    @property
+    def error(self) -> DraftServerError | None:
+        """Set when the subscription stopped for good (e.g. the server lost history it had sent)."""
+        return self._error
+
+    # -- receiving thread -------------------------------------------------------------------------
+    def _deliver(self, kind: str, data: bytes) -> None:
+        if self.background:
+            self._apply(kind, data, None)
+            return
+        while not self._stop.is_set():
+            try:
+                self._queue.put((kind, data), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _consume(self, kind: str, stream: Any) -> None:
+        for data in stream:
+            if self._stop.is_set():
+                return
+            last, mark = _core.wire_span(data, kind)
+            self._deliver(kind, data)
+            self._received = max(self._received, last)
+            if kind == "subscribe":
+                self._head = max(self._head, mark)
+            else:
+                self._received = max(self._received, mark)
+                self._head = max(self._head, mark)
+            with self._cond:
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        pause = self.backoff
+        need_snapshot = self._received == 0
+        while not self._stop.is_set():
+            try:
+                if need_snapshot:
+                    self._call = self._stream("Snapshot", b"")
+                    self._consume("snapshot", self._call)
+                    self.snapshots += 1
+                    need_snapshot = False
+                self._call = self._stream("Subscribe", _core.encode_subscribe(self._received + 1))
+                self._consume("subscribe", self._call)
+                # The server ended the stream (shutdown): reconnect.
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                code, msg = _describe(e)
+                if code == grpc.StatusCode.OUT_OF_RANGE:
+                    log.warning("subscriber fell behind retention (%s); catching up from a snapshot", msg)
+                    need_snapshot = True
+                    continue
+                if code not in RETRYABLE and code != grpc.StatusCode.CANCELLED:
+                    self._fail(DraftServerError(f"subscription to {self.address} stopped: {msg}", code))
+                    return
+            except DraftServerError as e:  # raised by a background apply
+                self._fail(e)
+                return
+            if self._stop.is_set():
+                return
+            self.reconnects += 1
+            time.sleep(pause * (0.5 + random.random()))
+            pause = min(pause * 2, self.max_backoff)
+
+    def _fail(self, e: DraftServerError) -> None:
+        log.error("%s", e)
+        self._error = e
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- applying ---------------------------------------------------------------------------------
+    def _apply(self, kind: str, data: bytes, through: int | None) -> bool:
+        """Applies one message (records after the applied sequence, up to ``through``); returns
+        whether the whole message is done."""
+        try:
+            r = _core.apply_records(self.index, data, kind, self._applied, through)
+        except ValueError as e:
+            raise DraftServerError(f"bad message from {self.address}: {e}") from None
+        self.applied_records += r["applied"]
+        self.rejected_records += r["rejected"]
+        with self._cond:
+            self._applied = max(self._applied, r["last_sequence"])
+            self._cond.notify_all()
+        return not r["more"]
+
+    def poll(self, index: Any = None, *, through_sequence: int | None = None, timeout: float = 0.0) -> int:
+        """Applies received records to the index; returns how many were applied.
+
+        Without ``through_sequence`` it applies what has arrived (waiting up to ``timeout`` for the
+        first message). With it, it applies exactly up to that sequence, waiting up to ``timeout``
+        seconds for it to arrive (:class:`TimeoutError` if it does not).
+        """
+        if self.background:
+            raise RuntimeError("poll() is for background=False subscribers; this one applies on its own")
+        if index is not None and index is not self.index:
+            raise ValueError("poll() applies to the index the subscriber was created with")
+        before = self.applied_records
+        deadline = time.monotonic() + timeout
+        while True:
+            if through_sequence is not None and self._applied >= through_sequence:
+                break
+            if self._held is not None:
+                item, self._held = self._held, None
+            else:
+                wait = max(0.0, deadline - time.monotonic())
+                try:
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    if self._error is not None:
+                        raise self._error
+                    if through_sequence is not None:
+                        raise TimeoutError(
+                            f"sequence {through_sequence} not received within {timeout}s "
+                            f"(applied {self._applied}, received {self._received})"
+                        ) from None
+                    break
+            if not self._apply(item[0], item[1], through_sequence):
+                self._held = item
+            if through_sequence is None and self._queue.empty() and self._held is None:
+                deadline = time.monotonic()  # applied what had arrived; do not wait again
+        return self.applied_records - before
+
+    def wait_applied(self, sequence: int, timeout: float) -> None:
+        """Blocks until ``sequence`` is applied (background mode, or another thread polling)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._applied < sequence:
+                if self._error is not None:
+                    raise self._error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"sequence {sequence} not applied within {timeout}s (applied {self._applied})")
+                self._cond.wait(left)

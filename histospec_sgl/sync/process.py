@@ -1,0 +1,126 @@
+"""Start a draft server as a child process (``histospec-sgl draft-server``) and wait until it listens.
+
+Used by the tests (which kill it with real signals) and by ``histospec-sgl bench sync``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+READY = "histospec draft-server listening on "
+
+
+class DraftServerProcess:
+    """A ``histospec-sgl draft-server`` child process.
+
+    Args:
+        listen: address to bind (port 0: a free one, read back from the ready line).
+        data_dir, auth_token_file, max_tokens, max_records, extra: passed as the CLI flags.
+        log: file to collect the server's stderr (None: inherit).
+    """
+
+    def __init__(
+        self,
+        listen: str = "127.0.0.1:0",
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        auth_token_file: str | os.PathLike[str] | None = None,
+        max_tokens: int = 0,
+        max_records: int = 0,
+        extra: list[str] | None = None,
+        log: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 30.0,
+    ):
+        cmd = [sys.executable, "-m", "histospec_sgl.cli", "draft-server", "--listen", listen]
+        if data_dir is not None:
+            cmd += ["--data-dir", str(data_dir)]
+        if auth_token_file is not None:
+            cmd += ["--auth-token-file", str(auth_token_file)]
+        if max_tokens:
+            cmd += ["--max-tokens", str(max_tokens)]
+        if max_records:
+            cmd += ["--max-records", str(max_records)]
+        cmd += extra or []
+        self.cmd = cmd
+        self._log = open(log, "ab") if log is not None else None  # noqa: SIM115 (closed in wait())
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.address = self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> str:
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                if line.startswith(READY):
+                    found.append(line[len(READY) :].strip())
+                    break
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not found:
+            self.kill()
+            where = f" (see {self._log.name})" if self._log is not None else ""
+            raise RuntimeError(f"draft server did not start within {timeout}s: {' '.join(self.cmd)}{where}")
+        return found[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful: drain, final snapshot); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.wait(30)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            if self._log is not None:
+                self._log.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def __enter__(self) -> DraftServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def wait_port_free(port: int, timeout: float = 10.0) -> None:
+    """Waits until nothing listens on 127.0.0.1:port (after a kill, before a restart on it)."""
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                time.sleep(0.05)
+    raise TimeoutError(f"port {port} still in use after {timeout}s")
+
+
+__all__ = ["DraftServerProcess", "wait_port_free", "READY"]

@@ -1,0 +1,23 @@
+//! The histospec draft server: trainers and engines publish finished rollouts, every index replica
+//! subscribes and applies them in one global order (see `proto/histospec/v1/history.proto`).
+//!
+//! - [`store`]: the retained records in sequence order, with idempotent record ids and retention.
+//! - [`disk`]: the crash-safe log and snapshots under `--data-dir`.
+//! - [`service`]: the gRPC service (Publish, Subscribe, Snapshot, Stats) and auth.
+//! - [`server`]: configuration, listening, health, TLS, graceful shutdown.
+//! - [`validate`]: checks on untrusted records (the decoding path the fuzz tests drive).
+
+pub mod disk;
+pub mod server;
+pub mod service;
+pub mod store;
+pub mod validate;
+
+/// Generated protobuf and gRPC code for `histospec.v1`.
+pub mod proto {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("histospec.v1");
+}
+
+pub use server::{serve, ServerConfig, ServerHandle};
+pub use store::Store;

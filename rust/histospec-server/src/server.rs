@@ -1,0 +1,272 @@
+//! Configuration, start-up (load the data dir, bind, health), graceful shutdown (stop accepting, end
+//! subscriber streams, drain, final snapshot).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+use tonic::{Request, Status};
+
+use crate::disk::Disk;
+use crate::proto::history_service_server::HistoryServiceServer;
+use crate::proto::Record;
+use crate::service::{Limits, Service, Shared};
+use crate::store::{Retention, Store};
+
+/// Everything `histospec-sgl draft-server` can set.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on; port 0 picks a free one.
+    pub listen: String,
+    /// Clients must send `authorization: Bearer <token>` (health checks excepted).
+    pub auth_token: Option<String>,
+    /// Persist the log and snapshots here and reload them on start.
+    pub data_dir: Option<PathBuf>,
+    pub retention: Retention,
+    /// Largest gRPC message accepted or sent.
+    pub max_message_bytes: usize,
+    pub limits: Limits,
+    /// Compact the log into a snapshot once it grows past this.
+    pub snapshot_every_bytes: u64,
+    /// PEM certificate chain and key: serve TLS.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// How long a graceful shutdown waits for open calls.
+    pub drain_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            listen: "127.0.0.1:50061".into(),
+            auth_token: None,
+            data_dir: None,
+            retention: Retention::default(),
+            max_message_bytes: 64 << 20,
+            limits: Limits::default(),
+            snapshot_every_bytes: 256 << 20,
+            tls: None,
+            drain_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A start-up failure.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("data dir: {0}")]
+    Disk(#[from] crate::disk::DiskError),
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// A running server.
+pub struct ServerHandle {
+    pub local_addr: SocketAddr,
+    /// Records loaded from the data dir at start.
+    pub loaded_records: usize,
+    shutdown_tx: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<(), ServerError>>,
+    shared: Arc<Shared>,
+}
+
+impl ServerHandle {
+    /// Starts a graceful shutdown.
+    pub fn shutdown(&self) {
+        self.shutdown_tx.send_replace(true);
+    }
+    /// Waits for the server to stop, then writes the final snapshot.
+    pub async fn wait(self) -> Result<(), ServerError> {
+        let r = self
+            .task
+            .await
+            .unwrap_or_else(|e| panic!("server task panicked: {e}"));
+        let shared = self.shared;
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = shared.final_snapshot() {
+                tracing::warn!("final snapshot failed (the log keeps everything): {e}");
+            }
+        })
+        .await
+        .ok();
+        r
+    }
+    /// Counters, as `Stats` returns them.
+    pub fn stats(&self) -> crate::proto::StatsResponse {
+        self.shared.stats().unwrap_or_default()
+    }
+}
+
+fn auth_check(
+    token: Option<Arc<str>>,
+) -> impl FnMut(Request<()>) -> Result<Request<()>, Status> + Clone {
+    move |req: Request<()>| {
+        let Some(want) = token.as_deref() else {
+            return Ok(req);
+        };
+        let got = req
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let got = got.strip_prefix("Bearer ").unwrap_or("");
+        if constant_time_eq::constant_time_eq(got.as_bytes(), want.as_bytes()) {
+            Ok(req)
+        } else {
+            Err(Status::unauthenticated(
+                "missing or wrong bearer token (metadata `authorization: Bearer <token>`)",
+            ))
+        }
+    }
+}
+
+/// Loads the data dir, binds and starts serving in the current tokio runtime.
+pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
+    let mut store = Store::new(cfg.retention);
+    let mut loaded_records = 0;
+    let disk = match &cfg.data_dir {
+        Some(dir) => {
+            let (disk, loaded) = Disk::open(dir, cfg.snapshot_every_bytes)?;
+            if loaded.truncated_bytes > 0 {
+                tracing::warn!(
+                    "cut a torn tail of {} bytes from the newest log (never acknowledged)",
+                    loaded.truncated_bytes
+                );
+            }
+            loaded_records = loaded.records.len();
+            for r in loaded.records {
+                let h = crate::validate::content_hash(&Record {
+                    sequence: 0,
+                    ..r.clone()
+                });
+                store.push_loaded(r, h);
+            }
+            store.set_head(loaded.head);
+            store.enforce_retention();
+            store.evicted = 0;
+            tracing::info!(
+                "loaded {loaded_records} records from {} (head sequence {})",
+                dir.display(),
+                store.head()
+            );
+            Some(disk)
+        }
+        None => None,
+    };
+    let listener = TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|source| ServerError::Bind {
+            addr: cfg.listen.clone(),
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| ServerError::Bind {
+        addr: cfg.listen.clone(),
+        source,
+    })?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let shared = Arc::new(Shared::new(store, disk, cfg.limits, shutdown_rx.clone()));
+    let svc = HistoryServiceServer::new(Service {
+        shared: Arc::clone(&shared),
+    })
+    .max_decoding_message_size(cfg.max_message_bytes)
+    .max_encoding_message_size(cfg.max_message_bytes);
+    let svc = InterceptedService::new(svc, auth_check(cfg.auth_token.as_deref().map(Arc::from)));
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<HistoryServiceServer<Service>>()
+        .await;
+
+    let mut builder = Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(20)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)));
+    if let Some((cert, key)) = &cfg.tls {
+        let read = |p: &PathBuf| {
+            std::fs::read(p).map_err(|e| ServerError::Tls(format!("{}: {e}", p.display())))
+        };
+        let identity = Identity::from_pem(read(cert)?, read(key)?);
+        builder = builder.tls_config(ServerTlsConfig::new().identity(identity))?;
+    }
+    let router = builder.add_service(health).add_service(svc);
+    let mut stop = shutdown_rx;
+    let drain = cfg.drain_timeout;
+    let task = tokio::spawn(async move {
+        let mut stop_signal = stop.clone();
+        let signal = async move {
+            let _ = stop_signal.wait_for(|&s| s).await;
+            reporter
+                .set_not_serving::<HistoryServiceServer<Service>>()
+                .await;
+        };
+        let serving = router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), signal);
+        tokio::pin!(serving);
+        tokio::select! {
+            r = &mut serving => return r.map_err(ServerError::from),
+            _ = stop.wait_for(|&s| s) => {}
+        }
+        match tokio::time::timeout(drain, serving).await {
+            Ok(r) => r.map_err(ServerError::from),
+            Err(_) => {
+                tracing::warn!("calls still open after {drain:?}; closing them");
+                Ok(())
+            }
+        }
+    });
+    Ok(ServerHandle {
+        local_addr,
+        loaded_records,
+        shutdown_tx,
+        task,
+        shared,
+    })
+}
+
+/// Runs a server until SIGTERM or SIGINT (a blocking call that owns its runtime); `on_ready` gets the
+/// bound address once it accepts connections.
+pub fn run_until_signal(
+    cfg: ServerConfig,
+    on_ready: impl FnOnce(SocketAddr),
+) -> Result<(), ServerError> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HISTOSPEC_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("histospec-server")
+        .build()
+        .map_err(|source| ServerError::Bind {
+            addr: cfg.listen.clone(),
+            source,
+        })?;
+    rt.block_on(async move {
+        let handle = serve(cfg).await?;
+        on_ready(handle.local_addr);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|source| ServerError::Bind {
+                addr: "SIGTERM handler".into(),
+                source,
+            })?;
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        }
+        handle.shutdown();
+        handle.wait().await
+    })
+}

@@ -1,0 +1,356 @@
+//! The `histospec.v1.HistoryService` implementation.
+//!
+//! Publishes are serialized: validate the whole request, place each record (new sequence or
+//! duplicate), append the new ones to the log and fsync, then make them visible and acknowledge.
+//! Subscribers pull from the shared store at their own pace, each through a bounded buffer, so a slow
+//! one never holds up the others or the publishers; one whose next record was evicted by retention is
+//! cut off with OUT_OF_RANGE and catches up through `Snapshot`.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::disk::Disk;
+use crate::proto::history_service_server::HistoryService;
+use crate::proto::{
+    PublishRequest, PublishResponse, Record, SnapshotChunk, SnapshotRequest, StatsRequest,
+    StatsResponse, SubscribeRequest, SubscribeResponse,
+};
+use crate::store::{Placement, Store};
+use crate::validate;
+
+/// Per-message and per-stream limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest prompt + response of one record.
+    pub max_tokens_per_record: usize,
+    /// Target size of one Subscribe / Snapshot message (token bytes).
+    pub batch_bytes: usize,
+    /// Records per Subscribe / Snapshot message at most.
+    pub batch_records: usize,
+    /// Messages buffered per subscriber before it is left to catch up on its own.
+    pub subscriber_buffer: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_tokens_per_record: 1 << 20,
+            batch_bytes: 1 << 20,
+            batch_records: 1024,
+            subscriber_buffer: 8,
+        }
+    }
+}
+
+/// The persistence side of publishing: the open data dir, or none; once a write fails the server
+/// refuses publishes (a half-written log must not be appended to) until it is restarted.
+pub(crate) struct Writer {
+    pub disk: Option<Disk>,
+    pub failed: Option<String>,
+}
+
+/// State shared by every handler.
+pub struct Shared {
+    pub(crate) store: RwLock<Store>,
+    pub(crate) writer: Mutex<Writer>,
+    head_tx: watch::Sender<u64>,
+    shutdown: watch::Receiver<bool>,
+    subscribers: AtomicU64,
+    cut_off: AtomicU64,
+    durable: bool,
+    limits: Limits,
+}
+
+fn poisoned() -> Status {
+    Status::internal("draft server state poisoned by an earlier panic; restart it")
+}
+
+impl Shared {
+    pub(crate) fn new(
+        store: Store,
+        disk: Option<Disk>,
+        limits: Limits,
+        shutdown: watch::Receiver<bool>,
+    ) -> Self {
+        let (head_tx, _) = watch::channel(store.head());
+        Shared {
+            durable: disk.is_some(),
+            store: RwLock::new(store),
+            writer: Mutex::new(Writer { disk, failed: None }),
+            head_tx,
+            shutdown,
+            subscribers: AtomicU64::new(0),
+            cut_off: AtomicU64::new(0),
+            limits,
+        }
+    }
+
+    /// Stores a validated request (blocking: it fsyncs).
+    pub fn publish(&self, records: Vec<Record>) -> Result<PublishResponse, Status> {
+        let hashes: Vec<u64> = records.iter().map(validate::content_hash).collect();
+        let mut w = self.writer.lock().map_err(|_| poisoned())?;
+        if let Some(why) = &w.failed {
+            return Err(Status::unavailable(format!(
+                "the data dir failed earlier ({why}); publishes are refused until the server restarts"
+            )));
+        }
+        let placements = self
+            .store
+            .read()
+            .map_err(|_| poisoned())?
+            .place(&records, &hashes)
+            .map_err(|e| Status::already_exists(e.to_string()))?;
+        let mut sequences = Vec::with_capacity(records.len());
+        let mut fresh = Vec::new();
+        let mut fresh_hashes = Vec::new();
+        for ((mut r, p), h) in records.into_iter().zip(placements).zip(hashes) {
+            match p {
+                Placement::New(seq) => {
+                    r.sequence = seq;
+                    r.group_key = Some(validate::group_of(&r));
+                    fresh.push(r);
+                    fresh_hashes.push(h);
+                    sequences.push(seq);
+                }
+                Placement::Duplicate(seq) => sequences.push(seq),
+            }
+        }
+        let accepted = fresh.len() as u64;
+        let duplicates = sequences.len() as u64 - accepted;
+        if let Some(d) = w.disk.as_mut() {
+            if let Err(e) = d.append(&fresh) {
+                tracing::error!("log append failed, refusing publishes from now on: {e}");
+                w.failed = Some(e.to_string());
+                return Err(Status::unavailable(format!(
+                    "could not persist the records: {e}"
+                )));
+            }
+        }
+        let head = {
+            let mut s = self.store.write().map_err(|_| poisoned())?;
+            for (r, h) in fresh.into_iter().zip(fresh_hashes) {
+                s.push(r, h);
+            }
+            s.duplicates += duplicates;
+            s.enforce_retention();
+            s.head()
+        };
+        self.head_tx.send_replace(head);
+        if let Some(d) = w.disk.as_mut().filter(|d| d.wants_snapshot()) {
+            let all = self.store.read().map_err(|_| poisoned())?.all();
+            // The records are already durable in the log: a failed compaction only costs disk space.
+            if let Err(e) = d.snapshot(&all, head) {
+                tracing::warn!("snapshot failed (the log keeps everything): {e}");
+            }
+        }
+        Ok(PublishResponse {
+            sequences,
+            accepted,
+            duplicates,
+            durable: self.durable,
+        })
+    }
+
+    /// Writes a final snapshot (graceful shutdown).
+    pub fn final_snapshot(&self) -> Result<(), String> {
+        let mut w = self.writer.lock().map_err(|_| "poisoned".to_string())?;
+        if w.failed.is_some() {
+            return Ok(());
+        }
+        if let Some(d) = w.disk.as_mut() {
+            let (all, head) = {
+                let s = self.store.read().map_err(|_| "poisoned".to_string())?;
+                (s.all(), s.head())
+            };
+            d.snapshot(&all, head).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// Counters for `Stats`.
+    pub fn stats(&self) -> Result<StatsResponse, Status> {
+        let mut st = self.store.read().map_err(|_| poisoned())?.stats();
+        st.subscribers = self.subscribers.load(Ordering::Relaxed);
+        st.cut_off_subscribers = self.cut_off.load(Ordering::Relaxed);
+        st.durable = self.durable;
+        Ok(st)
+    }
+}
+
+/// The gRPC service.
+#[derive(Clone)]
+pub struct Service {
+    pub(crate) shared: Arc<Shared>,
+}
+
+type Stream_<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+struct SubscriberCount(Arc<Shared>);
+impl Drop for SubscriberCount {
+    fn drop(&mut self) {
+        self.0.subscribers.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn subscribe_loop(
+    shared: Arc<Shared>,
+    mut cursor: u64,
+    tx: mpsc::Sender<Result<SubscribeResponse, Status>>,
+) {
+    shared.subscribers.fetch_add(1, Ordering::Relaxed);
+    let _count = SubscriberCount(Arc::clone(&shared));
+    let mut head_rx = shared.head_tx.subscribe();
+    let mut shutdown = shared.shutdown.clone();
+    let lim = shared.limits;
+    loop {
+        if *shutdown.borrow_and_update() {
+            return;
+        }
+        head_rx.borrow_and_update();
+        let read = shared
+            .store
+            .read()
+            .map(|s| {
+                (
+                    s.read_from(cursor, lim.batch_records, lim.batch_bytes),
+                    s.head(),
+                )
+            })
+            .ok();
+        let Some((batch, head)) = read else {
+            let _ = tx.send(Err(poisoned())).await;
+            return;
+        };
+        let Some(batch) = batch else {
+            shared.cut_off.fetch_add(1, Ordering::Relaxed);
+            let msg = format!(
+                "sequence {cursor} was evicted by retention before this subscriber read it; \
+                 catch up with Snapshot and subscribe after its through_sequence"
+            );
+            let _ = tx.send(Err(Status::out_of_range(msg))).await;
+            return;
+        };
+        if batch.is_empty() {
+            tokio::select! {
+                r = head_rx.changed() => if r.is_err() { return },
+                _ = shutdown.changed() => return,
+                _ = tx.closed() => return,
+            }
+            continue;
+        }
+        cursor = batch.last().map_or(cursor, |r| r.sequence + 1);
+        let records = batch.iter().map(|r| Record::clone(r)).collect();
+        tokio::select! {
+            r = tx.send(Ok(SubscribeResponse { records, head_sequence: head })) => if r.is_err() { return },
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl HistoryService for Service {
+    async fn publish(
+        &self,
+        request: Request<PublishRequest>,
+    ) -> Result<Response<PublishResponse>, Status> {
+        let records = request.into_inner().records;
+        let lim = self.shared.limits.max_tokens_per_record;
+        for (i, r) in records.iter().enumerate() {
+            validate::check(i, r, lim).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        }
+        let shared = Arc::clone(&self.shared);
+        let reply = tokio::task::spawn_blocking(move || shared.publish(records))
+            .await
+            .map_err(|e| Status::internal(format!("publish task failed: {e}")))??;
+        Ok(Response::new(reply))
+    }
+
+    type SubscribeStream = Stream_<SubscribeResponse>;
+
+    async fn subscribe(
+        &self,
+        request: Request<SubscribeRequest>,
+    ) -> Result<Response<Self::SubscribeStream>, Status> {
+        let from = request.into_inner().from_sequence;
+        let cursor = {
+            let s = self.shared.store.read().map_err(|_| poisoned())?;
+            if from > s.head() + 1 {
+                return Err(Status::failed_precondition(format!(
+                    "from_sequence {from} is past the server's head {} (was it restarted without \
+                     --data-dir?); rebuild this replica from a Snapshot",
+                    s.head()
+                )));
+            }
+            if from > 1 && from < s.first() {
+                return Err(Status::out_of_range(format!(
+                    "from_sequence {from} was evicted (oldest retained: {}); catch up with Snapshot",
+                    s.first()
+                )));
+            }
+            if from <= 1 {
+                s.first()
+            } else {
+                from
+            }
+        };
+        let (tx, rx) = mpsc::channel(self.shared.limits.subscriber_buffer.max(1));
+        tokio::spawn(subscribe_loop(Arc::clone(&self.shared), cursor, tx));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type SnapshotStream = Stream_<SnapshotChunk>;
+
+    async fn snapshot(
+        &self,
+        _request: Request<SnapshotRequest>,
+    ) -> Result<Response<Self::SnapshotStream>, Status> {
+        let (all, through) = {
+            let s = self.shared.store.read().map_err(|_| poisoned())?;
+            (s.all(), s.head())
+        };
+        let lim = self.shared.limits;
+        let (tx, rx) = mpsc::channel(lim.subscriber_buffer.max(1));
+        tokio::spawn(async move {
+            let total = all.len() as u64;
+            let mut at = 0;
+            loop {
+                let mut bytes = 0;
+                let mut records = Vec::new();
+                while at < all.len()
+                    && records.len() < lim.batch_records
+                    && (records.is_empty() || bytes < lim.batch_bytes)
+                {
+                    let r: &Record = &all[at];
+                    bytes +=
+                        4 * (r.prompt_ids.len() + r.response_ids.len() + r.logprobs.len()) + 32;
+                    records.push(r.clone());
+                    at += 1;
+                }
+                let last = at >= all.len();
+                let chunk = SnapshotChunk {
+                    records,
+                    through_sequence: through,
+                    total_records: total,
+                    last,
+                };
+                if tx.send(Ok(chunk)).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn stats(
+        &self,
+        _request: Request<StatsRequest>,
+    ) -> Result<Response<StatsResponse>, Status> {
+        Ok(Response::new(self.shared.stats()?))
+    }
+}

@@ -1,0 +1,301 @@
+//! The retained records, in sequence order, with their ids for idempotent publishing and a token
+//! budget that evicts the oldest records first.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::proto::{Record, StatsResponse};
+
+/// What a publish did with one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// New: it gets this sequence.
+    New(u64),
+    /// Already stored under this sequence (same id, same content).
+    Duplicate(u64),
+}
+
+/// A record id reused with different contents.
+#[derive(Debug, thiserror::Error)]
+#[error("record_id {id:?} is already stored (sequence {sequence}) with different contents")]
+pub struct IdConflict {
+    pub id: String,
+    pub sequence: u64,
+}
+
+/// Retention limits (0: none).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Retention {
+    pub max_tokens: u64,
+    pub max_records: u64,
+}
+
+/// Retained records in sequence order. Sequences are consecutive: `records[i]` has `first + i`.
+#[derive(Debug, Default)]
+pub struct Store {
+    records: VecDeque<Arc<Record>>,
+    /// Sequence of `records[0]`; `head + 1` when empty.
+    first: u64,
+    head: u64,
+    ids: HashMap<Vec<u8>, (u64, u64)>,
+    groups: HashMap<u64, u64>,
+    tokens: u64,
+    retention: Retention,
+    pub evicted: u64,
+    pub duplicates: u64,
+}
+
+pub(crate) fn record_tokens(r: &Record) -> u64 {
+    (r.prompt_ids.len() + r.response_ids.len()) as u64
+}
+
+impl Store {
+    pub fn new(retention: Retention) -> Self {
+        Store {
+            first: 1,
+            retention,
+            ..Default::default()
+        }
+    }
+
+    /// Where each record of a request would go, without storing anything. `hashes[i]` is the
+    /// content hash of `records[i]`. Ids repeated within the request map to the first copy.
+    pub fn place(&self, records: &[Record], hashes: &[u64]) -> Result<Vec<Placement>, IdConflict> {
+        let mut next = self.head + 1;
+        let mut batch: HashMap<&[u8], (u64, u64)> = HashMap::new();
+        let mut out = Vec::with_capacity(records.len());
+        for (r, &h) in records.iter().zip(hashes) {
+            let id = r.record_id.as_slice();
+            let seen = self.ids.get(id).copied().or_else(|| batch.get(id).copied());
+            match seen {
+                Some((seq, h0)) if h0 == h => out.push(Placement::Duplicate(seq)),
+                Some((sequence, _)) => {
+                    return Err(IdConflict {
+                        id: String::from_utf8_lossy(id).into_owned(),
+                        sequence,
+                    })
+                }
+                None => {
+                    batch.insert(id, (next, h));
+                    out.push(Placement::New(next));
+                    next += 1;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends a record that [`Store::place`] gave sequence `head + 1` (or one loaded from disk).
+    pub fn push(&mut self, record: Record, hash: u64) {
+        assert_eq!(
+            record.sequence,
+            self.head + 1,
+            "records are stored in sequence order"
+        );
+        self.push_loaded(record, hash);
+    }
+
+    /// Appends a record with any sequence above the head (loading from disk: evicted gaps allowed only
+    /// before the first record).
+    pub fn push_loaded(&mut self, record: Record, hash: u64) {
+        assert!(
+            record.sequence > self.head,
+            "sequence {} not above head {}",
+            record.sequence,
+            self.head
+        );
+        if self.records.is_empty() {
+            self.first = record.sequence;
+        } else {
+            assert_eq!(record.sequence, self.head + 1, "gap in the record sequence");
+        }
+        self.head = record.sequence;
+        self.tokens += record_tokens(&record);
+        let g = record.group_key.unwrap_or_default();
+        *self.groups.entry(g).or_default() += 1;
+        self.ids
+            .insert(record.record_id.clone(), (record.sequence, hash));
+        self.records.push_back(Arc::new(record));
+    }
+
+    /// Evicts the oldest records until the retention limits hold; returns how many.
+    pub fn enforce_retention(&mut self) -> u64 {
+        let Retention {
+            max_tokens,
+            max_records,
+        } = self.retention;
+        let mut n = 0;
+        while let Some(front) = self.records.front() {
+            let over_tokens = max_tokens > 0 && self.tokens > max_tokens;
+            let over_records = max_records > 0 && self.records.len() as u64 > max_records;
+            if !(over_tokens || over_records) {
+                break;
+            }
+            self.tokens -= record_tokens(front);
+            let g = front.group_key.unwrap_or_default();
+            if let Some(c) = self.groups.get_mut(&g) {
+                *c -= 1;
+                if *c == 0 {
+                    self.groups.remove(&g);
+                }
+            }
+            self.ids.remove(&front.record_id);
+            self.records.pop_front();
+            self.first += 1;
+            n += 1;
+        }
+        self.evicted += n;
+        n
+    }
+
+    /// Oldest retained sequence (`head + 1` when empty).
+    pub fn first(&self) -> u64 {
+        self.first
+    }
+    /// Newest sequence ever assigned.
+    pub fn head(&self) -> u64 {
+        self.head
+    }
+    /// Sets the head when it is known from disk but its records were all evicted.
+    pub fn set_head(&mut self, head: u64) {
+        if self.records.is_empty() && head > self.head {
+            self.head = head;
+            self.first = head + 1;
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Records from sequence `from` on, at most `max_records` of them and about `max_bytes` of token
+    /// data (always at least one). `None` when `from` was evicted.
+    pub fn read_from(
+        &self,
+        from: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Option<Vec<Arc<Record>>> {
+        let from = from.max(1);
+        if from < self.first {
+            return None;
+        }
+        let start = (from - self.first) as usize;
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for r in self.records.iter().skip(start) {
+            if out.len() >= max_records || (!out.is_empty() && bytes >= max_bytes) {
+                break;
+            }
+            bytes += 4 * record_tokens(r) as usize + 4 * r.logprobs.len() + 32;
+            out.push(Arc::clone(r));
+        }
+        Some(out)
+    }
+
+    /// Every retained record (for snapshots).
+    pub fn all(&self) -> Vec<Arc<Record>> {
+        self.records.iter().cloned().collect()
+    }
+
+    /// Counters for `Stats` (the service fills in subscriber counts and durability).
+    pub fn stats(&self) -> StatsResponse {
+        StatsResponse {
+            records: self.records.len() as u64,
+            tokens: self.tokens,
+            groups: self.groups.len() as u64,
+            first_sequence: if self.records.is_empty() {
+                0
+            } else {
+                self.first
+            },
+            head_sequence: self.head,
+            evicted_records: self.evicted,
+            duplicates: self.duplicates,
+            max_tokens: self.retention.max_tokens,
+            ..Default::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(id: &str, seq: u64, n: usize) -> Record {
+        Record {
+            record_id: id.as_bytes().to_vec(),
+            group_key: Some(7),
+            prompt_ids: vec![1],
+            response_ids: vec![2; n],
+            sequence: seq,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn place_dedupes_within_and_across_requests() {
+        let mut s = Store::new(Retention::default());
+        let rs = [rec("a", 0, 1), rec("b", 0, 1), rec("a", 0, 1)];
+        let p = s.place(&rs, &[1, 2, 1]).unwrap();
+        assert_eq!(
+            p,
+            vec![
+                Placement::New(1),
+                Placement::New(2),
+                Placement::Duplicate(1)
+            ]
+        );
+        s.push(rec("a", 1, 1), 1);
+        s.push(rec("b", 2, 1), 2);
+        let p = s.place(&[rec("c", 0, 1), rec("b", 0, 1)], &[3, 2]).unwrap();
+        assert_eq!(p, vec![Placement::New(3), Placement::Duplicate(2)]);
+        let e = s.place(&[rec("b", 0, 1)], &[99]).unwrap_err();
+        assert_eq!(e.sequence, 2);
+    }
+
+    #[test]
+    fn retention_evicts_oldest_and_read_from_reports_eviction() {
+        let mut s = Store::new(Retention {
+            max_tokens: 25,
+            max_records: 0,
+        });
+        for i in 1..=5 {
+            s.push(rec(&format!("r{i}"), i, 9), i);
+            s.enforce_retention();
+        }
+        // 10 tokens each: only two fit in 25.
+        assert_eq!(s.len(), 2);
+        assert_eq!(s.first(), 4);
+        assert_eq!(s.evicted, 3);
+        assert!(s.read_from(3, 10, 1 << 20).is_none());
+        let got = s.read_from(4, 10, 1 << 20).unwrap();
+        assert_eq!(
+            got.iter().map(|r| r.sequence).collect::<Vec<_>>(),
+            vec![4, 5]
+        );
+        assert!(s.read_from(6, 10, 1 << 20).unwrap().is_empty());
+        // An evicted id can be published again (dedupe covers retained records).
+        assert_eq!(
+            s.place(&[rec("r1", 0, 9)], &[1]).unwrap(),
+            vec![Placement::New(6)]
+        );
+    }
+
+    #[test]
+    fn read_from_bounds_batches() {
+        let mut s = Store::new(Retention::default());
+        for i in 1..=10 {
+            s.push(rec(&format!("r{i}"), i, 99), i);
+        }
+        assert_eq!(s.read_from(1, 3, 1 << 20).unwrap().len(), 3);
+        // 400 bytes per record: a 1000-byte budget takes 3 (the one that crosses it included).
+        assert_eq!(s.read_from(1, 100, 1000).unwrap().len(), 3);
+        assert_eq!(s.read_from(1, 100, 1).unwrap().len(), 1);
+    }
+}
