@@ -65,12 +65,14 @@ class _Client:
         auth_token: str | None = None,
         tls_root_certificates: bytes | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ):
         self.address = address
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 20_000),
+            *channel_options,
         ]
         if tls_root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=tls_root_certificates)
@@ -122,6 +124,7 @@ class HistoryPublisher(_Client):
             DEADLINE_EXCEEDED, ABORTED); the batch stays queued, so calling :meth:`flush` again resumes.
         backoff, max_backoff: first and largest pause between tries (exponential, with jitter).
         timeout: seconds per attempt.
+        channel_options: extra grpcio channel options (e.g. keepalive or flow-control settings).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class HistoryPublisher(_Client):
         max_backoff: float = 2.0,
         timeout: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, Any]] = (),
         id_prefix: str | None = None,
     ):
         super().__init__(
@@ -144,6 +148,7 @@ class HistoryPublisher(_Client):
             auth_token=auth_token,
             tls_root_certificates=tls_root_certificates,
             max_message_bytes=max_message_bytes,
+            channel_options=channel_options,
         )
         if batch_records < 1 or batch_tokens < 1 or max_attempts < 1:
             raise ValueError("batch_records, batch_tokens and max_attempts must be >= 1")
@@ -220,7 +225,7 @@ class HistoryPublisher(_Client):
                 code, msg = _describe(e)
                 if code not in RETRYABLE:
                     hint = ""
-                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in msg:
                         hint = " (lower batch_records/batch_tokens, or raise the server's --max-message-bytes)"
                     raise PublishError(f"Publish of {n} records to {self.address} refused: {msg}{hint}", code) from None
                 if attempt == self.max_attempts:
@@ -266,6 +271,7 @@ class HistorySubscriber(_Client):
         index: the index to feed.
         after_sequence: records up to this sequence are already in ``index`` (0: none).
         max_buffered: messages held before the stream is paused (back-pressure to the server).
+        channel_options: extra grpcio channel options.
     """
 
     def __init__(
@@ -281,12 +287,14 @@ class HistorySubscriber(_Client):
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ):
         super().__init__(
             address,
             auth_token=auth_token,
             tls_root_certificates=tls_root_certificates,
             max_message_bytes=max_message_bytes,
+            channel_options=channel_options,
         )
         self.index = index
         self.background = background

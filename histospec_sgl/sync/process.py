@@ -102,9 +102,7 @@ class DraftServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait(30)
+        self.kill()
 
 
 def wait_port_free(port: int, timeout: float = 10.0) -> None:

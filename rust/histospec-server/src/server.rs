@@ -15,7 +15,6 @@ use tonic::{Request, Status};
 
 use crate::disk::Disk;
 use crate::proto::history_service_server::HistoryServiceServer;
-use crate::proto::Record;
 use crate::service::{Limits, Service, Shared};
 use crate::store::{Retention, Store};
 
@@ -147,10 +146,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
             }
             loaded_records = loaded.records.len();
             for r in loaded.records {
-                let h = crate::validate::content_hash(&Record {
-                    sequence: 0,
-                    ..r.clone()
-                });
+                let h = crate::validate::content_hash(&r);
                 store.push_loaded(r, h);
             }
             store.set_head(loaded.head);

@@ -86,10 +86,12 @@ pub fn group_of(r: &Record) -> u64 {
     })
 }
 
-/// Content hash of a record as published (sequence excluded): tells a retry from a reused id.
+/// Content hash of a record (its sequence excluded, its group resolved as the server stores it, so a
+/// record reloaded from disk hashes as it did when published): tells a retry from a reused id.
 pub fn content_hash(r: &Record) -> u64 {
     use prost::Message;
     let mut c = r.clone();
     c.sequence = 0;
+    c.group_key = Some(group_of(r));
     xxhash_rust::xxh3::xxh3_64(&c.encode_to_vec())
 }

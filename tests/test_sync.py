@@ -1,0 +1,463 @@
+"""Draft server over real loopback gRPC, with real server processes (killed with real signals).
+
+Covers issue 5's list: three replicas converge on 100k records from two publishers; SIGKILL mid-publish
+and restart from the data dir loses nothing acknowledged and duplicates nothing; late and lagging
+replicas catch up through snapshots; malformed, oversized and unauthenticated requests get a status
+while the server keeps serving; random bytes into the decoding path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from histospec_sgl import HistoryIndex, _core, prompt_key
+from histospec_sgl.sync import DraftServerError, DraftServerProcess, HistoryPublisher, HistorySubscriber, PublishError
+from histospec_sgl.sync.client import SERVICE
+from histospec_sgl.sync.process import wait_port_free
+from histospec_sgl.sync.replica import checksum
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    with DraftServerProcess(log=tmp_path / "server.log") as s:
+        yield s
+
+
+def _records(n: int, seed: int, prompts: int = 50, plen: int = 8, rlen: int = 24):
+    """n (prompt, response) pairs over a few prompts; responses of a prompt share most tokens."""
+    rng = np.random.default_rng(seed)
+    ps = [rng.integers(0, 5000, plen).astype(np.int32) for _ in range(prompts)]
+    base = [rng.integers(0, 5000, rlen).astype(np.int32) for _ in range(prompts)]
+    out = []
+    for i in range(n):
+        p = i % prompts
+        r = base[p].copy()
+        m = rng.random(rlen) < 0.3
+        r[m] = rng.integers(0, 5000, int(m.sum()))
+        out.append((ps[p], r))
+    return out
+
+
+def _all_records(address: str, **kw) -> list[dict]:
+    """Every retained record, through a Snapshot call."""
+    ch = grpc.insecure_channel(address)
+    out = []
+    for data in ch.unary_stream(f"/{SERVICE}/Snapshot")(b"", timeout=60, **kw):
+        out.extend(_core.decode_records(data, "snapshot")["records"])
+    ch.close()
+    return out
+
+
+def _spawn_replica(address: str, until: int) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "histospec_sgl.sync.replica", "--address", address, "--until-sequence", str(until),
+         "--timeout", "120"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _replica_result(p: subprocess.Popen) -> dict:
+    out, _ = p.communicate(timeout=180)
+    res = json.loads(out.strip().splitlines()[-1])
+    assert p.returncode == 0, res
+    return res
+
+
+# -- the core path ---------------------------------------------------------------------------------
+
+
+def test_publish_subscribe_roundtrip_and_idempotent_ids(server):
+    idx = HistoryIndex()
+    with HistoryPublisher(server.address, batch_records=10) as pub, HistorySubscriber(server.address, idx) as sub:
+        recs = _records(25, seed=1)
+        ids = [pub.publish(p, r, version=3, sample_index=i % 4, reward=0.5) for i, (p, r) in enumerate(recs)]
+        pub.flush()
+        assert pub.published == 25 and pub.last_sequence == 25
+        assert sub.poll(through_sequence=25, timeout=10) == 25
+        # The index holds the records under prompt_key groups, with their version.
+        got = idx.responses(prompt_key(recs[0][0]))
+        assert [list(r) for _, r, _ in got] == [list(recs[i][1]) for i in range(0, 25, 50 if False else 1) if i % 50 == 0]
+        assert {v for _, _, v in got} == {3}
+        # Re-publishing the same ids (a retry) stores nothing new and returns the first sequences.
+        pub2 = HistoryPublisher(server.address)
+        for rid, (p, r) in zip(ids[:5], recs[:5]):
+            pub2.publish(p, r, version=3, sample_index=ids.index(rid) % 4, reward=0.5, record_id=rid)
+        reply = pub2.flush()
+        assert reply["accepted"] == 0 and reply["duplicates"] == 5 and reply["sequences"] == [1, 2, 3, 4, 5]
+        # The same id with other contents is refused.
+        pub2.publish(recs[0][0], recs[1][1], record_id=ids[0])
+        with pytest.raises(PublishError, match="ALREADY_EXISTS"):
+            pub2.flush()
+        pub2.close_channel = pub2._channel.close()
+        st_ = pub.stats()
+        assert st_["records"] == 25 and st_["duplicates"] == 5 and st_["head_sequence"] == 25
+        # Decoded records carry every field.
+        rec = _all_records(server.address)[3]
+        assert rec["sequence"] == 4 and rec["version"] == 3 and rec["sample_index"] == 3
+        assert rec["reward"] == pytest.approx(0.5) and rec["group_key"] == prompt_key(recs[3][0])
+        assert rec["record_id"] == ids[3] and np.array_equal(rec["response_ids"], recs[3][1])
+
+
+def test_poll_applies_exactly_through_a_sequence(server):
+    idx = HistoryIndex()
+    with HistoryPublisher(server.address, batch_records=1000) as pub, HistorySubscriber(server.address, idx) as sub:
+        for p, r in _records(100, seed=2):
+            pub.publish(p, r)
+        pub.flush()
+        assert sub.poll(through_sequence=37, timeout=10) == 37
+        assert sub.applied_sequence == 37 and idx.stats()["responses"] == 37
+        assert sub.poll(through_sequence=37) == 0  # nothing more
+        sub.poll(through_sequence=100, timeout=10)
+        assert idx.stats()["responses"] == 100
+        with pytest.raises(TimeoutError, match="sequence 101"):
+            sub.poll(through_sequence=101, timeout=0.3)
+
+
+def test_three_replicas_converge_on_100k_records_from_two_publishers(server):
+    n_per = 50_000
+    replicas = [_spawn_replica(server.address, 2 * n_per) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def publish(seed: int) -> None:
+        try:
+            with HistoryPublisher(server.address, batch_records=2000) as pub:
+                for p, r in _records(n_per, seed=seed, prompts=500):
+                    pub.publish(p, r, version=seed)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(s,)) for s in (11, 12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    results = [_replica_result(p) for p in replicas]
+    st_ = HistoryPublisher(server.address).stats()
+    assert st_["records"] == 2 * n_per and st_["head_sequence"] == 2 * n_per
+    assert all(r["applied_sequence"] == 2 * n_per for r in results)
+    assert all(r["stats"] == results[0]["stats"] for r in results)
+    assert results[0]["stats"]["responses"] == 2 * n_per
+    assert len({r["checksum"] for r in results}) == 1
+    # The replicas hold exactly the server's history: a fresh index built from a Snapshot matches.
+    ref = HistoryIndex()
+    ch = grpc.insecure_channel(server.address)
+    for data in ch.unary_stream(f"/{SERVICE}/Snapshot")(b"", timeout=60):
+        _core.apply_records(ref, data, "snapshot")
+    assert checksum(ref) == results[0]["checksum"]
+
+
+# -- crash safety ----------------------------------------------------------------------------------
+
+
+def test_sigkill_mid_publish_loses_nothing_acknowledged_and_duplicates_nothing(tmp_path):
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    port = srv.port
+    idx = HistoryIndex()
+    sub = HistorySubscriber(srv.address, idx, background=True, max_backoff=0.2).start()
+    recs = _records(6000, seed=5, prompts=200)
+    acked: set[bytes] = set()
+    sent_ids: list[bytes] = []
+    stop_err: list[BaseException] = []
+
+    def publish() -> None:
+        pub = HistoryPublisher(srv.address, batch_records=100, max_attempts=200, max_backoff=0.2, timeout=5)
+        try:
+            for i, (p, r) in enumerate(recs):
+                rid = f"trainer:{i}".encode()
+                sent_ids.append(rid)
+                pending = [*pub._pending]
+                pub.publish(p, r, record_id=rid, version=i // 1000)
+                if len(pub._pending) == 0:  # a batch went out and was acknowledged
+                    acked.update(x[0] for x in pending)
+                    acked.add(rid)
+            pending = [*pub._pending]
+            pub.flush()
+            acked.update(x[0] for x in pending)
+        except BaseException as e:
+            stop_err.append(e)
+        finally:
+            pub._channel.close()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    while len(acked) < 1500:
+        time.sleep(0.01)
+        assert t.is_alive() or stop_err == [], stop_err
+    srv.proc.kill()  # SIGKILL in the middle of publishing
+    srv.wait(10)
+    acked_before_kill = set(acked)
+    time.sleep(0.5)  # the publisher retries against a dead port
+    wait_port_free(port)
+    srv2 = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, log=tmp_path / "server2.log")
+    try:
+        t.join(120)
+        assert not stop_err, stop_err
+        stored = _all_records(srv2.address)
+        ids = [r["record_id"] for r in stored]
+        # Every acknowledged record is there (before and after the kill), exactly once, in order.
+        assert acked_before_kill <= set(ids)
+        assert set(ids) == set(sent_ids) and len(ids) == len(set(ids)) == len(recs)
+        assert [r["sequence"] for r in stored] == list(range(1, len(recs) + 1))
+        # A retried publish of already stored records creates no duplicates.
+        with HistoryPublisher(srv2.address) as pub:
+            for i in (0, 1500, 5999):
+                pub.publish(recs[i][0], recs[i][1], record_id=f"trainer:{i}", version=i // 1000)
+            reply = pub.flush()
+        assert reply["duplicates"] == 3 and reply["accepted"] == 0 and reply["durable"]
+        # The subscriber reconnected by itself and converged to the restarted server's history.
+        sub.wait_applied(len(recs), 60)
+        assert sub.reconnects >= 1
+        ref = HistoryIndex()
+        for r in stored:
+            ref.add_response(r["group_key"], r["prompt_ids"], r["response_ids"], r["version"])
+        assert checksum(idx) == checksum(ref)
+    finally:
+        sub.close()
+        srv2.kill()
+
+
+def test_sigterm_writes_a_snapshot_and_restart_restores_it(tmp_path):
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    with HistoryPublisher(srv.address) as pub:
+        for p, r in _records(300, seed=6):
+            pub.publish(p, r)
+    before = _all_records(srv.address)
+    assert srv.terminate() == 0
+    assert (data_dir / "snapshot.bin").exists()
+    logs = sorted(data_dir.glob("log-*.bin"))
+    assert len(logs) == 1 and logs[0].stat().st_size == 8  # compacted: an empty log after the snapshot
+    with DraftServerProcess(data_dir=data_dir, log=tmp_path / "server2.log") as srv2:
+        after = _all_records(srv2.address)
+        assert [(r["record_id"], r["sequence"]) for r in after] == [(r["record_id"], r["sequence"]) for r in before]
+        with HistoryPublisher(srv2.address) as pub:
+            pub.publish([1, 2], [3, 4])
+            assert pub.flush()["sequences"] == [301]
+
+
+# -- catching up -----------------------------------------------------------------------------------
+
+
+def test_late_replica_catches_up_through_a_snapshot(tmp_path):
+    with DraftServerProcess(max_records=500, log=tmp_path / "server.log") as srv:
+        with HistoryPublisher(srv.address, batch_records=250) as pub:
+            for p, r in _records(2000, seed=7):
+                pub.publish(p, r)
+        idx = HistoryIndex()
+        with HistorySubscriber(srv.address, idx) as sub:
+            assert sub.poll(through_sequence=2000, timeout=10) == 500
+            assert sub.snapshots == 1
+        st_ = HistoryPublisher(srv.address).stats()
+        assert st_["records"] == 500 and st_["first_sequence"] == 1501 and st_["evicted_records"] == 1500
+        # Asking for an evicted sequence directly is OUT_OF_RANGE.
+        ch = grpc.insecure_channel(srv.address)
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(ch.unary_stream(f"/{SERVICE}/Subscribe")(_core.encode_subscribe(10), timeout=10)))
+        assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_lagging_replica_is_cut_off_and_recovers_through_a_snapshot(tmp_path):
+    # Retention of 300 records of ~4 KB: a subscriber that stops reading falls behind it.
+    with DraftServerProcess(max_records=300, extra=["--subscriber-buffer", "1"], log=tmp_path / "s.log") as srv:
+        idx = HistoryIndex()
+        recs = _records(3000, seed=8, prompts=100, rlen=1000)
+        # A fixed 64 KiB flow-control window (no BDP growth), so the stall reaches the server.
+        small_window = [("grpc.http2.bdp_probe", 0)]
+        with HistorySubscriber(srv.address, idx, max_buffered=1, channel_options=small_window) as sub, \
+                HistoryPublisher(srv.address) as pub:
+            for p, r in recs[:10]:
+                pub.publish(p, r)
+            pub.flush()
+            time.sleep(0.3)  # the subscriber is now streaming, and stops reading (nobody polls)
+            for p, r in recs[10:]:
+                pub.publish(p, r)
+            pub.flush()
+            # A fast subscriber is not held up by the stalled one.
+            fast_idx = HistoryIndex()
+            with HistorySubscriber(srv.address, fast_idx, background=True) as fast:
+                fast.wait_applied(3000, 30)
+            deadline = time.monotonic() + 30
+            while sub.applied_sequence < 3000 and time.monotonic() < deadline:
+                sub.poll(timeout=0.2)
+            assert sub.applied_sequence == 3000
+            assert sub.snapshots >= 2  # the initial one, and the catch-up after the cut
+            assert pub.stats()["cut_off_subscribers"] >= 1
+            # It holds every retained record.
+            ids = {(r["group_key"], tuple(r["response_ids"])) for r in _all_records(srv.address)}
+            have = {(g, tuple(resp)) for g in idx.group_keys() for _, resp, _ in idx.responses(g)}
+            assert ids <= have
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def _raw(address: str, method: str, data: bytes, metadata=()) -> bytes:
+    ch = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 << 20)])
+    try:
+        return ch.unary_unary(f"/{SERVICE}/{method}")(data, timeout=10, metadata=metadata)
+    finally:
+        ch.close()
+
+
+def test_malformed_invalid_and_oversized_requests_get_a_status_and_the_server_keeps_serving(tmp_path):
+    with DraftServerProcess(extra=["--max-message-bytes", str(1 << 20)], log=tmp_path / "s.log") as srv:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(srv.address, "Publish", b"\xff\xff\xff\xff\x0f garbage")
+        assert e.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+        bad = [
+            ((b"a", None, [], [1], 0, 0, None, None), "prompt_ids is empty"),
+            ((b"a", None, [1], [], 0, 0, None, None), "response_ids is empty"),
+            ((b"", None, [1], [1], 0, 0, None, None), "record_id must be"),
+            ((b"a", None, [1], [1, 2], 0, 0, [-0.5], None), "1 logprobs for 2"),
+            ((b"a", None, [1], [1], 0, 0, [float("nan")], None), "NaN"),
+            ((b"a", None, [1], [1], 0, 0, None, float("nan")), "reward is NaN"),
+        ]
+        for rec, msg in bad:
+            good = (b"ok", None, [1], [2], 0, 0, None, None)
+            with pytest.raises(grpc.RpcError) as e:
+                _raw(srv.address, "Publish", _core.encode_publish([good, rec]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "record 1" in e.value.details() and msg in e.value.details()
+        # Token ids at 2^31 and above are refused too (encoded by hand: the client refuses them first).
+        with pytest.raises(ValueError, match="token"):
+            _core.encode_publish([(b"x", None, [1], [2**31], 0, 0, None, None)])
+        with pytest.raises(grpc.RpcError) as e:
+            # Record{record_id: "x", prompt_ids: [1], response_ids: [2^31]} inside PublishRequest.records.
+            record = b"\x0a\x01x" + b"\x1a\x01\x01" + b"\x22\x05\x80\x80\x80\x80\x08"
+            _raw(srv.address, "Publish", b"\x0a" + bytes([len(record)]) + record)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "2^31" in e.value.details()
+        big = (b"big", None, [1], np.full(400_000, 100_000, np.int32), 0, 0, None, None)
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(srv.address, "Publish", _core.encode_publish([big]))
+        # tonic answers an over-limit message with OUT_OF_RANGE ("decoded message length too large").
+        assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE)
+        assert "too large" in e.value.details()
+        with HistoryPublisher(srv.address, batch_tokens=10**9) as pub:
+            pub.publish([1], np.full(400_000, 100_000, np.int32))
+            with pytest.raises(PublishError, match="max-message-bytes"):
+                pub.flush()
+            pub._pending.clear()
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(grpc.insecure_channel(srv.address).unary_stream(f"/{SERVICE}/Subscribe")(
+                _core.encode_subscribe(99), timeout=10)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # Still serving.
+        with HistoryPublisher(srv.address) as pub:
+            pub.publish([1, 2, 3], [4, 5, 6])
+            assert pub.flush()["sequences"] == [1]
+        assert srv.alive()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300))
+def test_fuzz_publish_decoding_path(server, data):
+    try:
+        reply = _core.decode_publish_response(_raw(server.address, "Publish", data))
+    except grpc.RpcError as e:
+        assert e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    else:
+        assert reply["accepted"] + reply["duplicates"] == len(reply["sequences"])
+    assert _core.decode_stats(_raw(server.address, "Stats", b""))["head_sequence"] >= 0
+
+
+def test_auth_token_is_required_except_for_health(tmp_path):
+    tok = tmp_path / "token"
+    tok.write_text("s3cret\n")
+    with DraftServerProcess(auth_token_file=tok, log=tmp_path / "s.log") as srv:
+        for md in [(), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)]:
+            with pytest.raises(grpc.RpcError) as e:
+                _raw(srv.address, "Stats", b"", metadata=md)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(DraftServerError, match="UNAUTHENTICATED"):
+            HistoryPublisher(srv.address).stats()
+        with pytest.raises(PublishError, match="UNAUTHENTICATED"):
+            with HistoryPublisher(srv.address) as pub:
+                pub.publish([1], [2])
+        idx = HistoryIndex()
+        with HistoryPublisher(srv.address, auth_token="s3cret") as pub, HistorySubscriber(
+            srv.address, idx, auth_token="s3cret"
+        ) as sub:
+            pub.publish([1], [2, 3])
+            pub.flush()
+            assert sub.poll(through_sequence=1, timeout=10) == 1
+        with HistorySubscriber(srv.address, HistoryIndex()) as bad:
+            deadline = time.monotonic() + 10
+            while bad.error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert bad.error is not None and bad.error.code == grpc.StatusCode.UNAUTHENTICATED
+        # The standard health service answers without a token.
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        ch = grpc.insecure_channel(srv.address)
+        stub = health_pb2_grpc.HealthStub(ch)
+        r = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+        ch.close()
+
+
+def test_cli_refuses_bad_flags(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "draft-server", *a],  # noqa: E731
+                                    capture_output=True, text=True, timeout=60)
+    r = run("--auth-token-file", str(empty))
+    assert r.returncode == 2 and "is empty" in r.stderr
+    r = run("--tls-cert", "x.pem")
+    assert r.returncode == 2 and "go together" in r.stderr
+    r = run("--listen", "256.1.1.1:1")
+    assert r.returncode == 1 and "cannot listen" in r.stderr
+    bad = tmp_path / "data"
+    bad.mkdir()
+    (bad / "snapshot.bin").write_bytes(b"not a snapshot at all, clearly")
+    r = run("--listen", "127.0.0.1:0", "--data-dir", str(bad))
+    assert r.returncode == 1 and "snapshot.bin" in r.stderr and "bad magic" in r.stderr
+
+
+def test_protocol_works_with_stubs_generated_by_grpc_tools(server, tmp_path):
+    """The .proto is the contract: code generated from it by the standard toolchain interoperates."""
+    from grpc_tools import protoc
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    proto_root = ROOT / "proto"
+    rc = protoc.main(["protoc", f"-I{proto_root}", f"--python_out={out}", f"--grpc_python_out={out}",
+                      str(proto_root / "histospec/v1/history.proto")])
+    assert rc == 0
+    sys.path.insert(0, str(out))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # protobuf's gencode/runtime version notice
+            from histospec.v1 import history_pb2, history_pb2_grpc
+        ch = grpc.insecure_channel(server.address)
+        stub = history_pb2_grpc.HistoryServiceStub(ch)
+        rec = history_pb2.Record(record_id=b"gen-1", prompt_ids=[5, 6], response_ids=[7, 8, 9], version=2)
+        reply = stub.Publish(history_pb2.PublishRequest(records=[rec]), timeout=10)
+        assert list(reply.sequences) == [1] and reply.accepted == 1
+        chunks = list(stub.Snapshot(history_pb2.SnapshotRequest(), timeout=10))
+        got = chunks[-1].records[0]
+        assert chunks[-1].last and got.group_key == prompt_key([5, 6]) and list(got.response_ids) == [7, 8, 9]
+        assert stub.Stats(history_pb2.StatsRequest(), timeout=10).records == 1
+        ch.close()
+    finally:
+        sys.path.remove(str(out))
+        for m in [m for m in sys.modules if m.startswith("histospec.v1") or m == "histospec"]:
+            del sys.modules[m]
