@@ -97,6 +97,32 @@ def _bench_specrl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sync(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import sync_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench sync] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --replicas must be a comma list of ints, got {args.replicas!r}", file=sys.stderr)
+        return 2
+    if not replicas or min(replicas) < 1:
+        print("error: --replicas needs counts >= 1", file=sys.stderr)
+        return 2
+    r = sync_bench.run(
+        prompts=args.prompts, samples=args.samples, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+        vocab=args.vocab, mutation=args.mutation, replicas=replicas, batch_records=args.batch_records,
+        durable=args.durable, seed=args.seed, progress=progress,
+    )
+    r["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
+    sync_bench.print_table(r)
+    if args.json:
+        _write_json(args.json, r)
+    return 0
+
+
 def _kv(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -313,6 +339,19 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--samples", type=int, default=100_000)
     bs.set_defaults(func=_bench_specrl)
+    by = bsub.add_parser("sync", help="draft server: publish throughput, time until 1/2/4 replicas applied a step")
+    by.add_argument("--json", metavar="PATH")
+    by.add_argument("--prompts", type=int, default=256)
+    by.add_argument("--samples", type=int, default=16)
+    by.add_argument("--tokens", type=int, default=2000, help="response tokens")
+    by.add_argument("--prompt-tokens", type=int, default=200)
+    by.add_argument("--vocab", type=int, default=150_000)
+    by.add_argument("--mutation", type=float, default=0.2, help="share of a response resampled from its group's base")
+    by.add_argument("--replicas", default="1,2,4", help="comma list of replica counts, one run each")
+    by.add_argument("--batch-records", type=int, default=256, help="records per Publish call")
+    by.add_argument("--durable", action="store_true", help="give the server a data dir (fsync before ack)")
+    by.add_argument("--seed", type=int, default=0)
+    by.set_defaults(func=_bench_sync)
     return ap
 
 

@@ -1,0 +1,165 @@
+//! The service over real loopback gRPC, in process: publish, subscribe, snapshot, auth, limits.
+
+use histospec_server::proto::history_service_client::HistoryServiceClient;
+use histospec_server::proto::{
+    PublishRequest, Record, SnapshotRequest, StatsRequest, SubscribeRequest,
+};
+use histospec_server::store::Retention;
+use histospec_server::{serve, ServerConfig};
+use tonic::transport::Channel;
+use tonic::{Code, Request};
+
+fn rec(id: &str, n: u32) -> Record {
+    Record {
+        record_id: id.as_bytes().to_vec(),
+        prompt_ids: vec![1, 2, 3],
+        response_ids: (0..n).collect(),
+        ..Default::default()
+    }
+}
+
+async fn client(addr: std::net::SocketAddr) -> HistoryServiceClient<Channel> {
+    HistoryServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+fn cfg() -> ServerConfig {
+    ServerConfig {
+        listen: "127.0.0.1:0".into(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn publish_subscribe_snapshot_in_order() {
+    let h = serve(cfg()).await.unwrap();
+    let mut c = client(h.local_addr).await;
+    let mut stream = c
+        .subscribe(SubscribeRequest { from_sequence: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    let r = c
+        .publish(PublishRequest {
+            records: vec![rec("a", 4), rec("b", 5), rec("a", 4)],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (r.sequences, r.accepted, r.duplicates, r.durable),
+        (vec![1, 2, 1], 2, 1, false)
+    );
+    let msg = stream.message().await.unwrap().unwrap();
+    let seqs: Vec<u64> = msg.records.iter().map(|r| r.sequence).collect();
+    assert_eq!(seqs, vec![1, 2]);
+    // The server resolved the group key.
+    assert_eq!(
+        msg.records[0].group_key,
+        Some(histospec_index::prompt_key(&[1, 2, 3]))
+    );
+    c.publish(PublishRequest {
+        records: vec![rec("c", 2)],
+    })
+    .await
+    .unwrap();
+    let msg = stream.message().await.unwrap().unwrap();
+    assert_eq!(msg.records[0].sequence, 3);
+    assert_eq!(msg.head_sequence, 3);
+    let mut snap = c.snapshot(SnapshotRequest {}).await.unwrap().into_inner();
+    let chunk = snap.message().await.unwrap().unwrap();
+    assert!(
+        chunk.last
+            && chunk.through_sequence == 3
+            && chunk.total_records == 3
+            && chunk.records.len() == 3
+    );
+    let st = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(
+        (st.records, st.duplicates, st.subscribers, st.groups),
+        (3, 1, 1, 1)
+    );
+    h.shutdown();
+    // The open stream ends on shutdown instead of holding the server up.
+    assert!(stream.message().await.map(|m| m.is_none()).unwrap_or(true));
+    h.wait().await.unwrap();
+}
+
+#[tokio::test]
+async fn auth_retention_and_invalid_records() {
+    let h = serve(ServerConfig {
+        auth_token: Some("tok".into()),
+        retention: Retention {
+            max_tokens: 0,
+            max_records: 2,
+        },
+        ..cfg()
+    })
+    .await
+    .unwrap();
+    let mut c = client(h.local_addr).await;
+    let e = c.stats(StatsRequest {}).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+    let authed = |m| {
+        let mut r = Request::new(m);
+        r.metadata_mut()
+            .insert("authorization", "Bearer tok".parse().unwrap());
+        r
+    };
+    let recs = (0..5).map(|i| rec(&format!("r{i}"), 3)).collect();
+    c.publish(authed(PublishRequest { records: recs }))
+        .await
+        .unwrap();
+    let st = c.stats(authed_stats()).await.unwrap().into_inner();
+    assert_eq!(
+        (st.records, st.first_sequence, st.evicted_records),
+        (2, 4, 3)
+    );
+    let e = c.subscribe(authed_sub(2)).await.unwrap_err();
+    assert_eq!(e.code(), Code::OutOfRange);
+    let e = c.subscribe(authed_sub(9)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    let bad = PublishRequest {
+        records: vec![
+            rec("ok", 1),
+            Record {
+                prompt_ids: vec![],
+                ..rec("x", 1)
+            },
+        ],
+    };
+    let e = c.publish(authed(bad)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains("record 1: prompt_ids is empty"),
+        "{}",
+        e.message()
+    );
+    // Nothing of a refused request was stored.
+    assert_eq!(
+        c.stats(authed_stats())
+            .await
+            .unwrap()
+            .into_inner()
+            .head_sequence,
+        5
+    );
+    h.shutdown();
+    h.wait().await.unwrap();
+
+    fn authed_stats() -> Request<StatsRequest> {
+        let mut r = Request::new(StatsRequest {});
+        r.metadata_mut()
+            .insert("authorization", "Bearer tok".parse().unwrap());
+        r
+    }
+    fn authed_sub(from: u64) -> Request<SubscribeRequest> {
+        let mut r = Request::new(SubscribeRequest {
+            from_sequence: from,
+        });
+        r.metadata_mut()
+            .insert("authorization", "Bearer tok".parse().unwrap());
+        r
+    }
+}
