@@ -180,3 +180,47 @@ class TriePeer:
 
     def clear(self) -> None: ...
     def __len__(self) -> int: ...
+
+
+# -- draft-server wire format (histospec.v1) and the server itself -----------------------------------
+
+_PublishTuple = tuple[
+    bytes, int | None, _Tokens, _Tokens, int, int, Sequence[float] | npt.NDArray[np.floating[Any]] | None, float | None
+]
+
+def encode_publish(records: list[_PublishTuple]) -> bytes:
+    """A ``PublishRequest`` from ``(record_id, group, prompt_ids, response_ids, version, sample_index,
+    logprobs, reward)`` tuples. Raises ValueError naming the record on a bad one."""
+
+def decode_publish_response(data: bytes) -> dict[str, Any]:
+    """``{"sequences", "accepted", "duplicates", "durable"}``."""
+
+def encode_subscribe(from_sequence: int) -> bytes: ...
+def decode_stats(data: bytes) -> dict[str, Any]: ...
+def decode_records(data: bytes, kind: str) -> dict[str, Any]:
+    """A Subscribe (``kind="subscribe"``) or Snapshot (``"snapshot"``) message with its records as dicts."""
+
+def apply_records(
+    index: HistoryIndex, data: bytes, kind: str, after_sequence: int = 0, through_sequence: int | None = None
+) -> dict[str, Any]:
+    """Applies the message's records with sequence in (after, through] to ``index``; returns
+    ``applied``, ``rejected``, ``last_sequence``, ``more`` and the message header."""
+
+def wire_span(data: bytes, kind: str) -> tuple[int, int]:
+    """(last record sequence or 0, head_sequence / through_sequence) of a message."""
+
+def run_draft_server(
+    listen: str,
+    *,
+    auth_token: str | None = None,
+    data_dir: str | PathLike[str] | None = None,
+    max_tokens: int = 0,
+    max_records: int = 0,
+    max_message_bytes: int = 64 << 20,
+    max_tokens_per_record: int = 1 << 20,
+    snapshot_every_bytes: int = 256 << 20,
+    subscriber_buffer: int = 8,
+    tls_cert: str | PathLike[str] | None = None,
+    tls_key: str | PathLike[str] | None = None,
+) -> None:
+    """Runs the draft server until SIGTERM/SIGINT (blocking). Raises RuntimeError on a start-up failure."""

@@ -9,7 +9,7 @@ import pytest
 import xxhash
 
 import histospec_sgl as hs
-from histospec_sgl import HistoryIndex
+from histospec_sgl import HistoryIndex, prompt_key
 
 
 FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0}
@@ -308,3 +308,15 @@ def test_replay_counts_tokens_per_step():
     # The second step's draft covers the rest of the response, so no bonus token follows.
     assert r["emitted"].tolist() == [4, 3]
     assert int(r["emitted"].sum()) == len(truth) - 1
+
+
+def test_group_keys_take_the_whole_u64_range():
+    """prompt_key returns values up to 2**64-1; they (and signed 64-bit keys) are valid explicit groups."""
+    idx = HistoryIndex()
+    big = next(prompt_key([i]) for i in range(100) if prompt_key([i]) >= 2**63)
+    assert idx.add_response(big, [1], [2, 3]) == big
+    assert idx.add_response(-1, [1], [2, 3]) == 2**64 - 1
+    idx.begin_request(1, big, [5])
+    assert idx.request_group(1) == big
+    with pytest.raises(ValueError, match="group must be an int"):
+        idx.add_response(2**64, [1], [2])

@@ -461,3 +461,99 @@ def test_protocol_works_with_stubs_generated_by_grpc_tools(server, tmp_path):
         sys.path.remove(str(out))
         for m in [m for m in sys.modules if m.startswith("histospec.v1") or m == "histospec"]:
             del sys.modules[m]
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                    x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    (tmp_path / "cert.pem").write_bytes(pem)
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return tmp_path / "cert.pem", tmp_path / "key.pem", pem
+
+
+def test_tls(tmp_path):
+    cert, key, pem = _self_signed(tmp_path)
+    with DraftServerProcess(extra=["--tls-cert", str(cert), "--tls-key", str(key)], log=tmp_path / "s.log") as srv:
+        idx = HistoryIndex()
+        with HistoryPublisher(srv.address, tls_root_certificates=pem) as pub, HistorySubscriber(
+            srv.address, idx, tls_root_certificates=pem
+        ) as sub:
+            pub.publish([1, 2], [3, 4, 5])
+            assert pub.flush()["sequences"] == [1]
+            assert sub.poll(through_sequence=1, timeout=10) == 1
+        # A plaintext client cannot talk to it.
+        with pytest.raises(DraftServerError):
+            HistoryPublisher(srv.address).stats(timeout=3)
+
+
+def test_engine_sync_applies_the_same_records_on_every_tp_rank(server, monkeypatch):
+    """Two TP ranks (threads) with a broadcast from rank 0: after every step boundary both indexes
+    hold exactly the same history, although the ranks receive records at different times."""
+    from histospec_sgl.sync.engine import EngineSync
+
+    monkeypatch.setenv("HISTOSPEC_DRAFT_SERVER", server.address)
+    box: list[int] = []
+    barrier = threading.Barrier(2)
+
+    def broadcast(v: int) -> int:
+        if barrier.wait() == 0:
+            box.clear()
+        barrier.wait()
+        if v:
+            box.append(v)
+        barrier.wait()
+        return box[0] if box else 0
+
+    idx = [HistoryIndex(), HistoryIndex()]
+    syncs = [EngineSync.from_env(idx[r], tp_rank=r, broadcast=broadcast) for r in (0, 1)]
+    recs = _records(300, seed=9)
+    other = HistoryPublisher(server.address)
+    sums: list[list[str]] = [[], []]
+
+    def rank(r: int) -> None:
+        for step in range(6):
+            for i in range(step * 50, step * 50 + 25):
+                syncs[r].finished(recs[i][0], recs[i][1], version=step)  # rank 1's calls are ignored
+            syncs[r].step_boundary()
+            sums[r].append(checksum(idx[r]))
+
+    for i in range(25, 300, 50):  # another engine publishes too
+        for j in range(i, i + 25):
+            other.publish(recs[j][0], recs[j][1], version=j // 50)
+    other.flush()
+    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert sums[0] == sums[1]
+    assert other.stats()["records"] == 300
+    assert syncs[1].publisher is None
+    for s in syncs:
+        s.close()
+    other.close()
+    e = EngineSync.from_env(HistoryIndex())
+    assert e is not None
+    e.close()
+    monkeypatch.delenv("HISTOSPEC_DRAFT_SERVER")
+    assert EngineSync.from_env(HistoryIndex()) is None
