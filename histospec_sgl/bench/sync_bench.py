@@ -9,6 +9,8 @@ For each replica count N: a fresh server, N replica processes (``python -m
 histospec_sgl.sync.replica``, each a fresh :class:`HistoryIndex` fed by a background subscriber), then
 one publisher sends every record. ``apply_seconds[N]`` runs from the first publish call to the moment
 the last of the N replicas has applied the last record (wall clock, ``time.time()`` in each process).
+``receive_only_seconds`` repeats the largest run with replicas that decode but build no index: the
+transport's share.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def make_step(prompts: int, samples: int, tokens: int, prompt_tokens: int, vocab
     return out
 
 
-def _spawn(address: str, until: int) -> subprocess.Popen:
+def _spawn(address: str, until: int, receive_only: bool = False) -> subprocess.Popen:
     p = subprocess.Popen(
         [sys.executable, "-m", "histospec_sgl.sync.replica", "--address", address, "--until-sequence", str(until),
-         "--no-checksum", "--timeout", "600"],
+         "--no-checksum", "--timeout", "600", *(["--receive-only"] if receive_only else [])],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -60,10 +62,11 @@ def _spawn(address: str, until: int) -> subprocess.Popen:
 
 
 def run_once(
-    records: list, replicas: int, *, batch_records: int, data_dir: str | None, log: str | None
+    records: list, replicas: int, *, batch_records: int, data_dir: str | None, log: str | None,
+    receive_only: bool = False,
 ) -> dict[str, Any]:
     with DraftServerProcess(data_dir=data_dir, log=log) as srv:
-        procs = [_spawn(srv.address, len(records)) for _ in range(replicas)]
+        procs = [_spawn(srv.address, len(records), receive_only) for _ in range(replicas)]
         try:
             with HistoryPublisher(srv.address, batch_records=batch_records, batch_tokens=1 << 40) as pub:
                 t0 = time.time()
@@ -88,8 +91,7 @@ def run_once(
         "publish_seconds": t_pub,
         "apply_seconds": applied[-1],
         "apply_seconds_each": applied,
-        "replica_index_bytes": [r["stats"]["bytes"] for r in results],
-        "replica_responses": [r["stats"]["responses"] for r in results],
+        "replica_index_bytes": [r["stats"]["bytes"] if r["stats"] else 0 for r in results],
     }
 
 
@@ -120,6 +122,12 @@ def run(
             runs[str(n)] = run_once(
                 records, n, batch_records=batch_records, data_dir=data_dir, log=os.path.join(tmp, f"server-{n}.log")
             )
+        # The same delivery to the largest replica count, decoding only: what the transport costs
+        # without building indexes.
+        n = max(replicas)
+        progress(f"{n} receive-only replica(s)")
+        delivery = run_once(records, n, batch_records=batch_records, data_dir=None,
+                            log=os.path.join(tmp, "server-recv.log"), receive_only=True)
     publish_s = min(r["publish_seconds"] for r in runs.values())
     ours = {
         "tokens": resp_tokens,
@@ -130,6 +138,7 @@ def run(
         "apply_seconds": {k: r["apply_seconds"] for k, r in runs.items()},
         "apply_seconds_each": {k: r["apply_seconds_each"] for k, r in runs.items()},
         "replica_index_bytes": runs[str(replicas[-1])]["replica_index_bytes"][0],
+        "receive_only_seconds": {str(n): delivery["apply_seconds"]},
     }
     biggest = str(max(replicas))
     return {
@@ -161,5 +170,7 @@ def print_table(r: dict[str, Any]) -> None:
     for k, s in o["apply_seconds"].items():
         t.add_row(k, f"{o['publish_seconds'][k]:.2f}", f"{s:.2f}", ", ".join(f"{x:.2f}" for x in o["apply_seconds_each"][k]))
     Console().print(t)
+    for k, v in o["receive_only_seconds"].items():
+        print(f"delivery to {k} receive-only replicas (decode, no index): {v:.2f} s")
     print(f"publish throughput: {o['publish_tokens_per_s'] / 1e6:.1f} M tokens/s; "
           f"target: 4 replicas under {TARGET_SECONDS:.0f} s -> {r['meets_target']}")

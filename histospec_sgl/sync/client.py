@@ -268,7 +268,7 @@ class HistorySubscriber(_Client):
     - ``background=True`` (a standalone replica): the receiving thread applies them itself.
 
     Args:
-        index: the index to feed.
+        index: the index to feed (None: receive and decode only, for measuring delivery).
         after_sequence: records up to this sequence are already in ``index`` (0: none).
         max_buffered: messages held before the stream is paused (back-pressure to the server).
         channel_options: extra grpcio channel options.
@@ -425,7 +425,11 @@ class HistorySubscriber(_Client):
         """Applies one message (records after the applied sequence, up to ``through``); returns
         whether the whole message is done."""
         try:
-            r = _core.apply_records(self.index, data, kind, self._applied, through)
+            if self.index is None:  # receive-only (measures delivery without index building)
+                last, _ = _core.wire_span(data, kind)
+                r = {"applied": max(0, last - self._applied), "rejected": 0, "last_sequence": last, "more": False}
+            else:
+                r = _core.apply_records(self.index, data, kind, self._applied, through)
         except ValueError as e:
             raise DraftServerError(f"bad message from {self.address}: {e}") from None
         self.applied_records += r["applied"]

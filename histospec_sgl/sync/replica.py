@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auth-token", default=None)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--no-checksum", action="store_true", help="skip the snapshot checksum (large indexes)")
+    ap.add_argument("--receive-only", action="store_true", help="decode records without building an index")
     args = ap.parse_args(argv)
-    index = HistoryIndex()
+    index = None if args.receive_only else HistoryIndex()
     sub = HistorySubscriber(args.address, index, auth_token=args.auth_token, background=True)
     sub.start()
     print("ready", flush=True)
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         "applied_records": sub.applied_records,
         "snapshots": sub.snapshots,
         "reconnects": sub.reconnects,
-        "stats": index.stats(),
-        "checksum": None if args.no_checksum else checksum(index),
+        "stats": index.stats() if index is not None else None,
+        "checksum": None if args.no_checksum or index is None else checksum(index),
     }
     print(json.dumps(out), flush=True)
     return 0
