@@ -240,6 +240,14 @@ class HistoryPublisher(_Client):
                 pause = min(pause * 2, self.max_backoff)
         raise AssertionError("unreachable")
 
+    def discard(self) -> int:
+        """Drops the queued records (after a refusal that retrying cannot fix); returns how many."""
+        with self._lock:
+            n = len(self._pending)
+            self._pending.clear()
+            self._pending_tokens = 0
+            return n
+
     @property
     def queued(self) -> int:
         """Records queued and not yet acknowledged."""
