@@ -23,6 +23,19 @@ def _write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def _command() -> str:
+    """The command line as typed, recorded in every result."""
+    return "histospec-sgl " + " ".join(sys.argv[1:])
+
+
+def _report(result: dict[str, Any], print_table: Any, json_path: str | None) -> None:
+    """Stamps the command into a bench result, prints its table, writes its JSON when asked."""
+    result["command"] = _command()
+    print_table(result)
+    if json_path:
+        _write_json(json_path, result)
+
+
 def _print_index(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -63,10 +76,7 @@ def _bench_index(args: argparse.Namespace) -> int:
         acc_prompts=args.acc_prompts,
         progress=progress,
     )
-    result["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
-    _print_index(result)
-    if args.json:
-        _write_json(args.json, result)
+    _report(result, _print_index, args.json)
     return 0
 
 
@@ -86,10 +96,7 @@ def _bench_specrl(args: argparse.Namespace) -> int:
     except SpecRLError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    r["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
-    specrl_bench.print_table(r)
-    if args.json:
-        _write_json(args.json, r)
+    _report(r, specrl_bench.print_table, args.json)
     if args.plot:
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         specrl_bench.plot(r, args.plot)
@@ -116,10 +123,7 @@ def _bench_sync(args: argparse.Namespace) -> int:
         vocab=args.vocab, mutation=args.mutation, replicas=replicas, batch_records=args.batch_records,
         durable=args.durable, seed=args.seed, progress=progress,
     )
-    r["command"] = "histospec-sgl " + " ".join(sys.argv[1:])
-    sync_bench.print_table(r)
-    if args.json:
-        _write_json(args.json, r)
+    _report(r, sync_bench.print_table, args.json)
     return 0
 
 
@@ -183,7 +187,7 @@ def _replay(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     try:
-        result = run_replay(opts, command="histospec-sgl " + " ".join(sys.argv[1:]))
+        result = run_replay(opts, command=_command())
     except ReplayDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -363,29 +363,31 @@ class HistorySubscriber(_Client):
         return self._error
 
     # -- receiving thread -------------------------------------------------------------------------
-    def _deliver(self, kind: str, data: bytes) -> None:
+    def _deliver(self, kind: str, data: bytes) -> tuple[int, int]:
+        """Applies a message (background mode) or queues it for :meth:`poll`; returns its last record
+        sequence and its head/through sequence. A queued message is decoded here for that, and again
+        when applied; a background one only once."""
         if self.background:
-            self._apply(kind, data, None)
-            return
+            r = self._apply(kind, data, None)
+            return r["last_sequence"], r["mark"]
+        span = _core.wire_span(data, kind)
         while not self._stop.is_set():
             try:
                 self._queue.put((kind, data), timeout=0.1)
-                return
+                break
             except queue.Full:
                 continue
+        return span
 
     def _consume(self, kind: str, stream: Any) -> None:
         for data in stream:
             if self._stop.is_set():
                 return
-            last, mark = _core.wire_span(data, kind)
-            self._deliver(kind, data)
+            last, mark = self._deliver(kind, data)
             self._received = max(self._received, last)
-            if kind == "subscribe":
-                self._head = max(self._head, mark)
-            else:
+            if kind == "snapshot":
                 self._received = max(self._received, mark)
-                self._head = max(self._head, mark)
+            self._head = max(self._head, mark)
             with self._cond:
                 self._cond.notify_all()
 
@@ -429,15 +431,17 @@ class HistorySubscriber(_Client):
             self._cond.notify_all()
 
     # -- applying ---------------------------------------------------------------------------------
-    def _apply(self, kind: str, data: bytes, through: int | None) -> bool:
+    def _apply(self, kind: str, data: bytes, through: int | None) -> dict[str, Any]:
         """Applies one message (records after the applied sequence, up to ``through``); returns
-        whether the whole message is done."""
+        ``last_sequence``, ``mark`` (its head/through sequence) and ``more`` (records past
+        ``through`` remain)."""
         try:
             if self.index is None:  # receive-only (measures delivery without index building)
-                last, _ = _core.wire_span(data, kind)
+                last, mark = _core.wire_span(data, kind)
                 r = {"applied": max(0, last - self._applied), "rejected": 0, "last_sequence": last, "more": False}
             else:
                 r = _core.apply_records(self.index, data, kind, self._applied, through)
+                mark = r["head_sequence"] if kind == "subscribe" else r["through_sequence"]
         except ValueError as e:
             raise DraftServerError(f"bad message from {self.address}: {e}") from None
         self.applied_records += r["applied"]
@@ -445,7 +449,8 @@ class HistorySubscriber(_Client):
         with self._cond:
             self._applied = max(self._applied, r["last_sequence"])
             self._cond.notify_all()
-        return not r["more"]
+        r["mark"] = mark
+        return r
 
     def poll(self, index: Any = None, *, through_sequence: int | None = None, timeout: float = 0.0) -> int:
         """Applies received records to the index; returns how many were applied.
@@ -478,7 +483,7 @@ class HistorySubscriber(_Client):
                             f"(applied {self._applied}, received {self._received})"
                         ) from None
                     break
-            if not self._apply(item[0], item[1], through_sequence):
+            if self._apply(item[0], item[1], through_sequence)["more"]:
                 self._held = item
             if through_sequence is None and self._queue.empty() and self._held is None:
                 deadline = time.monotonic()  # applied what had arrived; do not wait again

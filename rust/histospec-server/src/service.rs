@@ -92,8 +92,8 @@ impl Shared {
     }
 
     /// Stores a validated request (blocking: it fsyncs).
-    pub fn publish(&self, records: Vec<Record>) -> Result<PublishResponse, Status> {
-        let hashes: Vec<u64> = records.iter().map(validate::content_hash).collect();
+    pub fn publish(&self, mut records: Vec<Record>) -> Result<PublishResponse, Status> {
+        let hashes = validate::resolve(&mut records);
         let mut w = self.writer.lock().map_err(|_| poisoned())?;
         if let Some(why) = &w.failed {
             return Err(Status::unavailable(format!(
@@ -113,7 +113,6 @@ impl Shared {
             match p {
                 Placement::New(seq) => {
                     r.sequence = seq;
-                    r.group_key = Some(validate::group_of(&r));
                     fresh.push(r);
                     fresh_hashes.push(h);
                     sequences.push(seq);

@@ -86,12 +86,24 @@ pub fn group_of(r: &Record) -> u64 {
     })
 }
 
-/// Content hash of a record (its sequence excluded, its group resolved as the server stores it, so a
-/// record reloaded from disk hashes as it did when published): tells a retry from a reused id.
+/// Content hash of a record as stored (group resolved; its sequence excluded), so a record reloaded
+/// from disk hashes as it did when published: tells a retry from a reused id.
 pub fn content_hash(r: &Record) -> u64 {
     use prost::Message;
     let mut c = r.clone();
     c.sequence = 0;
-    c.group_key = Some(group_of(r));
     xxhash_rust::xxh3::xxh3_64(&c.encode_to_vec())
+}
+
+/// Resolves every record's group as the server stores it (an explicit key, or `prompt_key`) and
+/// returns their content hashes: a record published with or without its `prompt_key` as explicit
+/// group is the same record.
+pub fn resolve(records: &mut [Record]) -> Vec<u64> {
+    records
+        .iter_mut()
+        .map(|r| {
+            r.group_key = Some(group_of(r));
+            content_hash(r)
+        })
+        .collect()
 }

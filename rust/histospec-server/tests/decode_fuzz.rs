@@ -60,7 +60,7 @@ proptest! {
         let req = PublishRequest { records };
         // Through the wire and back.
         let req = PublishRequest::decode(req.encode_to_vec().as_slice()).unwrap();
-        let ok: Vec<Record> = req
+        let mut ok: Vec<Record> = req
             .records
             .iter()
             .enumerate()
@@ -73,7 +73,7 @@ proptest! {
             prop_assert!(r.logprobs.is_empty() || r.logprobs.len() == r.response_ids.len());
         }
         let mut store = Store::new(Retention::default());
-        let hashes: Vec<u64> = ok.iter().map(validate::content_hash).collect();
+        let hashes = validate::resolve(&mut ok);
         let Ok(places) = store.place(&ok, &hashes) else { return Ok(()) };
         let dir = tempfile::tempdir().unwrap();
         let (mut disk, _) = Disk::open(dir.path(), u64::MAX).unwrap();
@@ -82,7 +82,6 @@ proptest! {
             if let Placement::New(seq) = p {
                 let mut r = r.clone();
                 r.sequence = *seq;
-                r.group_key = Some(validate::group_of(&r));
                 fresh.push(r.clone());
                 store.push(r, *h);
             }
