@@ -7,8 +7,9 @@ for the SGLang plugin, the offline replay and the benchmarks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from histospec_sgl import errors
-from histospec_sgl._core import SNAPSHOT_FORMAT_VERSION, HistoryIndex, __version__, prompt_key
 from histospec_sgl.errors import (
     DuplicateRequestError,
     HistospecError,
@@ -16,7 +17,32 @@ from histospec_sgl.errors import (
     SnapshotError,
     UnknownRequestError,
 )
-from histospec_sgl.index import Draft, draft
+
+if TYPE_CHECKING:
+    from histospec_sgl._core import SNAPSHOT_FORMAT_VERSION, HistoryIndex, __version__, prompt_key
+    from histospec_sgl.index import Draft, draft
+
+# The native module loads on first use: SGLang imports this package (its plugin entry point) in
+# every one of its processes, most of which never touch the index.
+_LAZY = {
+    "HistoryIndex": "histospec_sgl._core",
+    "prompt_key": "histospec_sgl._core",
+    "SNAPSHOT_FORMAT_VERSION": "histospec_sgl._core",
+    "__version__": "histospec_sgl._core",
+    "Draft": "histospec_sgl.index",
+    "draft": "histospec_sgl.index",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'histospec_sgl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "HistoryIndex",

@@ -89,9 +89,11 @@ class HistoryIndex:
         tokens: npt.NDArray[np.int64],
         mask: npt.NDArray[Any],
         probs: npt.NDArray[np.float32] | None = None,
+        counts: npt.NDArray[np.int64] | None = None,
     ) -> tuple[int, int]:
-        """Fills ``tokens[bs*d]``, ``mask[bs*d*d]`` (int64/int32/uint8/bool) and ``probs[bs*d]`` for a
-        batch with the GIL released; returns (requests with a draft, draft nodes).
+        """Fills ``tokens[bs*d]``, ``mask[bs*d*d]`` (int64/int32/uint8/bool), ``probs[bs*d]`` and
+        ``counts[bs]`` (real draft nodes per request, root and pads excluded) for a batch with the
+        GIL released; returns (requests with a draft, draft nodes).
 
         Raises:
             ValueError: a buffer of the wrong size or a budget of 0.

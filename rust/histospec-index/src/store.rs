@@ -794,7 +794,9 @@ impl HistoryIndex {
     }
 
     /// Drafts a `d`-node tree for every request of a batch into flat buffers:
-    /// `tokens[bs*d]`, `mask[bs*d*d]`, optional `probs[bs*d]`.
+    /// `tokens[bs*d]`, `mask[bs*d*d]`, optional `probs[bs*d]` and optional `counts[bs]` (real
+    /// draft nodes per request, root and pads excluded).
+    #[allow(clippy::too_many_arguments)]
     pub fn draft_tree_batch<M: MaskElem>(
         &self,
         rids: &[u64],
@@ -802,6 +804,7 @@ impl HistoryIndex {
         tokens: &mut [i64],
         mask: &mut [M],
         mut probs: Option<&mut [f32]>,
+        mut counts: Option<&mut [i64]>,
         drafter: &mut Drafter,
     ) -> Result<BatchDraftStats> {
         if d == 0 {
@@ -815,6 +818,9 @@ impl HistoryIndex {
         if let Some(p) = probs.as_deref() {
             expect_len("probs", p.len(), bs * d)?;
         }
+        if let Some(c) = counts.as_deref() {
+            expect_len("counts", c.len(), bs)?;
+        }
         self.check_rids(rids)?;
         let mut st = BatchDraftStats::default();
         for (i, &rid) in rids.iter().enumerate() {
@@ -827,6 +833,9 @@ impl HistoryIndex {
                 &mut mask[i * d * d..(i + 1) * d * d],
                 p,
             );
+            if let Some(c) = counts.as_deref_mut() {
+                c[i] = (n - 1) as i64;
+            }
             st.nodes += n - 1;
             st.nonempty += (n > 1) as usize;
         }

@@ -184,13 +184,37 @@ fn bad_input_is_an_error_not_a_panic() {
     let mut toks = vec![0i64; 3];
     let mut mask = vec![0i64; 9];
     assert!(ix
-        .draft_tree_batch(&[1], 0, &mut toks, &mut mask, None, &mut Drafter::default())
+        .draft_tree_batch(
+            &[1],
+            0,
+            &mut toks,
+            &mut mask,
+            None,
+            None,
+            &mut Drafter::default()
+        )
         .is_err());
     assert!(ix
-        .draft_tree_batch(&[1], 4, &mut toks, &mut mask, None, &mut Drafter::default())
+        .draft_tree_batch(
+            &[1],
+            4,
+            &mut toks,
+            &mut mask,
+            None,
+            None,
+            &mut Drafter::default()
+        )
         .is_err());
     assert!(ix
-        .draft_tree_batch(&[2], 3, &mut toks, &mut mask, None, &mut Drafter::default())
+        .draft_tree_batch(
+            &[2],
+            3,
+            &mut toks,
+            &mut mask,
+            None,
+            None,
+            &mut Drafter::default()
+        )
         .is_err());
     assert!(HistoryIndex::from_bytes(b"garbage", IndexConfig::default()).is_err());
     let mut snap = ix.to_bytes();

@@ -270,7 +270,7 @@ impl PyHistoryIndex {
     ///
     /// `tokens`: int64 `[bs*num_nodes]`; `mask`: int64/int32/uint8/bool `[bs*num_nodes*num_nodes]`;
     /// `probs`: optional float32 `[bs*num_nodes]`. Returns (requests with a draft, draft nodes).
-    #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None))]
+    #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None, counts=None))]
     fn draft_batch(
         &self,
         py: Python<'_>,
@@ -279,16 +279,24 @@ impl PyHistoryIndex {
         tokens: &Bound<'_, PyAny>,
         mask: &Bound<'_, PyAny>,
         probs: Option<&Bound<'_, PyAny>>,
+        counts: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(usize, usize)> {
         let rids = rids_arg(rids)?;
         let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
         let mut probs = probs
             .map(|p| writable::<f32>(p, "probs", "float32"))
             .transpose()?;
+        let mut counts = counts
+            .map(|c| writable::<i64>(c, "counts", "int64"))
+            .transpose()?;
         let mut mask = MaskArg::extract(mask)?;
         let toks_s = slice_mut(&mut toks, "tokens")?;
         let probs_s = match probs.as_mut() {
             Some(p) => Some(slice_mut(p, "probs")?),
+            None => None,
+        };
+        let counts_s = match counts.as_mut() {
+            Some(c) => Some(slice_mut(c, "counts")?),
             None => None,
         };
         let mask_s = mask.slice()?;
@@ -297,16 +305,16 @@ impl PyHistoryIndex {
                 let d = &mut d.borrow_mut();
                 match mask_s {
                     MaskElemAny::I64(m) => {
-                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
                     MaskElemAny::I32(m) => {
-                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
                     MaskElemAny::U8(m) => {
-                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
                     MaskElemAny::Bool(m) => {
-                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, d)
+                        g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
                 }
             })
