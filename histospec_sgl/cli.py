@@ -1,4 +1,5 @@
-"""The ``histospec-sgl`` command line: offline replay of rollout logs, the draft server, benchmarks."""
+"""The ``histospec-sgl`` command line: offline replay of rollout logs, the draft server, the SGLang
+launcher, benchmarks."""
 
 from __future__ import annotations
 
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     _add_replay(sub)
     _add_draft_server(sub)
+    sub.add_parser("launch-server", add_help=False,
+                   help="start SGLang with --speculative-algorithm HISTORY (see launch-server --help)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     bi = bsub.add_parser("index", help="index ingest, memory, batch draft latency and acceptance (W1/W2)")
@@ -360,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "launch-server":
+        # Its unknown arguments belong to SGLang: parsed there, not by this parser.
+        from histospec_sgl.plugin.launch import main as launch_server
+
+        return launch_server(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Every test: Rust (unit + property tests) then Python (binding surface, errors, threads).
+# Every test: Rust (unit + property tests) then Python (binding surface, errors, threads, the draft
+# server, the SGLang plugin against a real SGLang install in .venv-sglang).
 # Ends with pytest's summary line.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh
+# Real SGLang 0.5.17 (CPU) for the plugin tests; they fail rather than skip when it is missing.
+bash scripts/setup_sglang_env.sh
+export HISTOSPEC_REQUIRE_SGLANG=1
 echo "[test] Rust"
 # The binding crate (histospec-py) is glue with no Rust tests; it is exercised from Python.
 if cargo nextest --version >/dev/null 2>&1; then

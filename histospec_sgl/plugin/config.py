@@ -1,0 +1,203 @@
+"""``HISTOSPEC_*`` settings of the SGLang worker.
+
+SGLang plugins cannot add server flags, so the HISTORY worker reads its settings from the
+environment, which every SGLang subprocess inherits. ``histospec-sgl launch-server --history-*``
+sets the same variables. Every value is checked when the server starts (in the launcher, through
+the plugin's argument validation, and again in each scheduler process); a bad one is an error that
+names the variable, never a silent default.
+
+This module is pure Python (no sglang, no torch): the launcher and the tests import it cheaply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from histospec_sgl.errors import HistospecError
+
+
+class HistoryConfigError(HistospecError, ValueError):
+    """A ``HISTOSPEC_*`` variable (or ``--history-*`` option) with a value outside its domain."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"4G"``, ``"512MiB"``, ``"1000000"`` -> bytes (binary units)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4G, 512M, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        v = int(text.strip())
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{v} is outside [{lo}, {hi if hi is not None else 'inf'}]")
+        return v
+
+    return parse
+
+
+def _float(lo: float, hi: float, *, lo_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        v = float(text.strip())
+        if v != v or v < lo or v > hi or (lo_open and v == lo):
+            raise ValueError(f"{v} is outside {'(' if lo_open else '['}{lo}, {hi}]")
+        return v
+
+    return parse
+
+
+def _choice(*names: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        v = text.strip().lower()
+        if v not in names:
+            raise ValueError(f"{text!r} is not one of {', '.join(names)}")
+        return v
+
+    return parse
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise ValueError("empty path")
+    return str(Path(text.strip()).expanduser())
+
+
+def _lenience(text: str) -> float:
+    v = _float(1.0, float("inf"))(text)
+    if v != 1.0:
+        raise ValueError(
+            "only 1 (exact, lossless verification) is supported by the HISTORY worker for now; "
+            "lenient reuse of whole responses is histospec_sgl.specrl (SPEC-RL mode)"
+        )
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    env: str
+    field: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+
+
+#: The one table of settings (README "SGLang plugin" renders the same rows).
+SETTINGS: tuple[Setting, ...] = (
+    Setting("HISTOSPEC_MAX_RESPONSES", "max_responses", _int(0), 0,
+            "retention: keep the last N finished responses per prompt group (0: all)"),
+    Setting("HISTOSPEC_MAX_VERSIONS", "max_versions", _int(0), 0,
+            "retention: keep responses of the last E policy versions per group (0: all)"),
+    Setting("HISTOSPEC_MEMORY_BUDGET", "memory_budget", parse_size, 4 << 30,
+            "memory budget of the index per engine (e.g. 4G); idle groups are evicted LRU first"),
+    Setting("HISTOSPEC_VERSION_DECAY", "version_decay", _float(0.0, 1.0, lo_open=True), 1.0,
+            "an occurrence from version v weighs decay**(newest - v)"),
+    Setting("HISTOSPEC_DRAFT_POLICY", "draft_policy", _choice("recency", "frequency"), "recency",
+            "order of continuations: recency-weighted (best on real rollouts) or pure frequency"),
+    Setting("HISTOSPEC_MIN_MATCH", "min_match", _int(1, 1 << 20), 1,
+            "draft only after matching at least this many context tokens"),
+    Setting("HISTOSPEC_HISTORY_LOAD", "history_load", _path, None,
+            "history to load at start: an index snapshot, or token-id JSONL(.gz) lines "
+            '{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}'),
+    Setting("HISTOSPEC_SNAPSHOT_PATH", "snapshot_path", _path, None,
+            "where the index is saved at shutdown and by the histospec_save RPC"),
+    Setting("HISTOSPEC_DRAFT_SERVER", "draft_server", str.strip, None,
+            "host:port of a histospec draft server: subscribe to its history, publish finished responses"),
+    Setting("HISTOSPEC_MAX_BATCH", "max_batch", _int(0), 0,
+            "switch-off: draft nothing in decode batches larger than this (0: no limit)"),
+    Setting("HISTOSPEC_MIN_ACCEPT", "min_accept", _float(0.0, 1e9), 0.0,
+            "switch-off: stop drafting while the measured mean accepted draft tokens per request-step "
+            "is below this (0: never); re-measured by probe steps"),
+    Setting("HISTOSPEC_PROBE_EVERY", "probe_every", _int(1), 64,
+            "while switched off by HISTOSPEC_MIN_ACCEPT, draft every N-th step to re-measure"),
+    Setting("HISTOSPEC_LOG_EVERY", "log_every", _int(0), 200,
+            "log acceptance, coverage, index size and draft time every N decode steps (0: never)"),
+    Setting("HISTOSPEC_LENIENCE", "lenience", _lenience, 1.0,
+            "in-engine lenient acceptance; only 1 (lossless) is supported"),
+)
+
+ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
+    "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE",
+    "HISTOSPEC_DRAFT_SERVER_CA",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryConfig:
+    max_responses: int = 0
+    max_versions: int = 0
+    memory_budget: int = 4 << 30
+    version_decay: float = 1.0
+    draft_policy: str = "recency"
+    min_match: int = 1
+    history_load: str | None = None
+    snapshot_path: str | None = None
+    draft_server: str | None = None
+    max_batch: int = 0
+    min_accept: float = 0.0
+    probe_every: int = 64
+    log_every: int = 200
+    lenience: float = 1.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> HistoryConfig:
+        """Reads and checks every ``HISTOSPEC_*`` variable.
+
+        Raises:
+            HistoryConfigError: a bad value (the message names the variable), an unknown
+                ``HISTOSPEC_`` variable (most likely a typo), or a load path that does not exist.
+        """
+        env = os.environ if environ is None else environ
+        unknown = sorted(k for k in env if k.startswith("HISTOSPEC_") and k not in ENV_NAMES
+                         and not k.startswith(("HISTOSPEC_LOG", "HISTOSPEC_TEST_", "HISTOSPEC_REQUIRE_")))
+        if unknown:
+            raise HistoryConfigError(
+                f"unknown setting {', '.join(unknown)}; known: {', '.join(sorted(ENV_NAMES))}"
+            )
+        values: dict[str, Any] = {}
+        for s in SETTINGS:
+            raw = env.get(s.env)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[s.field] = s.parse(raw)
+            except ValueError as e:
+                raise HistoryConfigError(f"{s.env}={raw!r}: {e} ({s.help})") from None
+        cfg = cls(**values)
+        if cfg.history_load is not None and not Path(cfg.history_load).exists():
+            raise HistoryConfigError(f"HISTOSPEC_HISTORY_LOAD={cfg.history_load!r}: no such file")
+        return cfg
+
+    def index_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~histospec_sgl.HistoryIndex`."""
+        kw: dict[str, Any] = dict(
+            max_responses=self.max_responses,
+            max_versions=self.max_versions,
+            max_bytes=self.memory_budget,
+            version_decay=self.version_decay,
+            min_match=self.min_match,
+        )
+        if self.draft_policy == "frequency":
+            kw["recency"] = 0.0
+        return kw
+
+
+def settings_table() -> str:
+    """The settings as a Markdown table (README and ``launch-server --help``)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for s in SETTINGS:
+        default = "unset" if s.default is None else s.default
+        if s.env == "HISTOSPEC_MEMORY_BUDGET":
+            default = "4G"
+        rows.append(f"| `{s.env}` | {default} | {s.help} |")
+    return "\n".join(rows)

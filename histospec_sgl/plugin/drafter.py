@@ -1,0 +1,317 @@
+"""The draft source of the HISTORY worker, with no SGLang or torch dependency.
+
+:class:`BatchDrafter` owns the :class:`~histospec_sgl.HistoryIndex` of one engine and turns a decode
+batch (request ids, prompt ids, generated ids) into the two host arrays SGLang's NGRAM verify path
+consumes: ``tokens`` int64 ``[bs*d]`` and ``mask`` int64 ``[bs*d*d]``. The contract (checked by
+``tests/test_plugin.py`` against SGLang's own host-side tree reconstruction):
+
+- node 0 of each request is the root, the request's last token (its KV is not computed yet);
+- nodes are in BFS order, every parent before its children;
+- ``mask[b, i, j] = 1`` iff j is i or an ancestor of i; row 0 is ``[1, 0, ...]``;
+- exactly d nodes per request: unused slots are a chain of token-0 pads under the last real node,
+  so no node has two children with the same token (duplicate siblings would be counted twice by
+  SGLang's sampling verification and bias it).
+
+It keeps each in-flight request's context in the index in step with what SGLang has accepted (so
+siblings of a group draft from each other while they decode), turns finished requests into
+history of their group, measures acceptance from how far each request advanced between two steps,
+and applies the switch-off rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from histospec_sgl._core import HistoryIndex
+from histospec_sgl.plugin.config import HistoryConfig
+
+logger = logging.getLogger("histospec_sgl.plugin")
+
+#: ``sampling_params.custom_params`` key a client sets to choose a request's group.
+GROUP_PARAM = "histospec_group"
+
+_U64 = (1 << 64) - 1
+
+
+def group_of(custom_params: Any) -> int | None:
+    """The group a client chose in ``custom_params["histospec_group"]``: an int in the u64 range, or
+    a string hashed with BLAKE2b-64 (the same on every rank and every run); None if unset.
+
+    Raises:
+        ValueError: a value of another type or out of range.
+    """
+    if not custom_params or GROUP_PARAM not in custom_params:
+        return None
+    v = custom_params[GROUP_PARAM]
+    if isinstance(v, bool):
+        raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {v!r}")
+    if isinstance(v, int):
+        if not 0 <= v <= _U64:
+            raise ValueError(f"{GROUP_PARAM}={v} is outside the u64 range")
+        return v
+    if isinstance(v, str):
+        return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little")
+    raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {type(v).__name__}")
+
+
+@dataclasses.dataclass
+class _Live:
+    iid: int  # the index's integer request id
+    known: int  # response tokens the index holds for it
+    last: int  # its last token (the root of its next draft)
+    drafted: int = 0  # real draft nodes (root excluded) offered at its last draft
+    accepted: int = 0  # draft tokens accepted so far
+    offered: int = 0  # draft nodes offered so far
+    steps: int = 0  # verify steps it took part in
+
+
+@dataclasses.dataclass
+class RequestStats:
+    """Per-request draft counters, kept for finished requests until :meth:`BatchDrafter.pop_stats`."""
+
+    accepted: int
+    drafted: int
+    steps: int
+
+
+class SwitchOff:
+    """When to stop drafting: above ``max_batch`` requests, or while the mean accepted draft tokens
+    per request-step, measured over the last drafted steps, is below ``min_accept`` (then every
+    ``probe_every``-th step still drafts, to notice when acceptance comes back)."""
+
+    def __init__(self, max_batch: int = 0, min_accept: float = 0.0, probe_every: int = 64,
+                 window: int = 32):
+        self.max_batch = max_batch
+        self.min_accept = min_accept
+        self.probe_every = probe_every
+        self.window = window
+        self._acc: list[float] = []
+        self._off_steps = 0
+
+    @property
+    def mean_accept(self) -> float | None:
+        return sum(self._acc) / len(self._acc) if self._acc else None
+
+    def observe(self, accepted: int, request_steps: int) -> None:
+        """One drafted step's outcome: accepted draft tokens over its request-steps."""
+        if request_steps:
+            self._acc.append(accepted / request_steps)
+            del self._acc[: -self.window]
+
+    def should_draft(self, batch_size: int) -> bool:
+        if self.max_batch and batch_size > self.max_batch:
+            return False
+        mean = self.mean_accept
+        if self.min_accept <= 0 or mean is None or len(self._acc) < min(8, self.window):
+            return True
+        if mean >= self.min_accept:
+            self._off_steps = 0
+            return True
+        self._off_steps += 1
+        return self._off_steps % self.probe_every == 0
+
+
+class BatchDrafter:
+    """History drafting for one engine (one per process; only TP rank 0 builds one).
+
+    Args:
+        draft_tokens: d, the verify width (root included); SGLang's ``speculative_num_draft_tokens``.
+        config: the ``HISTOSPEC_*`` settings.
+        vocab_size: the model's vocabulary size (token ids are checked against it).
+    """
+
+    def __init__(self, draft_tokens: int, config: HistoryConfig | None = None,
+                 vocab_size: int | None = None):
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
+        self.d = draft_tokens
+        self.config = config or HistoryConfig()
+        self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
+        self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
+        self._live: dict[str, _Live] = {}
+        self._next_iid = 1
+        self._finished: dict[str, RequestStats] = {}
+        self._tokens = np.zeros(0, dtype=np.int64)
+        self._mask = np.zeros(0, dtype=np.int64)
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._tril: np.ndarray | None = None
+        self.totals = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
+                           offered=0, draft_seconds=0.0, finished=0, kept=0)
+        self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
+
+    # -- history in and out -------------------------------------------------------------------
+
+    def load(self, path: str | Path) -> int:
+        """Loads history: an index snapshot (replaces the history), or token-id JSONL(.gz) whose
+        lines are ``{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}``
+        (added to it). Returns the number of responses the index holds afterwards."""
+        p = Path(path)
+        name = p.name.lower()
+        if name.endswith((".jsonl", ".jsonl.gz")):
+            opener = gzip.open if name.endswith(".gz") else open
+            with opener(p, "rt", encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                        version = rec.get("version")
+                        self.index.add_response(rec.get("group"), rec["prompt_ids"], rec["response_ids"],
+                                                version=self.index.version if version is None else version)
+                    except (KeyError, TypeError, ValueError) as e:
+                        raise ValueError(f"{p}:{n}: not a history record ({e})") from None
+        else:
+            self.index.load(p)
+        return int(self.index.stats()["responses"])
+
+    def save(self, path: str | Path) -> None:
+        """Saves the index (history only; requests in flight are not part of a snapshot)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        self.index.save(p)
+
+    # -- the request stream ---------------------------------------------------------------------
+
+    def sync(self, rid: str, prompt_ids: Sequence[int], response: Sequence[int],
+             group: int | None = None) -> None:
+        """Brings request ``rid``'s context up to ``prompt_ids + response`` (what SGLang has accepted,
+        last token included), starting it in ``group`` (None: the prompt's key) if it is new."""
+        live = self._live.get(rid)
+        if live is None:
+            iid = self._next_iid
+            self._next_iid += 1
+            self.index.begin_request(iid, group, prompt_ids)
+            live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]))
+        n = len(response)
+        if n < live.known:
+            # SGLang rewound the request (retraction); start its context again.
+            self.index.finish_request(live.iid, keep=False)
+            self.index.begin_request(live.iid, group, prompt_ids)
+            live.known = 0
+            live.drafted = 0
+        if n > live.known:
+            self._advance(live, response)
+
+    def _advance(self, live: _Live, response: Sequence[int]) -> None:
+        n = len(response)
+        if live.steps:
+            # It advanced by (accepted + 1) since its last verify step (less at a stop).
+            acc = max(min(n - live.known - 1, live.drafted), 0)
+            live.accepted += acc
+            self._window["accepted"] += acc
+            self.totals["accepted"] += acc
+        self.index.extend_request(live.iid, response[live.known:])
+        live.known = n
+        live.last = int(response[-1])
+
+    def finish(self, rid: str, response: Sequence[int] | None = None, *, keep: bool = True) -> None:
+        """Request ``rid`` is done: its response (brought up to ``response`` first when given) becomes
+        history of its group when ``keep``; an unknown ``rid`` is ignored."""
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        if response is not None and len(response) > live.known:
+            self._advance(live, response)
+        self.index.finish_request(live.iid, keep=keep)
+        self.totals["finished"] += 1
+        self.totals["kept"] += int(keep)
+        self._finished[rid] = RequestStats(live.accepted, live.offered, live.steps)
+        if len(self._finished) > 65536:
+            self._finished.pop(next(iter(self._finished)))
+
+    def add_finished(self, prompt_ids: Sequence[int], response: Sequence[int], group: int | None = None,
+                     version: int | None = None) -> None:
+        """A response that never reached a decode step (e.g. one token long) becomes history."""
+        if len(response):
+            self.index.add_response(group, prompt_ids, response,
+                                    version=self.index.version if version is None else version)
+
+    def is_live(self, rid: str) -> bool:
+        return rid in self._live
+
+    def live(self) -> set[str]:
+        return set(self._live)
+
+    def pop_stats(self, rid: str) -> RequestStats | None:
+        return self._finished.pop(rid, None)
+
+    # -- drafting -------------------------------------------------------------------------------
+
+    def draft(self, rids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step.
+
+        Returns ``(tokens int64[bs*d], mask int64[bs*d*d])``, views into buffers that the next call
+        reuses (SGLang copies them to the device right away)."""
+        bs, d = len(rids), self.d
+        t0 = time.perf_counter()
+        if self._tokens.size < bs * d:
+            cap = max(bs, 8) * 2
+            self._tokens = np.zeros(cap * d, dtype=np.int64)
+            self._mask = np.zeros(cap * d * d, dtype=np.int64)
+            self._counts = np.zeros(cap, dtype=np.int64)
+        tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
+        lives = [self._live[r] for r in rids]
+        drafting = self.switch.should_draft(bs)
+        if drafting:
+            iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
+            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+        else:
+            # Switched off: the root alone, padded like an empty draft (a chain of token-0 pads).
+            t = tokens.reshape(bs, d)
+            t[:] = 0
+            t[:, 0] = [lv.last for lv in lives]
+            mask.reshape(bs, d, d)[:] = self._chain_mask()
+            counts[:] = 0
+            nonempty = 0
+        for lv, c in zip(lives, counts.tolist()):
+            lv.drafted = c
+            lv.offered += c
+            lv.steps += 1
+        dt = time.perf_counter() - t0
+        w = self._window
+        w["steps"] += 1
+        w["request_steps"] += bs
+        w["covered"] += nonempty
+        w["draft_seconds"] += dt
+        tot = self.totals
+        tot["steps"] += 1
+        tot["drafted_steps"] += int(drafting)
+        tot["request_steps"] += bs
+        tot["covered"] += nonempty
+        tot["offered"] += int(counts.sum())
+        tot["draft_seconds"] += dt
+        return tokens, mask
+
+    def observe_step(self, accepted: Iterable[int]) -> None:
+        """Accepted draft tokens per request of a verified batch (SGLang's
+        ``on_verify_complete_cpu``); feeds the switch-off rule."""
+        acc = list(accepted)
+        self.switch.observe(sum(acc), len(acc))
+
+    def _chain_mask(self) -> np.ndarray:
+        if self._tril is None:
+            self._tril = np.tril(np.ones((self.d, self.d), dtype=np.int64))
+        return self._tril
+
+    def take_window(self) -> dict[str, float]:
+        """Counters since the last call (for the periodic log line), then resets them."""
+        w = self._window
+        out = dict(
+            steps=w["steps"],
+            batch=w["request_steps"] / max(w["steps"], 1),
+            accept_len=1.0 + w["accepted"] / max(w["request_steps"], 1),
+            coverage=w["covered"] / max(w["request_steps"], 1),
+            draft_ms=1e3 * w["draft_seconds"] / max(w["steps"], 1),
+        )
+        self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
+        return out

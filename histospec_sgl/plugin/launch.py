@@ -1,0 +1,115 @@
+"""``histospec-sgl launch-server [--history-* options] [sglang launch_server args...]``.
+
+Sets the ``HISTOSPEC_*`` variables from the ``--history-*`` options, checks them, adds
+``--speculative-algorithm HISTORY`` and ``--attention-backend flashinfer`` unless given, and replaces
+itself with ``python -m sglang.launch_server`` (same interpreter, same process id, so a supervisor's
+signals reach SGLang directly). ``--check`` reports whether SGLang sees the plugin, and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, settings_table
+
+#: --history-* option -> environment variable.
+OPTIONS: dict[str, tuple[str, str]] = {
+    "--history-load": ("HISTOSPEC_HISTORY_LOAD", "PATH"),
+    "--history-snapshot": ("HISTOSPEC_SNAPSHOT_PATH", "PATH"),
+    "--history-draft-server": ("HISTOSPEC_DRAFT_SERVER", "HOST:PORT"),
+    "--history-max-responses": ("HISTOSPEC_MAX_RESPONSES", "N"),
+    "--history-max-versions": ("HISTOSPEC_MAX_VERSIONS", "E"),
+    "--history-memory-budget": ("HISTOSPEC_MEMORY_BUDGET", "SIZE"),
+    "--history-version-decay": ("HISTOSPEC_VERSION_DECAY", "X"),
+    "--history-policy": ("HISTOSPEC_DRAFT_POLICY", "recency|frequency"),
+    "--history-min-match": ("HISTOSPEC_MIN_MATCH", "N"),
+    "--history-max-batch": ("HISTOSPEC_MAX_BATCH", "N"),
+    "--history-min-accept": ("HISTOSPEC_MIN_ACCEPT", "X"),
+    "--history-probe-every": ("HISTOSPEC_PROBE_EVERY", "N"),
+    "--history-log-every": ("HISTOSPEC_LOG_EVERY", "N"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="histospec-sgl launch-server",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start SGLang (python -m sglang.launch_server) with --speculative-algorithm HISTORY: "
+        "drafts from the history of earlier responses to the same prompt. Arguments other than the "
+        "ones below go to SGLang unchanged (see python -m sglang.launch_server --help).",
+        epilog="Each --history-* option sets the environment variable of the same setting:\n\n"
+        + settings_table(),
+        add_help=True,
+    )
+    ap.add_argument("--check", action="store_true",
+                    help="report the SGLang version and whether it discovers the HISTORY plugin, then exit")
+    for opt, (env, metavar) in OPTIONS.items():
+        ap.add_argument(opt, metavar=metavar, help=f"sets {env}")
+    return ap
+
+
+def _has_flag(args: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag:
+            return args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def check(python: str = sys.executable) -> int:
+    """Asks a fresh interpreter what SGLang will see: its version and whether HISTORY registers."""
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "print('sglang', m.version('sglang'))\n"
+        "eps = [e for e in m.entry_points(group='sglang.srt.plugins') if e.value.startswith('histospec_sgl')]\n"
+        "print('entry point', eps[0].name + ' = ' + eps[0].value if eps else 'MISSING')\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "load_plugins()\n"
+        "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+        "print('HISTORY ->', SpeculativeAlgorithm.from_string('HISTORY'))\n"
+        "import histospec_sgl._core as c\n"
+        "print('native module', c.__version__)\n"
+    )
+    return subprocess.call([python, "-c", code])
+
+
+def main(argv: Sequence[str]) -> int:
+    ours, rest = _parser().parse_known_args(list(argv))
+    env = dict(os.environ)
+    for opt, (name, _) in OPTIONS.items():
+        value = getattr(ours, opt[2:].replace("-", "_"))
+        if value is not None:
+            env[name] = value
+    try:
+        HistoryConfig.from_env(env)
+    except HistoryConfigError as e:
+        print(f"histospec-sgl launch-server: {e}", file=sys.stderr)
+        return 2
+    if ours.check:
+        return check()
+    algo = _has_flag(rest, "--speculative-algorithm")
+    if algo is None:
+        rest += ["--speculative-algorithm", "HISTORY"]
+    elif algo.upper() != "HISTORY":
+        print(f"histospec-sgl launch-server: --speculative-algorithm {algo}: this launcher runs HISTORY; "
+              "use python -m sglang.launch_server for other algorithms", file=sys.stderr)
+        return 2
+    backends = {f: _has_flag(rest, f) for f in
+                ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")}
+    wrong = {f: v for f, v in backends.items() if v is not None and v != "flashinfer"}
+    if wrong:
+        got = ", ".join(f"{f} {v}" for f, v in wrong.items())
+        print(f"histospec-sgl launch-server: HISTORY verifies draft trees with FlashInfer's custom attention "
+              f"masks; got {got}. Use --attention-backend flashinfer.", file=sys.stderr)
+        return 2
+    if backends["--attention-backend"] is None:
+        rest += ["--attention-backend", "flashinfer"]
+    cmd = [sys.executable, "-m", "sglang.launch_server", *rest]
+    print("histospec-sgl launch-server: " + " ".join(cmd), file=sys.stderr, flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached

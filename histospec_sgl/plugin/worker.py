@@ -1,0 +1,310 @@
+"""``HistoryWorker``: SGLang's NGRAM worker with drafts from the history index.
+
+Everything after drafting is NGRAM's, unchanged: the full attention mask, SGLang's tree
+reconstruction, the TARGET_VERIFY forward (FlashInfer tree attention, CUDA graphs), greedy or
+sampling verification (``eagle_sample``), the KV compaction, the current policy's log-probs and the
+overlap relay. What differs:
+
+- ``_prepare_draft_tokens``: one batch call into the Rust index fills the tokens and masks of the
+  whole batch, on TP rank 0, broadcast to the other ranks (:mod:`histospec_sgl.plugin.tp`);
+- each request's context in the index follows what SGLang accepted, so the n samples of a group
+  draft from each other while they decode; finished requests become history of their group
+  (``custom_params["histospec_group"]``, else ``prompt_key`` of the prompt ids);
+- ``clear_cache_pool`` (``flush_cache``, which runs after every weight update) keeps the history:
+  NGRAM forgets its trie there, but history across epochs is the point;
+- no NGRAM corpus is built (no C++ JIT, no preallocated trie);
+- history is loaded at start (``HISTOSPEC_HISTORY_LOAD``), saved at exit and on demand
+  (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
+  (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
+  steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``).
+
+This module imports SGLang's NGRAM worker and therefore needs a CUDA build of ``sgl_kernel``; the
+plugin imports it only in the worker factory, inside the scheduler.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+from histospec_sgl.plugin import compat
+from histospec_sgl.plugin.config import HistoryConfig
+from histospec_sgl.plugin.drafter import BatchDrafter, group_of
+from histospec_sgl.plugin.tp import DraftBroadcast
+
+logger = logging.getLogger("histospec_sgl.plugin")
+
+
+class _NoCorpus:
+    """Stands where NGRAM keeps its C++ corpus; the calls NGRAM's own code makes land here."""
+
+    def __init__(self, worker: HistoryWorker):
+        self._worker = worker
+
+    def erase_match_state(self, rids: list[str]) -> None:
+        # NGRAM calls this for requests that left the decode batch.
+        self._worker._departed(rids)
+
+    def synchronize(self) -> None:
+        pass
+
+    def batch_put(self, *_: Any) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class HistoryWorker(NGRAMWorker):
+    def __init__(self, *args: Any, **kwargs: Any):
+        named = compat.bind_worker_args(NGRAMWorker.__init__, args, kwargs)
+        BaseSpecWorker.__init__(self)
+        server_args = named["server_args"]
+        target_worker = named["target_worker"]
+        # The attributes NGRAMWorker.__init__ sets (its corpus aside).
+        self.server_args = server_args
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self._target_worker = target_worker
+        self.model_runner = target_worker.model_runner
+        self.tp_rank = compat.tp_rank_of(named)
+        self.page_size = server_args.page_size
+        self.draft_token_num = server_args.speculative_num_draft_tokens
+        self.max_trie_depth = server_args.speculative_ngram_max_trie_depth
+        self.speculative_num_draft_tokens = server_args.speculative_num_draft_tokens
+        self.topk = server_args.speculative_eagle_topk
+        self.speculative_num_steps = server_args.speculative_num_steps
+        self.device = server_args.device
+        self.adaptive_controller = None
+        self._prev_decode_rids: set = set()
+        self.grammar_tree_host = None
+        self.ngram_corpus = _NoCorpus(self)
+
+        self.config = HistoryConfig.from_env()
+        self.broadcast = DraftBroadcast.from_sglang(int(getattr(server_args, "tp_size", 1) or 1))
+        self.drafter: BatchDrafter | None = None
+        self.sync = None
+        self._reqs: dict[str, Any] = {}
+        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._no_keep: set[str] = set()
+        self._errors = 0
+        self._last_log = time.monotonic()
+        if self.broadcast.is_source:
+            self.drafter = BatchDrafter(self.draft_token_num, self.config)
+            if self.config.history_load:
+                n = self.drafter.load(self.config.history_load)
+                logger.info("histospec: loaded %s (%d responses)", self.config.history_load, n)
+            if self.config.draft_server:
+                from histospec_sgl.sync.engine import EngineSync
+
+                self.sync = EngineSync.from_env(self.drafter.index)
+            if self.config.snapshot_path:
+                atexit.register(self.history_save)
+        _install_scheduler_rpcs()
+        logger.info(
+            "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s)", self.tp_rank,
+            self.draft_token_num, "here" if self.drafter else "from rank 0", self.enable_overlap,
+        )
+
+    # -- SGLang's hooks ------------------------------------------------------------------------
+
+    def clear_cache_pool(self) -> None:
+        # flush_cache (after weight updates): the KV cache goes, the history stays.
+        self._prev_decode_rids = set()
+
+    def _update_ngram_corpus(self, batch: Any) -> None:
+        # Contexts are brought up to date right before drafting (_prepare_draft_tokens).
+        pass
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        if self.drafter is not None:
+            self.drafter.observe_step(num_correct_drafts_per_req)
+
+    def note_request_finished(self, *, rid: str, natural_stop: bool) -> None:
+        req = self._reqs.get(rid)
+        if req is not None:
+            self._finalize(rid, req)
+
+    def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.drafter is not None:
+            current = set()
+            for req in batch.reqs:
+                self._reqs.setdefault(req.rid, req)
+                current.add(req.rid)
+            self._sweep(current)
+        return super().forward_batch_generation(batch, *args, **kwargs)
+
+    def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
+        raise NotImplementedError(
+            "HISTORY does not use NGRAM external corpora: load history with HISTOSPEC_HISTORY_LOAD, "
+            "collective_rpc('histospec_load', path=...) or a draft server"
+        )
+
+    def list_external_corpora(self) -> dict[str, int]:
+        return {}
+
+    # -- drafting ------------------------------------------------------------------------------
+
+    def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+        bs, d = len(batch.reqs), self.draft_token_num
+        prev_ids, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
+        if not prev_ids.is_cpu:
+            prev_ids, prev_lens = prev_ids.cpu(), prev_lens.cpu()
+        self.prev_token_ids = prev_ids.tolist()
+        self.prev_accept_lens = prev_lens.tolist()
+        tokens = mask = None
+        if self.drafter is not None:
+            # Overlap mode is one step behind: the last accepted tokens are not in output_ids yet.
+            use_prev = self.enable_overlap and not compat.grammar_needs_sync(batch)
+            try:
+                tokens, mask = self._draft(batch, use_prev)
+            except Exception:
+                self._errors += 1
+                if self._errors <= 3 or self._errors % 1000 == 0:
+                    logger.exception("histospec: drafting failed (%d times); verifying without drafts",
+                                     self._errors)
+                tokens, mask = self._empty(batch, use_prev)
+        return self.broadcast.share(tokens, mask, bs, d)
+
+    def _draft(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
+        assert self.drafter is not None
+        if self.sync is not None:
+            try:
+                self.sync.step_boundary()
+            except Exception as e:  # the server is down: draft from what we have
+                self._errors += 1
+                if self._errors <= 3 or self._errors % 1000 == 0:
+                    logger.warning("histospec: draft server sync failed: %s", e)
+        d = self.draft_token_num
+        rids = []
+        for i, req in enumerate(batch.reqs):
+            rid = req.rid
+            if rid in self._done:  # came back after it was finalized: draft, but never keep it twice
+                self._done.pop(rid)
+                self._no_keep.add(rid)
+            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]] if use_prev else []
+            response = list(req.output_ids) + prev if prev else req.output_ids
+            self.drafter.sync(rid, req.origin_input_ids, response, self._group(req))
+            rids.append(rid)
+        tokens, mask = self.drafter.draft(rids)
+        self._maybe_log()
+        return tokens, mask
+
+    def _empty(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
+        d, bs = self.draft_token_num, len(batch.reqs)
+        tokens = np.zeros((bs, d), dtype=np.int64)
+        for i, req in enumerate(batch.reqs):
+            n = self.prev_accept_lens[i] if use_prev else 0
+            if n:
+                tokens[i, 0] = self.prev_token_ids[i * d + n - 1]
+            elif req.output_ids:
+                tokens[i, 0] = req.output_ids[-1]
+            else:
+                tokens[i, 0] = req.origin_input_ids[-1]
+        mask = np.broadcast_to(np.tril(np.ones((d, d), dtype=np.int64)), (bs, d, d))
+        return tokens.reshape(-1), np.ascontiguousarray(mask).reshape(-1)
+
+    def _group(self, req: Any) -> int | None:
+        params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        try:
+            return group_of(params)
+        except ValueError as e:
+            logger.warning("histospec: request %s: %s; grouping by prompt", req.rid, e)
+            return None
+
+    # -- request lifecycle ---------------------------------------------------------------------
+
+    def _departed(self, rids: list[str]) -> None:
+        for rid in rids:
+            req = self._reqs.get(rid)
+            if req is not None and req.finished():
+                self._finalize(rid, req)
+
+    def _sweep(self, current: set[str]) -> None:
+        for rid, req in list(self._reqs.items()):
+            if rid not in current and req.finished():
+                self._finalize(rid, req)
+
+    def _finalize(self, rid: str, req: Any) -> None:
+        self._reqs.pop(rid, None)
+        if self.drafter is None:
+            return
+        aborted = type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT"
+        keep = not aborted and rid not in self._no_keep
+        self._no_keep.discard(rid)
+        response = list(req.output_ids)
+        try:
+            live = self.drafter.is_live(rid)
+            # With a draft server, our own responses come back through the subscription.
+            self.drafter.finish(rid, response, keep=keep and self.sync is None)
+            if keep and not live and self.sync is None:
+                self.drafter.add_finished(req.origin_input_ids, response, self._group(req))
+            if keep and self.sync is not None:
+                self.sync.finished(req.origin_input_ids, response, version=self.drafter.index.version,
+                                   group=self._group(req))
+        except Exception:
+            logger.exception("histospec: could not record finished request %s", rid)
+        self._done[rid] = None
+        while len(self._done) > 4096:
+            self._done.popitem(last=False)
+
+    # -- history in and out --------------------------------------------------------------------
+
+    def history_save(self, path: str | None = None) -> None:
+        target = path or self.config.snapshot_path
+        if self.drafter is None or not target:
+            return
+        self.drafter.save(target)
+        logger.info("histospec: saved history to %s", target)
+
+    def history_load(self, path: str) -> None:
+        if self.drafter is not None:
+            n = self.drafter.load(path)
+            logger.info("histospec: loaded %s (%d responses)", path, n)
+
+    def history_stats(self) -> dict[str, Any]:
+        if self.drafter is None:
+            return {}
+        return {**self.drafter.index.stats(), **self.drafter.totals}
+
+    def _maybe_log(self) -> None:
+        assert self.drafter is not None
+        every = self.config.log_every
+        if not every or self.drafter.totals["steps"] % every:
+            return
+        w = self.drafter.take_window()
+        st = self.drafter.index.stats()
+        logger.info(
+            "histospec: %d steps, batch %.1f, accept length %.2f, draft coverage %.2f, draft %.3f ms/step, "
+            "index %d groups / %d responses / %.1f MB",
+            w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
+            st["groups"], st["responses"], st["bytes"] / 1e6,
+        )
+
+
+def _install_scheduler_rpcs() -> None:
+    """``Engine.collective_rpc("histospec_save" | "histospec_load", ...)`` run these on every rank
+    (between steps; SGLang ends each RPC with a TP barrier)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def histospec_save(self: Any, path: str | None = None) -> None:
+        self.draft_worker.history_save(path)
+
+    def histospec_load(self: Any, path: str) -> None:
+        self.draft_worker.history_load(path)
+
+    def histospec_version(self: Any, version: int) -> None:
+        worker = self.draft_worker
+        if worker.drafter is not None:
+            worker.drafter.index.version = int(version)
+
+    for fn in (histospec_save, histospec_load, histospec_version):
+        if not hasattr(Scheduler, fn.__name__):
+            setattr(Scheduler, fn.__name__, fn)
+

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates .venv-sglang: real SGLang 0.5.17 (the version the GPU box runs; slime pins 0.5.15) on a
+# machine without a GPU, for the plugin tests. torch 2.11.0 comes from PyPI (the CUDA build, which
+# imports without a driver; about 2.6 GB of wheels), sglang with --no-deps plus the packages its
+# argument code and plugin loader import (scripts/sglang-cpu-requirements.txt), the histospec-sgl
+# wheel (so its `sglang.srt.plugins` entry point is registered), and a torchvision stand-in
+# (tests/_shims: PyPI has no CPU torchvision, and sglang imports it at top level).
+# Idempotent: a finished environment is only refreshed with the current histospec-sgl wheel.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+VENV=.venv-sglang
+SGLANG_VERSION="${HISTOSPEC_SGLANG_VERSION:-0.5.17}"
+STAMP="$VENV/.histospec-sglang-$SGLANG_VERSION"
+if [ ! -f "$STAMP" ]; then
+  rm -rf "$VENV"
+  echo "[setup-sglang] creating $VENV (torch 2.11.0 + sglang $SGLANG_VERSION, no GPU needed)"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "torch==2.11.0"
+  "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
+  "$VENV/bin/python" -m pip install -q -r scripts/sglang-cpu-requirements.txt
+  SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "$ROOT/tests/_shims" > "$SITE/histospec-test-shims.pth"
+  touch "$STAMP"
+fi
+echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"
+rm -rf target/wheels-sglang
+.venv/bin/maturin build --release -q -i "$VENV/bin/python" -o target/wheels-sglang
+"$VENV/bin/python" -m pip install -q --force-reinstall --no-deps target/wheels-sglang/*.whl && "$VENV/bin/python" -m pip install -q target/wheels-sglang/*.whl

@@ -1,0 +1,625 @@
+"""The SGLang plugin (issue 4), on CPU.
+
+Two kinds of tests:
+
+- in this interpreter: the ``HISTOSPEC_*`` settings, the draft source the worker calls
+  (:class:`BatchDrafter`, on real HumanEval completions), and ``histospec-sgl launch-server``;
+- in fresh subprocesses of ``.venv-sglang`` (real SGLang 0.5.17, made by
+  ``scripts/setup_sglang_env.sh``): entry-point discovery, argument resolution through SGLang's own
+  code, the draft contract against SGLang's own tree-link derivation, and the TP broadcast over a
+  real two-process ``torch.distributed`` group.
+
+``scripts/test.sh`` builds ``.venv-sglang`` and sets ``HISTOSPEC_REQUIRE_SGLANG=1``, so there these
+tests fail instead of skipping when SGLang is missing.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from histospec_sgl import HistoryIndex
+from histospec_sgl.cli import main as cli_main
+from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
+from histospec_sgl.plugin.drafter import BatchDrafter, SwitchOff, group_of
+
+ROOT = Path(__file__).resolve().parents[1]
+SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
+SAMPLE = ROOT / "histospec_sgl" / "data" / "humaneval_sample.jsonl.gz"
+
+
+def _humaneval(n_tasks: int = 8) -> list[tuple[list[int], list[list[int]]]]:
+    out = []
+    with gzip.open(SAMPLE, "rt") as f:
+        for line in f:
+            r = json.loads(line)
+            out.append((json.loads(r["prompt_ids"]) if isinstance(r["prompt_ids"], str) else r["prompt_ids"],
+                        json.loads(r["samples_ids"]) if isinstance(r["samples_ids"], str) else r["samples_ids"]))
+            if len(out) == n_tasks:
+                break
+    return out
+
+
+def check_contract(tokens: np.ndarray, mask: np.ndarray, roots: list[int], d: int) -> list[list[int]]:
+    """SGLang's NGRAM verify contract for every request; returns each request's parent list."""
+    bs = len(roots)
+    assert tokens.shape == (bs * d,) and mask.shape == (bs * d * d,)
+    parents_all = []
+    for b in range(bs):
+        t = tokens[b * d:(b + 1) * d]
+        m = mask[b * d * d:(b + 1) * d * d].reshape(d, d)
+        assert t[0] == roots[b], "node 0 is the root: the request's last token"
+        assert m[0].tolist() == [1] + [0] * (d - 1)
+        parents = [-1]
+        for i in range(1, d):
+            assert m[i, i] == 1 and not m[i, i + 1:].any(), "a node sees only itself and earlier nodes"
+            anc = [j for j in range(i) if m[i, j]]
+            assert anc and anc[0] == 0, "every node descends from the root"
+            p = anc[-1]
+            # The ancestors of i are exactly p and p's ancestors.
+            assert set(anc) == {p} | {j for j in range(p) if m[p, j]}
+            parents.append(p)
+        children: dict[int, list[int]] = {}
+        for i in range(1, d):
+            children.setdefault(parents[i], []).append(int(t[i]))
+        for p, toks in children.items():
+            assert len(toks) == len(set(toks)), f"duplicate sibling tokens under node {p}: {toks}"
+        parents_all.append(parents)
+    return parents_all
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_values():
+    assert HistoryConfig.from_env({}) == HistoryConfig()
+    cfg = HistoryConfig.from_env({
+        "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
+        "HISTOSPEC_DRAFT_POLICY": "Frequency", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
+    })
+    assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
+        32, 512 << 20, "frequency", 64, 0.5)
+    kw = cfg.index_kwargs()
+    assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20
+    HistoryIndex(**kw)  # the index accepts every setting the table produces
+    assert parse_size("4G") == 4 << 30 and parse_size("1.5KiB") == 1536 and parse_size("100") == 100
+    assert "HISTOSPEC_DRAFT_SERVER" in settings_table()
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"HISTOSPEC_MAX_RESPONSES": "-1"}, "HISTOSPEC_MAX_RESPONSES"),
+    ({"HISTOSPEC_MEMORY_BUDGET": "lots"}, "HISTOSPEC_MEMORY_BUDGET"),
+    ({"HISTOSPEC_DRAFT_POLICY": "random"}, "recency, frequency"),
+    ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
+    ({"HISTOSPEC_LENIENCE": "1.5"}, "only 1"),
+    ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
+    ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
+    ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
+])
+def test_config_errors_name_the_variable(env, needle):
+    with pytest.raises(HistoryConfigError, match=needle):
+        HistoryConfig.from_env(env)
+
+
+def test_group_param():
+    assert group_of(None) is None and group_of({"other": 1}) is None
+    assert group_of({"histospec_group": 7}) == 7
+    assert group_of({"histospec_group": (1 << 64) - 1}) == (1 << 64) - 1
+    s = group_of({"histospec_group": "prompt-17"})
+    assert s == group_of({"histospec_group": "prompt-17"}) and 0 <= s < 1 << 64
+    for bad in (-1, 1 << 64, 1.5, True, [1]):
+        with pytest.raises(ValueError, match="histospec_group"):
+            group_of({"histospec_group": bad})
+
+
+# -- the draft source ------------------------------------------------------------------------------
+
+
+def test_drafter_contract_and_sibling_drafting_on_real_completions():
+    """Decode the samples of each HumanEval task in lockstep, as SGLang does, feeding back exactly
+    what greedy tree verification would accept; check the contract at every step, that siblings
+    in flight draft from each other and that finished responses become history."""
+    d = 12
+    dr = BatchDrafter(d)
+    tasks = _humaneval(4)
+    steps = accepted_total = 0
+    for task, (prompt, samples) in enumerate(tasks):
+        samples = samples[:4]
+        rids = [f"t{task}-s{k}" for k in range(len(samples))]
+        pos = [1] * len(samples)  # tokens accepted so far (the first came from prefill)
+        active = list(range(len(samples)))
+        while active:
+            for k in active:
+                dr.sync(rids[k], prompt, samples[k][:pos[k]])
+            tokens, mask = dr.draft([rids[k] for k in active])
+            roots = [samples[k][pos[k] - 1] for k in active]
+            parents = check_contract(tokens.copy(), mask.copy(), roots, d)
+            steps += 1
+            nxt = []
+            for b, k in enumerate(active):
+                t = tokens[b * d:(b + 1) * d]
+                truth = samples[k][pos[k]:]
+                node, acc = 0, 0
+                while acc < len(truth):
+                    kids = [i for i in range(1, d) if parents[b][i] == node and t[i] == truth[acc]]
+                    if not kids:
+                        break
+                    node, acc = kids[0], acc + 1
+                accepted_total += min(acc, len(truth) - 1)  # what the token counts show
+                pos[k] = min(pos[k] + acc + 1, len(samples[k]))
+                if pos[k] >= len(samples[k]):
+                    dr.finish(rids[k], samples[k])
+                else:
+                    nxt.append(k)
+            active = nxt
+        assert dr.index.stats()["responses"] == 4 * (task + 1)
+    tot = dr.totals
+    assert tot["finished"] == tot["kept"] == 16
+    assert tot["accepted"] == accepted_total > 0
+    # Real completions of one task rhyme: well over one token per step on average.
+    generated = sum(len(s) for _, ss in tasks for s in ss[:4]) - 16
+    assert generated / steps > 1.5 * (16 / 4) / 4  # batch of 4 per step: > 1.5 tokens per request-step
+    assert dr.pop_stats("t0-s0") is not None
+
+
+def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
+    d = 6
+    dr = BatchDrafter(d, HistoryConfig(max_batch=2))
+    prompt = [5, 6, 7]
+    dr.add_finished(prompt, [1, 2, 3, 4, 5, 6])
+    dr.sync("a", prompt, [1])
+    tokens, mask = dr.draft(["a"])
+    assert tokens[:d].tolist() == [1, 2, 3, 4, 5, 6]  # the earlier response, as a chain
+    # Retraction: SGLang rewinds a request; its context starts again, nothing breaks.
+    dr.sync("a", prompt, [1, 2, 3])
+    dr.sync("a", prompt, [1])
+    assert dr.draft(["a"])[0][:2].tolist() == [1, 2]
+    # Switch-off above max_batch: root only, padded as a chain.
+    for r in ("b", "c"):
+        dr.sync(r, prompt, [1])
+    tokens, mask = dr.draft(["a", "b", "c"])
+    assert tokens.reshape(3, d)[:, 0].tolist() == [1, 1, 1] and not tokens.reshape(3, d)[:, 1:].any()
+    check_contract(tokens, mask, [1, 1, 1], d)
+    assert dr.totals["drafted_steps"] == 2 and dr.totals["steps"] == 3
+    # An abort leaves no history; an unknown rid is ignored.
+    dr.finish("b", [1, 9], keep=False)
+    dr.finish("nope", [1])
+    assert dr.index.stats()["responses"] == 1
+    # History out and in: a snapshot, and token-id JSONL (gzip too).
+    snap = tmp_path / "h" / "index.snap"
+    dr.save(snap)
+    other = BatchDrafter(d)
+    assert other.load(snap) == 1
+    lines = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "version": 2},
+             {"prompt_ids": [1, 2], "response_ids": [3, 4, 6], "group": 99}]
+    (tmp_path / "h.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    with gzip.open(tmp_path / "h.jsonl.gz", "wt") as f:
+        f.write(json.dumps(lines[0]) + "\n")
+    assert other.load(tmp_path / "h.jsonl") == 3
+    assert other.load(tmp_path / "h.jsonl.gz") == 4
+    (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a history record"):
+        other.load(tmp_path / "bad.jsonl")
+
+
+def test_switch_off_by_measured_acceptance():
+    sw = SwitchOff(min_accept=1.0, probe_every=4, window=8)
+    assert sw.should_draft(32)  # nothing measured yet
+    for _ in range(8):
+        sw.observe(accepted=2, request_steps=32)  # 0.06 accepted per request-step
+    decisions = [sw.should_draft(32) for _ in range(8)]
+    assert decisions.count(True) == 2  # probes only
+    for _ in range(8):
+        sw.observe(accepted=64, request_steps=32)
+    assert sw.should_draft(32)
+
+
+# -- the launcher (no SGLang needed up to the exec) --------------------------------------------------
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "histospec_sgl.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+
+
+def test_launch_server_help_and_errors():
+    r = _cli("launch-server", "--help")
+    assert r.returncode == 0 and "--history-load" in r.stdout and "HISTOSPEC_MEMORY_BUDGET" in r.stdout
+    r = _cli("launch-server", "--history-memory-budget", "lots", "--model-path", "m")
+    assert r.returncode == 2 and "HISTOSPEC_MEMORY_BUDGET='lots'" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", env={"HISTOSPEC_DRAFT_POLICY": "bogus"})
+    assert r.returncode == 2 and "HISTOSPEC_DRAFT_POLICY" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", "--attention-backend", "triton")
+    assert r.returncode == 2 and "--attention-backend flashinfer" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", "--speculative-algorithm", "NGRAM")
+    assert r.returncode == 2 and "runs HISTORY" in r.stderr
+    assert "launch-server" in _cli("--help").stdout
+
+
+# -- real SGLang, in fresh subprocesses ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sglang_py() -> Path:
+    if not SGLANG_PY.exists():
+        if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
+            pytest.fail(".venv-sglang is missing: scripts/setup_sglang_env.sh did not run")
+        pytest.skip("needs .venv-sglang (real SGLang 0.5.17; bash scripts/setup_sglang_env.sh)")
+    return SGLANG_PY
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A model directory SGLang's argument code can read (config only: no weights are loaded)."""
+    p = tmp_path_factory.mktemp("tiny")
+    (p / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    }))
+    return p
+
+
+def _run_sglang(py: Path, code: str, *, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    return subprocess.run([str(py), "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout,
+                          cwd=str(ROOT / "tests"))
+
+
+_RESOLVE = """
+    import json, sys
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    algo = SpeculativeAlgorithm.from_string("history")
+    sa = prepare_server_args(sys.argv[1:] if len(sys.argv) > 1 else json.loads(open("ARGS").read()))
+    print("RESULT " + json.dumps(dict(
+        algo_type=type(algo).__name__, is_ngram=algo.is_ngram(), has_draft_kv=algo.has_draft_kv(),
+        need_topk=algo.need_topk(), carries=algo.carries_draft_hidden_states(),
+        supports_overlap=algo.supports_overlap,
+        alg=sa.speculative_algorithm, d=sa.speculative_num_draft_tokens, topk=sa.speculative_eagle_topk,
+        steps=sa.speculative_num_steps, mrr=sa.max_running_requests, mixed=sa.enable_mixed_chunk,
+        attn=sa.attention_backend, breadth=sa.speculative_ngram_max_bfs_breadth)))
+"""
+
+
+def _resolve(py: Path, args: list[str], env: dict | None = None, tmp: Path | None = None):
+    code = _RESOLVE.replace('open("ARGS").read()', repr(json.dumps(args)))
+    return _run_sglang(py, code, env=env)
+
+
+def _result(r: subprocess.CompletedProcess) -> dict:
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"rc={r.returncode}\nstdout:{r.stdout[-2000:]}\nstderr:{r.stderr[-4000:]}"
+    return json.loads(lines[-1][7:])
+
+
+BASE = ["--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init"]
+
+
+def test_entry_point_registers_history_and_resolves_ngram_defaults(sglang_py, tiny_model):
+    r = _resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
+                             "--attention-backend", "flashinfer"])
+    res = _result(r)
+    assert res["algo_type"] == "HistoryAlgo"
+    assert res["is_ngram"] and not res["has_draft_kv"] and not res["need_topk"] and not res["carries"]
+    assert res["supports_overlap"]
+    # SGLang's NGRAM defaults, filled in by SGLang's own code.
+    assert res["alg"] == "HISTORY" and res["d"] == 12 and res["mrr"] == 48 and res["mixed"] is False
+    assert res["topk"] == res["breadth"] and res["steps"] == 12 // res["topk"]
+    assert res["attn"] == "flashinfer"
+    # The user's own choices win.
+    res = _result(_resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm",
+                                       "history", "--speculative-num-draft-tokens", "16",
+                                       "--max-running-requests", "8"]))
+    assert (res["d"], res["mrr"]) == (16, 8)
+    assert res["attn"] == "flashinfer", "an unset attention backend becomes FlashInfer"
+
+
+def test_wrong_backend_and_bad_settings_are_clear_errors(sglang_py, tiny_model):
+    r = _resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
+                             "--attention-backend", "triton"])
+    assert r.returncode != 0 and "--attention-backend flashinfer" in r.stderr, r.stderr[-3000:]
+    r = _resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
+                             "--attention-backend", "flashinfer"], env={"HISTOSPEC_MAX_BATCH": "-3"})
+    assert r.returncode != 0 and "HISTOSPEC_MAX_BATCH" in r.stderr, r.stderr[-3000:]
+    # Other algorithms are untouched by the plugin (and by a bad HISTOSPEC_ value).
+    res = _result(_resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm",
+                                       "NGRAM", "--attention-backend", "triton"],
+                           env={"HISTOSPEC_MAX_BATCH": "-3"}))
+    assert res["alg"] == "NGRAM" and res["attn"] == "triton"
+
+
+def test_registration_is_idempotent_cheap_and_fails_loudly(sglang_py):
+    r = _run_sglang(sglang_py, """
+        import sys
+        import histospec_sgl.plugin as p
+        p.register(); p.register()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        assert type(SpeculativeAlgorithm.from_string("HISTORY")).__name__ == "HistoryAlgo"
+        heavy = [m for m in ("histospec_sgl._core", "histospec_sgl.plugin.worker",
+                             "sglang.srt.speculative.ngram_worker", "histospec_sgl.plugin.drafter") if m in sys.modules]
+        print("RESULT", heavy)
+    """)
+    assert "RESULT []" in r.stdout, r.stdout + r.stderr[-3000:]
+    # A registration that fails inside SGLang's loader (which only logs plugin errors) stops a
+    # process that asked for HISTORY, with the reason and the fix.
+    r = _run_sglang(sglang_py, """
+        import sys
+        import histospec_sgl.plugin.compat as c
+        def boom(): raise ImportError("simulated broken install")
+        c.register_history = boom
+        sys.argv = ["sglang.launch_server", "--speculative-algorithm", "HISTORY"]
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        print("NOT REACHED")
+    """)
+    assert r.returncode != 0 and "NOT REACHED" not in r.stdout
+    assert "simulated broken install" in r.stderr and "launch-server --check" in r.stderr
+    # The worker needs SGLang's NGRAM worker (a CUDA sgl_kernel): without it the factory says so.
+    r = _run_sglang(sglang_py, """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+        class SA: disable_overlap_schedule = False
+        try:
+            SpeculativeAlgorithm.from_string("HISTORY").create_worker(SA())
+        except RuntimeError as e:
+            print("RESULT", e)
+    """)
+    assert "RESULT histospec-sgl: the HISTORY worker cannot be imported" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_launch_server_check_finds_the_plugin(sglang_py):
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "launch-server", "--check"],
+                       capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sglang 0.5.17" in r.stdout and "entry point histospec = histospec_sgl.plugin:register" in r.stdout
+    assert "HISTORY -> CustomSpecAlgo('HISTORY')" in r.stdout
+
+
+def _sglang_tree_links(py: Path) -> str:
+    """SGLang's own host-side tree-link derivation (ngram_worker._derive_tree_links), lifted from the
+    installed source: importing ngram_worker needs a CUDA sgl_kernel."""
+    r = _run_sglang(py, "import sglang, os; print(os.path.dirname(sglang.__file__))")
+    src = Path(r.stdout.strip().splitlines()[-1], "srt", "speculative", "ngram_worker.py").read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_derive_tree_links")
+    return ast.get_source_segment(src, fn)
+
+
+def test_draft_buffers_match_sglang_tree_reconstruction(sglang_py, tmp_path):
+    """Our parents and BFS order, as SGLang's verification walks them: SGLang's derivation of
+    first-child / next-sibling links from our masks must agree with our tree, and walking those
+    links (as verify_tree_greedy does) must reach every real node exactly once."""
+    d = 16
+    dr = BatchDrafter(d)
+    tasks = _humaneval(6)
+    rids, roots = [], []
+    for t, (prompt, samples) in enumerate(tasks):
+        for s in samples[1:4]:
+            dr.add_finished(prompt, s)
+        rid = f"r{t}"
+        head = samples[0][: max(1, min(20, len(samples[0]) // 2))]
+        dr.sync(rid, prompt, head)
+        rids.append(rid)
+        roots.append(head[-1])
+    tokens, mask = dr.draft(rids)
+    parents = check_contract(tokens, mask, roots, d)
+    np.save(tmp_path / "mask.npy", mask)
+    code = _sglang_tree_links(sglang_py) + textwrap.dedent(f"""
+        import numpy as np, json
+        mask = np.load({str(tmp_path / 'mask.npy')!r}).astype(bool)
+        nt, ns = _derive_tree_links(mask, {len(rids)}, {d})
+        print("RESULT " + json.dumps([nt.tolist(), ns.tolist()]))
+    """)
+    r = _run_sglang(sglang_py, "import numpy as np\nimport torch\n" + code)
+    next_token, next_sibling = _result(r)
+    for b in range(len(rids)):
+        seen = []
+
+        def walk(node: int) -> None:
+            seen.append(node)
+            c = next_token[b][node]
+            while c != -1:
+                assert parents[b][c] == node
+                walk(c)
+                c = next_sibling[b][c]
+
+        walk(0)
+        assert sorted(seen) == list(range(d)), "every node reached once from the root"
+    assert dr.totals["covered"] == len(rids), "every request got a draft from its group's history"
+
+
+def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
+    """Two real torch.distributed ranks (gloo, as SGLang's TP CPU group): rank 0 drafts from its
+    index, rank 1 has none; both must return the same buffers, step after step, including a step
+    where rank 0's drafting failed and it sent the empty draft."""
+    script = tmp_path / "tp.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, json
+        import numpy as np
+        import torch.distributed as dist
+        from histospec_sgl.plugin.drafter import BatchDrafter
+        from histospec_sgl.plugin.tp import DraftBroadcast
+        rank = int(sys.argv[1]); port = sys.argv[2]; out = sys.argv[3]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        g = dist.new_group([0, 1], backend="gloo")
+        bc = DraftBroadcast(g, src=0, rank_in_group=rank, world_size=2)
+        d, bs = 8, 3
+        dr = BatchDrafter(d) if bc.is_source else None
+        got = []
+        for step in range(20):
+            if dr is not None:
+                if step == 0:
+                    for k in range(bs):
+                        dr.add_finished([1, 2, 3], [10 + k, 11, 12, 13, 14, 15])
+                for k in range(bs):
+                    dr.sync(f"r{k}", [1, 2, 3], [10 + k, 11, 12, 13, 14, 15][: 1 + step % 5])
+                if step == 7:
+                    tokens = np.zeros(bs * d, np.int64); mask = np.tile(np.tril(np.ones((d, d), np.int64)).ravel(), bs)
+                else:
+                    tokens, mask = dr.draft([f"r{k}" for k in range(bs)])
+                tokens, mask = bc.share(tokens, mask, bs, d)
+            else:
+                tokens, mask = bc.share(None, None, bs, d)
+            got.append([tokens.tolist(), mask.tolist()])
+        json.dump(got, open(out, "w"))
+        dist.destroy_process_group()
+    """))
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
+    procs = []
+    for r in (0, 1):
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen([str(sglang_py), str(script), str(r), str(port),
+                                           str(tmp_path / f"r{r}.json")], env=env, stderr=log))
+    try:
+        for r, p in enumerate(procs):
+            assert p.wait(timeout=120) == 0, logs[r].read_text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    a = json.loads((tmp_path / "r0.json").read_text())
+    b = json.loads((tmp_path / "r1.json").read_text())
+    assert a == b and len(a) == 20
+    assert any(any(t[1:8]) for t, _ in a), "rank 0 drafted real nodes"
+
+
+_WORKER = r'''
+import json, sys, types
+import numpy as np
+import torch
+from histospec_sgl.plugin.worker import HistoryWorker
+from histospec_sgl import prompt_key
+
+D = 8
+sa = types.SimpleNamespace(disable_overlap_schedule=False, page_size=1, speculative_num_draft_tokens=D,
+                           speculative_ngram_max_trie_depth=18, speculative_eagle_topk=8,
+                           speculative_num_steps=1, device="cpu", tp_size=1)
+target = types.SimpleNamespace(model_runner=types.SimpleNamespace())
+# SGLang 0.5.17's constructor: (server_args, gpu_id, ps, nccl_port, target_worker).
+w = HistoryWorker(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0,
+                  target_worker=target)
+
+class Req:
+    def __init__(self, rid, prompt, full, group=None, abort=False):
+        self.rid, self.origin_input_ids, self.full = rid, prompt, full
+        self.output_ids = []
+        self.sampling_params = types.SimpleNamespace(
+            custom_params={"histospec_group": group} if group is not None else None)
+        self.done, self.abort = False, abort
+        self.finished_reason = None
+    def finished(self):
+        return self.done
+
+def step(reqs, pending):
+    """One overlap-mode decode step: pending[rid] = tokens accepted last step, not yet in output_ids."""
+    acc = torch.zeros(len(reqs) * D, dtype=torch.int64)
+    lens = torch.zeros(len(reqs), dtype=torch.int32)
+    for i, r in enumerate(reqs):
+        p = pending.get(r.rid, [])
+        acc[i * D: i * D + len(p)] = torch.tensor(p, dtype=torch.int64)
+        lens[i] = len(p)
+    batch = types.SimpleNamespace(reqs=reqs, spec_info=types.SimpleNamespace(accept_tokens=acc, accept_lens=lens),
+                                  grammar_needs_sync=lambda: False)
+    for r in reqs:
+        w._reqs.setdefault(r.rid, r)
+    tokens, mask = w._prepare_draft_tokens(batch)
+    assert tokens.shape == (len(reqs) * D,) and mask.shape == (len(reqs) * D * D,)
+    out = {}
+    for i, r in enumerate(reqs):
+        r.output_ids = r.output_ids + pending.get(r.rid, [])  # result processing catches up
+        pos = len(r.output_ids)
+        t = tokens[i * D:(i + 1) * D].tolist()
+        assert t[0] == (r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1])
+        # Greedy chain acceptance of what the request will really generate next.
+        acc_n = 0
+        m = mask[i * D * D:(i + 1) * D * D].reshape(D, D)
+        node = 0
+        while pos + acc_n < len(r.full):
+            kids = [j for j in range(1, D) if m[j].sum() == m[node].sum() + 1 and m[j, node] and t[j] == r.full[pos + acc_n]]
+            if not kids:
+                break
+            node = kids[0]; acc_n += 1
+        out[r.rid] = r.full[pos: pos + acc_n + 1]
+    return out, tokens
+
+prompt = [101, 102, 103]
+base = list(range(200, 240))
+reqs = [Req(f"a{k}", prompt, [7] + base + [9000 + k]) for k in range(3)]
+# First decode step after prefill: the prefill token is pending.
+# a0 starts alone; its siblings join 15 steps later and draft from its in-flight context.
+start = {"a0": 0, "a1": 15, "a2": 15}
+pending = {}
+accepted_steps = []
+for n in range(80):
+    for r in reqs:
+        if start[r.rid] == n:
+            pending[r.rid] = [r.full[0]]  # the prefill token
+    live = [r for r in reqs if not r.done and start[r.rid] <= n]
+    if not live:
+        break
+    pending, tokens = step(live, pending)
+    accepted_steps.append(sum(len(v) - 1 for v in pending.values()))
+    for r in live:
+        if len(r.output_ids) + len(pending[r.rid]) >= len(r.full):
+            r.output_ids += pending.pop(r.rid)
+            r.done = True
+            w.note_request_finished(rid=r.rid, natural_stop=True)
+stats = w.history_stats()
+# A second epoch of the same prompt drafts the whole response from history.
+r2 = Req("b0", prompt, [7] + base + [9000])
+pend, _ = step([r2], {"b0": [7]})
+first = len(pend["b0"])
+# An aborted request leaves no history; a custom group is honoured.
+ab = Req("x", [5, 5, 5], [1, 2, 3], group="custom")
+step([ab], {"x": [1]})
+ab.done = True
+ab.finished_reason = type("FINISH_ABORT", (), {})()
+w._departed(["x"])
+g = w.drafter.index.request_group  # noqa
+w.clear_cache_pool()  # flush_cache after a weight update: history stays
+w.history_save(sys.argv[1])
+print("RESULT " + json.dumps(dict(
+    steps=len(accepted_steps), accepted=sum(accepted_steps), responses=stats["responses"],
+    after_flush=w.drafter.index.stats()["responses"], first=first, finished=stats["finished"],
+    live=sorted(w.drafter.live()), groups=w.drafter.index.group_keys(), key=prompt_key(prompt))))
+'''
+
+
+def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
+    """The real HistoryWorker (subclass of SGLang 0.5.17's real NGRAMWorker; only the CUDA kernel
+    import is stubbed) driven through overlap-mode decode steps with fake requests: contexts follow
+    the accepted tokens including the ones not yet in output_ids, siblings draft from each other,
+    finished requests become history that survives flush_cache, aborted ones do not."""
+    snap = tmp_path / "snap.bin"
+    r = _run_sglang(sglang_py, _WORKER.replace("sys.argv[1]", repr(str(snap))),
+                    env={"PYTHONPATH": str(ROOT / "tests" / "_stubs")})
+    res = _result(r)
+    assert res["responses"] == 3 and res["finished"] == 3 and res["after_flush"] == 3
+    # a0 decodes 41 tokens one step at a time (nothing to draft from); its siblings, 15 steps late,
+    # catch up with it within a few steps by drafting from its in-flight context (about 15 tokens
+    # each), then all three advance together.
+    assert res["steps"] <= 42 and res["accepted"] >= 26
+    assert res["first"] >= 8, "a new epoch's first verify step takes a full draft from history"
+    assert res["live"] == ["b0"] and res["key"] in res["groups"] and len(res["groups"]) == 1
+    assert snap.exists() and snap.stat().st_size > 0
