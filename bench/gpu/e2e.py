@@ -1,0 +1,141 @@
+"""End-to-end HISTORY check on a GPU box (issue 4): run by bench/gpu/run_on_box.sh.
+
+1. Plain SGLang server (no speculation): greedy outputs of N prompts, and tokens/s at a few batch sizes.
+2. The same server with ``--speculative-algorithm HISTORY``:
+   - pass 1 over the same prompts: outputs must be token-identical to plain greedy decoding;
+   - pass 2 (history now holds pass 1): accepted tokens per verify step > 1;
+   - tokens/s at the same batch sizes.
+Writes ``$OUT/e2e.json`` and prints a summary. Only the standard library: the box has no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, limit: float) -> None:
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health_generate", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server not healthy after {limit:.0f} s")
+
+
+def start(args: argparse.Namespace, spec: bool, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
+           "--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+           "--mem-fraction-static", "0.3", "--host", "127.0.0.1", "--port", str(args.port),
+           "--skip-tokenizer-init", "--max-running-requests", str(max(args.batch_sizes))]
+    if args.no_cuda_graph:
+        cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if spec:
+        cmd += ["--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(args.draft_tokens)]
+    print("+", " ".join(cmd), flush=True)
+    f = open(log, "w")
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def generate(base: str, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[list[dict], float]:
+    def one(p: list[int]) -> dict:
+        return post(base + "/generate", {"input_ids": p, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}})
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        outs = list(ex.map(one, prompts))
+    return outs, time.time() - t0
+
+
+def accept_length(outs: list[dict]) -> float | None:
+    toks = sum(o["meta_info"].get("completion_tokens", 0) for o in outs)
+    steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    return toks / steps if steps else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=21000)
+    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--health-timeout", type=float, default=240)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, args.vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    base = f"http://127.0.0.1:{args.port}"
+    result: dict = {"args": {k: v for k, v in vars(args).items()}, "plain": {}, "history": {}}
+
+    for name, spec in (("plain", False), ("history", True)):
+        proc = start(args, spec, out / f"server-{name}.log")
+        try:
+            wait_healthy(base, proc, args.health_timeout)
+            r = result[name]
+            outs, secs = generate(base, prompts, args.max_new, max(args.batch_sizes))
+            r["pass1_ids"] = [o["output_ids"] for o in outs]
+            r["pass1_accept_length"] = accept_length(outs)
+            if spec:
+                outs2, _ = generate(base, prompts, args.max_new, max(args.batch_sizes))
+                r["pass2_accept_length"] = accept_length(outs2)
+                r["pass2_identical"] = [o["output_ids"] for o in outs2] == r["pass1_ids"]
+            r["throughput"] = {}
+            for bs in args.batch_sizes:
+                sub = prompts[:bs] * max(1, 64 // bs) if bs < 64 else prompts[:bs]
+                o, secs = generate(base, sub, args.max_new, bs)
+                toks = sum(x["meta_info"]["completion_tokens"] for x in o)
+                r["throughput"][str(bs)] = {"tokens_per_s": toks / secs, "accept_length": accept_length(o)}
+        finally:
+            stop(proc)
+    plain, hist = result["plain"], result["history"]
+    result["identical"] = plain["pass1_ids"] == hist["pass1_ids"]
+    result["mismatches"] = sum(a != b for a, b in zip(plain["pass1_ids"], hist["pass1_ids"]))
+    for r in (plain, hist):
+        r.pop("pass1_ids", None)
+    (out / "e2e.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    ok = result["identical"] and (hist.get("pass2_accept_length") or 0) > 1.0
+    print("E2E", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

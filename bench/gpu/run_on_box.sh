@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The one GPU-box job for issue 4 (run with the device tool from the repository root, carrying
+# .devpayload, which scripts/gpu_payload.sh builds):
+#   run(command="bash bench/gpu/run_on_box.sh", carry=[".devpayload"], timeout_s=600)
+# Writes everything under $OUT: environment facts, kernel check, server logs, e2e.json.
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+S=$(mktemp -d)
+exec > >(tee "$OUT/run.log") 2>&1
+echo "== box"; nvidia-smi -L; python3 --version; which nvcc ninja xz || true; ldd --version | head -1
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+echo "== payload"; t0=$(date +%s)
+mkdir -p "$S/site" && tar -C "$S/site" -xJf .devpayload/sglang-site312.tar.xz || { echo "payload unpack failed"; exit 1; }
+python3 -m pip install -q --no-deps --no-index --target "$S/site" .devpayload/histospec_sgl-*.whl || { echo "wheel install failed"; exit 1; }
+echo "unpacked in $(( $(date +%s) - t0 )) s"
+export PYTHONPATH="$S/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
+       TVM_FFI_CACHE_DIR="$S/jit/tvm-ffi" FLASHINFER_WORKSPACE_BASE="$S/jit" TOKENIZERS_PARALLELISM=false \
+       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_LOG_EVERY=50
+if [ -f .devpayload/jitcache.tar.xz ]; then mkdir -p "$S/jit" && tar -C "$S/jit" -xJf .devpayload/jitcache.tar.xz; fi
+echo "== kernel check (gpu-box.md section 9.1)"
+python3 -c "import torch, sgl_kernel; print(torch.__version__, torch.ops.sgl_kernel.verify_tree_greedy)" || echo "sgl_kernel FAILED"
+python3 -m histospec_sgl.cli launch-server --check || echo "plugin check FAILED"
+echo "== tiny model"
+python3 .devpayload/make_tiny_model.py "$S/tiny" || { echo "tiny model failed"; exit 1; }
+echo "== e2e"
+timeout 480 python3 bench/gpu/e2e.py --model "$S/tiny" --out "$OUT" ${E2E_ARGS:-}
+rc=$?
+echo "== jit cache"; tar -C "$S/jit" -cJf "$OUT/jitcache.tar.xz" . 2>/dev/null; ls -la "$OUT"
+exit $rc
