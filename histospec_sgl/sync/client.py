@@ -397,9 +397,11 @@ class HistorySubscriber(_Client):
         while not self._stop.is_set():
             try:
                 if need_snapshot:
+                    # Counted before its records are handed over: poll() may apply them (and a
+                    # caller read this counter) before the stream's end is seen here.
+                    self.snapshots += 1
                     self._call = self._stream("Snapshot", b"")
                     self._consume("snapshot", self._call)
-                    self.snapshots += 1
                     need_snapshot = False
                 self._call = self._stream("Subscribe", _core.encode_subscribe(self._received + 1))
                 self._consume("subscribe", self._call)
