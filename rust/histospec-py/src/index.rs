@@ -271,6 +271,7 @@ impl PyHistoryIndex {
     /// `tokens`: int64 `[bs*num_nodes]`; `mask`: int64/int32/uint8/bool `[bs*num_nodes*num_nodes]`;
     /// `probs`: optional float32 `[bs*num_nodes]`. Returns (requests with a draft, draft nodes).
     #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None, counts=None))]
+    #[allow(clippy::too_many_arguments)]
     fn draft_batch(
         &self,
         py: Python<'_>,
