@@ -1,0 +1,298 @@
+"""SpecRLRollout against a loopback HTTP server that speaks SGLang's native ``/generate`` (the
+response layout of SGLang 0.5.17's tokenizer manager: ``output_ids``, ``meta_info.finish_reason``
+as ``{"type": ...}``, ``input_token_logprobs`` / ``output_token_logprobs`` as
+``[logprob, token_id, text]`` from ``logprob_start_len``) over a small synthetic policy with explicit
+next-token distributions, so that every returned log-prob can be checked against the policy.
+
+No GPU is involved; ``bench/gpu/e2e.py`` runs the same client against a real SGLang server and keeps
+its raw responses for future fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+
+from histospec_sgl.specrl.client import (
+    Previous,
+    PreviousResponses,
+    RolloutRequest,
+    SpecRLRequestError,
+    SpecRLRollout,
+    engine_backend,
+    scored_logprobs,
+)
+
+V, EOS = 6, 0
+
+
+class Policy:
+    """p(next | last two tokens), explicit; ``shift`` moves it away from another policy."""
+
+    def __init__(self, seed: int, shift: float = 0.0):
+        rng = np.random.default_rng(seed)
+        self.logits = rng.normal(size=(V * V, V)) * 1.5
+        self.logits[:, EOS] -= 1.5  # responses of a few tokens
+        if shift:
+            self.logits += np.random.default_rng(seed + 1).normal(size=self.logits.shape) * shift
+
+    def logp(self, ctx: list[int]) -> np.ndarray:
+        z = self.logits[(ctx[-2] % V) * V + ctx[-1] % V]
+        return z - np.log(np.exp(z - z.max()).sum()) - z.max()
+
+    def sample(self, ctx: list[int], max_new: int, rng: np.random.Generator) -> tuple[list[int], list[float], str]:
+        out, lps = [], []
+        while len(out) < max_new:
+            lp = self.logp(ctx + out)
+            t = int(rng.choice(V, p=np.exp(lp)))
+            out.append(t)
+            lps.append(float(lp[t]))
+            if t == EOS:
+                return out, lps, "stop"
+        return out, lps, "length"
+
+
+class FakeSGLang:
+    """A real HTTP server on loopback answering ``/generate`` like SGLang, from ``policy``."""
+
+    def __init__(self, policy: Policy, *, offset: int = 0, fail_on: set[int] | None = None, delay: float = 0.0):
+        self.policy, self.offset, self.fail_on, self.delay = policy, offset, fail_on or set(), delay
+        self.calls: list[dict] = []
+        self.inflight = self.max_inflight = 0
+        self.lock = threading.Lock()
+        self.rng = np.random.default_rng(1234)
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.calls.append(body)
+                    outer.inflight += 1
+                    outer.max_inflight = max(outer.max_inflight, outer.inflight)
+                try:
+                    time.sleep(outer.delay)
+                    if body["input_ids"][0] in outer.fail_on:
+                        self.send_response(500)
+                        self.end_headers()
+                        self.wfile.write(b'{"error": "simulated engine failure"}')
+                        return
+                    data = json.dumps(outer.answer(body)).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    try:
+                        self.wfile.write(data)
+                    except BrokenPipeError:  # the client gave up (the timeout test)
+                        pass
+                finally:
+                    with outer.lock:
+                        outer.inflight -= 1
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def answer(self, body: dict) -> dict:
+        ids = body["input_ids"]
+        sp = body["sampling_params"]
+        with self.lock:
+            out, lps, fin = self.policy.sample(ids, sp["max_new_tokens"], self.rng)
+        meta = {"id": "x", "finish_reason": {"type": fin, **({"matched": EOS} if fin == "stop" else {"length": len(out)})},
+                "prompt_tokens": len(ids), "completion_tokens": len(out), "cached_tokens": 0}
+        if body.get("return_logprob"):
+            start = body.get("logprob_start_len", -1)
+            if start == -1:
+                start = len(ids)
+            start -= self.offset
+            meta["input_token_logprobs"] = [
+                [None if i == 0 else float(self.policy.logp(ids[:i])[ids[i]]), ids[i], None] for i in range(start, len(ids))]
+            meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(out, lps)]
+        return {"text": None, "output_ids": out, "meta_info": meta}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def policy_pair():
+    return Policy(3), Policy(3, shift=0.7)
+
+
+def _requests(n: int, old: Policy | None, rng: np.random.Generator, max_new: int = 12) -> list[RolloutRequest]:
+    reqs = []
+    for i in range(n):
+        prompt = [1 + i % 5, 1 + (i * 7) % 5, 2]
+        prev = None
+        if old is not None:
+            ids, lps, fin = old.sample(prompt, max_new, rng)
+            prev = Previous(ids, lps, fin)
+        reqs.append(RolloutRequest(prompt, {"temperature": 1.0, "max_new_tokens": max_new}, prev, name=f"q{i}",
+                                   group=f"p{i}", sample_index=0))
+    return reqs
+
+
+def _check_current_policy_logprobs(results, reqs, new: Policy):
+    for res, req in zip(results, reqs):
+        ctx = list(req.prompt_ids)
+        assert len(res.logprobs) == len(res.response_ids)
+        for t, lp in zip(res.response_ids, res.logprobs):
+            assert lp == pytest.approx(float(new.logp(ctx)[t]), abs=1e-9)
+            ctx.append(t)
+        assert res.reused + res.generated == len(res.response_ids)
+
+
+def test_rollout_over_http_assembles_current_policy_logprobs(policy_pair):
+    old, new = policy_pair
+    srv = FakeSGLang(new)
+    try:
+        reqs = _requests(40, old, np.random.default_rng(0))
+        roll = SpecRLRollout.http(srv.url, lenience=1.0, rng=np.random.default_rng(7), concurrency=4)
+        results = roll.rollout_sync(reqs)
+        _check_current_policy_logprobs(results, reqs, new)
+        c = roll.counters
+        assert c.requests == 40 and c.with_previous == 40
+        assert c.verified == sum(len(r.previous.response_ids) for r in reqs)
+        assert 0 < c.reused < c.verified  # some tokens reused, some rejected
+        assert srv.max_inflight <= 4
+        # Scoring calls start the log-probs at the prompt's end; continuations carry only the
+        # accepted prefix and a reduced budget.
+        scores = [b for b in srv.calls if b.get("logprob_start_len", -1) >= 0]
+        assert len(scores) == 40 and all(b["sampling_params"]["max_new_tokens"] == 1 for b in scores)
+        for res, req in zip(results, reqs):
+            if res.generated:
+                cont = next(b for b in srv.calls if b["input_ids"] == list(req.prompt_ids) + res.response_ids[:res.reused]
+                            and b.get("logprob_start_len") == -1)
+                assert cont["sampling_params"]["max_new_tokens"] == 12 - res.reused
+    finally:
+        srv.close()
+
+
+def test_lenience_raises_reuse_and_identical_policies_reuse_everything(policy_pair):
+    old, new = policy_pair
+    srv = FakeSGLang(new)
+    try:
+        fractions = []
+        for ell in (1.0, 2.0, 8.0, float("inf")):
+            reqs = _requests(60, old, np.random.default_rng(0))
+            roll = SpecRLRollout.http(srv.url, lenience=ell, rng=np.random.default_rng(1))
+            roll.rollout_sync(reqs)
+            fractions.append(roll.counters.verified and roll.counters.reused / roll.counters.verified)
+        assert fractions == sorted(fractions) and fractions[-1] > fractions[0]
+        # ℓ = ∞ keeps every token the new policy can produce: all of them here.
+        assert fractions[-1] == 1.0
+    finally:
+        srv.close()
+    same = FakeSGLang(old)
+    try:
+        reqs = _requests(30, old, np.random.default_rng(5))
+        roll = SpecRLRollout.http(same.url, lenience=1.0, rng=np.random.default_rng(2))
+        results = roll.rollout_sync(reqs)
+        # p_new == p_old: every token accepted; responses that had ended are returned as they were,
+        # without a generation call.
+        for res, req in zip(results, reqs):
+            assert res.response_ids[: len(req.previous.response_ids)] == list(req.previous.response_ids)
+            if req.previous.finish_reason == "stop":
+                assert res.generated == 0 and res.finish_reason == "stop"
+        assert roll.counters.fully_reused == sum(r.previous.finish_reason in ("stop", "length") for r in reqs)
+    finally:
+        same.close()
+
+
+def test_history_store_feeds_the_next_epoch_and_no_history_generates(policy_pair):
+    old, new = policy_pair
+    srv = FakeSGLang(new)
+    try:
+        store = PreviousResponses()
+        roll = SpecRLRollout.http(srv.url, rng=np.random.default_rng(3), history=store)
+        first = roll.rollout_sync(_requests(10, None, np.random.default_rng(0)))
+        assert all(r.reused == 0 and r.verified == 0 for r in first) and len(store) == 10
+        n_calls = len(srv.calls)
+        second = roll.rollout_sync(_requests(10, None, np.random.default_rng(0)))
+        assert any(r.reused > 0 for r in second)  # same policy: the first epoch's responses are reused
+        assert len(srv.calls) > n_calls
+        # Draft-server records with log-probs fill the store too (records without them are skipped).
+        recs = [{"group_key": 5, "sample_index": 1, "response_ids": [3, 4], "logprobs": [-0.1, -0.2], "version": 1},
+                {"group_key": 6, "sample_index": 0, "response_ids": [3, 4], "logprobs": None}]
+        assert store.add_records(recs) == 1 and store.get(5, 1).response_ids == [3, 4]
+    finally:
+        srv.close()
+
+
+def test_alignment_offset_and_misalignment():
+    meta = {"input_token_logprobs": [[None, 9, None], [-0.5, 3, None], [-0.25, 4, None]]}
+    assert scored_logprobs(meta, [3, 4]).tolist() == [-0.5, -0.25]  # one position early: skipped
+    assert scored_logprobs({"input_token_logprobs": [[-0.5, 3, None], [-0.25, 4, None]]}, [3, 4]).tolist() == [-0.5, -0.25]
+    with pytest.raises(ValueError, match="do not line up"):
+        scored_logprobs(meta, [4, 3])
+
+
+def test_server_offset_by_one_is_handled(policy_pair):
+    old, new = policy_pair
+    srv = FakeSGLang(new, offset=1)
+    try:
+        reqs = _requests(10, old, np.random.default_rng(0))
+        results = SpecRLRollout.http(srv.url, rng=np.random.default_rng(7)).rollout_sync(reqs)
+        _check_current_policy_logprobs(results, reqs, new)
+    finally:
+        srv.close()
+
+
+def test_errors_name_the_request_and_step(policy_pair):
+    old, new = policy_pair
+    srv = FakeSGLang(new, fail_on={4})
+    try:
+        reqs = _requests(8, old, np.random.default_rng(0))  # q3 has prompt [4, ...]
+        with pytest.raises(SpecRLRequestError, match=r"request 'q3': score: RuntimeError: HTTP 500"):
+            SpecRLRollout.http(srv.url, rng=np.random.default_rng(0)).rollout_sync(reqs)
+    finally:
+        srv.close()
+    slow = FakeSGLang(new, delay=2.0)
+    try:
+        with pytest.raises(SpecRLRequestError, match=r"request 'q0': generate: no answer within 0.3 s"):
+            SpecRLRollout.http(slow.url, rng=np.random.default_rng(0), timeout=0.3).rollout_sync(
+                _requests(1, None, np.random.default_rng(0)))
+    finally:
+        slow.close()
+    with pytest.raises(SpecRLRequestError, match="request 'q0': generate: .*Connection refused"):
+        SpecRLRollout.http("http://127.0.0.1:9", rng=np.random.default_rng(0)).rollout_sync(
+            _requests(1, None, np.random.default_rng(0)))
+    bad = Previous([1, 2], [-0.1, float("nan")])
+    srv = FakeSGLang(new)
+    try:
+        with pytest.raises(SpecRLRequestError, match=r"request 'x': cut: .*NaN"):
+            SpecRLRollout.http(srv.url, rng=np.random.default_rng(0)).rollout_sync(
+                [RolloutRequest([1, 2, 3], {"max_new_tokens": 4}, bad, name="x")])
+    finally:
+        srv.close()
+    with pytest.raises(ValueError, match="2 tokens but 1 log-probs"):
+        Previous([1, 2], [-0.1])
+    with pytest.raises(TypeError, match="numpy.random.Generator"):
+        SpecRLRollout.http("http://127.0.0.1:9", rng=0)
+
+
+def test_engine_backend(policy_pair):
+    """The sgl.Engine path: ``engine.async_generate(**payload)`` returns the same dict as HTTP."""
+    old, new = policy_pair
+    fake = FakeSGLang(new)
+    fake.close()  # only its answer() is used
+
+    class Engine:
+        async def async_generate(self, **payload):
+            await asyncio.sleep(0)
+            return fake.answer(payload)
+
+    reqs = _requests(12, old, np.random.default_rng(0))
+    roll = SpecRLRollout(engine_backend(Engine()), rng=np.random.default_rng(0))
+    _check_current_policy_logprobs(roll.rollout_sync(reqs), reqs, new)
