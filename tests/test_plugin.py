@@ -100,7 +100,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_MEMORY_BUDGET": "lots"}, "HISTOSPEC_MEMORY_BUDGET"),
     ({"HISTOSPEC_DRAFT_POLICY": "random"}, "recency, frequency"),
     ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
-    ({"HISTOSPEC_LENIENCE": "1.5"}, "only 1"),
+    ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
@@ -291,7 +291,8 @@ _RESOLVE = """
         supports_overlap=algo.supports_overlap,
         alg=sa.speculative_algorithm, d=sa.speculative_num_draft_tokens, topk=sa.speculative_eagle_topk,
         steps=sa.speculative_num_steps, mrr=sa.max_running_requests, mixed=sa.enable_mixed_chunk,
-        attn=sa.attention_backend, breadth=sa.speculative_ngram_max_bfs_breadth)))
+        attn=sa.attention_backend, breadth=sa.speculative_ngram_max_bfs_breadth,
+        acc=sa.speculative_accept_threshold_acc)))
 """
 
 
@@ -326,6 +327,15 @@ def test_entry_point_registers_history_and_resolves_ngram_defaults(sglang_py, ti
                                        "--max-running-requests", "8"]))
     assert (res["d"], res["mrr"]) == (16, 8)
     assert res["attn"] == "flashinfer", "an unset attention backend becomes FlashInfer"
+    assert res["acc"] == 1.0, "exact verification by default"
+
+
+def test_lenience_sets_sglang_accept_threshold(sglang_py, tiny_model):
+    args = ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY"]
+    res = _result(_resolve(sglang_py, args, env={"HISTOSPEC_LENIENCE": "1.6487"}))
+    assert res["acc"] == pytest.approx(1 / 1.6487)
+    r = _resolve(sglang_py, [*args, "--speculative-accept-threshold-acc", "0.5"], env={"HISTOSPEC_LENIENCE": "2"})
+    assert r.returncode != 0 and "set one of them" in r.stderr, r.stderr[-2000:]
 
 
 def test_wrong_backend_and_bad_settings_are_clear_errors(sglang_py, tiny_model):

@@ -93,10 +93,37 @@ def pick_flashinfer(server_args: Any, *args: Any, **kwargs: Any) -> None:
         logger.info("histospec: --speculative-algorithm HISTORY: using --attention-backend flashinfer")
 
 
+def _apply_lenience(server_args: Any) -> None:
+    """``HISTOSPEC_LENIENCE`` = ℓ becomes ``speculative_accept_threshold_acc`` = 1/ℓ.
+
+    SGLang's sampling verification walks the children of each accepted node with one coin u and
+    accepts child k when u < (p_1 + ... + p_k) / threshold_acc (p: the target probability of each
+    child's token). With threshold 1/ℓ a node with a single child -- every node of a chain -- is
+    accepted with probability min(1, ℓ·p): the SPEC-RL rule for a draft of probability 1. With
+    several children the level is accepted with probability min(1, ℓ·Σp), earlier children first.
+    Greedy requests are unaffected (exact match)."""
+    from histospec_sgl.plugin.config import HistoryConfig
+
+    ell = HistoryConfig.from_env().lenience
+    if ell == 1.0:
+        return
+    current = getattr(_resolved(server_args), "speculative_accept_threshold_acc", 1.0)
+    if current not in (None, 1.0):
+        raise ValueError(
+            f"HISTOSPEC_LENIENCE={ell} sets --speculative-accept-threshold-acc to {1 / ell:.6g}, but it "
+            f"was given as {current}; set one of them"
+        )
+    server_args.speculative_accept_threshold_acc = 1.0 / ell
+    logger.warning("histospec: HISTOSPEC_LENIENCE=%s: sampled requests accept drafts leniently "
+                   "(speculative_accept_threshold_acc=%.6g); outputs are no longer exactly the policy's",
+                   ell, 1.0 / ell)
+
+
 def _resolution_hook(server_args: Any, previous: Any) -> Any:
     out = previous(server_args)
     if _is_history(_resolved(server_args)):
         _handle_ngram(server_args)
+        _apply_lenience(server_args)
     return out
 
 
@@ -131,6 +158,7 @@ def _algo_class() -> type:
         def handle_server_args(self, server_args: Any) -> None:
             if not has_resolution_hooks:
                 _handle_ngram(server_args)
+                _apply_lenience(server_args)
 
         def __getattr__(self, name: str) -> Any:
             # A method a later SGLang asks every algorithm for: answer as NGRAM does.

@@ -74,12 +74,7 @@ def _path(text: str) -> str:
 
 
 def _lenience(text: str) -> float:
-    v = _float(1.0, float("inf"))(text)
-    if v != 1.0:
-        raise ValueError(
-            "only 1 (exact, lossless verification) is supported by the HISTORY worker for now; "
-            "lenient reuse of whole responses is histospec_sgl.specrl (SPEC-RL mode)"
-        )
+    v = _float(1.0, 1e6)(text)
     return v
 
 
@@ -123,7 +118,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_LOG_EVERY", "log_every", _int(0), 200,
             "log acceptance, coverage, index size and draft time every N decode steps (0: never)"),
     Setting("HISTOSPEC_LENIENCE", "lenience", _lenience, 1.0,
-            "in-engine lenient acceptance; only 1 (lossless) is supported"),
+            "ℓ in [1, 1e6]: a draft node is accepted with probability min(1, ℓ·p) under sampling "
+            "(SGLang's --speculative-accept-threshold-acc = 1/ℓ); 1 is exact. Lossy above 1; log-probs "
+            "returned stay the current policy's"),
 )
 
 ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
