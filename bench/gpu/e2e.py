@@ -84,6 +84,29 @@ def accept_length(outs: list[dict]) -> float | None:
     return toks / steps if steps else None
 
 
+def specrl_alignment(base: str, prompts: list[list[int]], max_new: int, out: Path) -> dict:
+    """Issue 6 on a real server: generate with log-probs, then score prompt + response in one prefill
+    (logprob_start_len = len(prompt)); the scored log-probs must line up with the response and equal
+    the generation's own. The raw responses are kept as fixtures for CPU tests."""
+    from histospec_sgl.specrl.client import scored_logprobs
+
+    raw, diffs = [], []
+    for p in prompts:
+        gen = post(base + "/generate", {"input_ids": p, "return_logprob": True, "logprob_start_len": -1,
+                                        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new,
+                                                            "ignore_eos": True}})
+        ids = gen["output_ids"]
+        sc = post(base + "/generate", {"input_ids": p + ids, "return_logprob": True, "logprob_start_len": len(p),
+                                       "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
+        raw.append({"prompt_ids": p, "generate": gen, "score": sc})
+        new = scored_logprobs(sc["meta_info"], ids)
+        old = [e[0] for e in gen["meta_info"]["output_token_logprobs"]]
+        diffs.append(max(abs(a - b) for a, b in zip(new, old)))
+    (out / "specrl_raw.json").write_text(json.dumps(raw))
+    first = raw[0]["score"]["meta_info"]["input_token_logprobs"][:2]
+    return {"max_abs_logprob_diff": max(diffs), "first_entries": first}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -113,6 +136,8 @@ def main() -> int:
             outs, secs = generate(base, prompts, args.max_new, max(args.batch_sizes))
             r["pass1_ids"] = [o["output_ids"] for o in outs]
             r["pass1_accept_length"] = accept_length(outs)
+            if not spec:
+                result["specrl_alignment"] = specrl_alignment(base, prompts[:4], args.max_new, out)
             if spec:
                 outs2, _ = generate(base, prompts, args.max_new, max(args.batch_sizes))
                 r["pass2_accept_length"] = accept_length(outs2)
