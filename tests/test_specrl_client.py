@@ -139,7 +139,7 @@ def _requests(n: int, old: Policy | None, rng: np.random.Generator, max_new: int
             ids, lps, fin = old.sample(prompt, max_new, rng)
             prev = Previous(ids, lps, fin)
         reqs.append(RolloutRequest(prompt, {"temperature": 1.0, "max_new_tokens": max_new}, prev, name=f"q{i}",
-                                   group=f"p{i}", sample_index=0))
+                                   sample_index=i))
     return reqs
 
 
@@ -226,6 +226,35 @@ def test_history_store_feeds_the_next_epoch_and_no_history_generates(policy_pair
         recs = [{"group_key": 5, "sample_index": 1, "response_ids": [3, 4], "logprobs": [-0.1, -0.2], "version": 1},
                 {"group_key": 6, "sample_index": 0, "response_ids": [3, 4], "logprobs": None}]
         assert store.add_records(recs) == 1 and store.get(5, 1).response_ids == [3, 4]
+    finally:
+        srv.close()
+
+
+def test_previous_responses_from_a_real_draft_server(tmp_path, policy_pair):
+    """A trainer publishes last epoch's responses with their log-probs; the next epoch's SPEC-RL
+    rollout reads them from the server (keyed by prompt_key, as the server fills group keys)."""
+    from histospec_sgl.sync.client import HistoryPublisher
+    from histospec_sgl.sync.process import DraftServerProcess
+
+    old, new = policy_pair
+    reqs = _requests(6, old, np.random.default_rng(0))
+    with DraftServerProcess(log=tmp_path / "server.log") as ds:
+        with HistoryPublisher(ds.address) as pub:
+            for r in reqs:
+                pub.publish(r.prompt_ids, r.previous.response_ids, logprobs=r.previous.logprobs, version=3,
+                            sample_index=r.sample_index)
+            pub.publish([9, 9], [1, 2])  # no log-probs: cannot be verified, skipped
+        store = PreviousResponses.from_draft_server(ds.address)
+    assert len(store) == 6
+    srv = FakeSGLang(new)
+    try:
+        fresh = [RolloutRequest(r.prompt_ids, r.sampling_params, None, name=r.name, sample_index=r.sample_index)
+                 for r in reqs]
+        roll = SpecRLRollout.http(srv.url, rng=np.random.default_rng(0), history=store)
+        results = roll.rollout_sync(fresh)
+        assert roll.counters.with_previous == 6
+        assert roll.counters.verified == sum(len(r.previous.response_ids) for r in reqs)
+        _check_current_policy_logprobs(results, fresh, new)
     finally:
         srv.close()
 

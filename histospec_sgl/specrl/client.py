@@ -70,7 +70,7 @@ class RolloutRequest:
     sampling_params: dict[str, Any]
     previous: Previous | None = None
     name: str = ""
-    group: int | str | None = None
+    group: int | str | None = None  # history key; None: prompt_key(prompt_ids), as everywhere else
     sample_index: int = 0
 
 
@@ -134,10 +134,29 @@ class PreviousResponses:
             lp = r.get("logprobs")
             if lp is None or len(lp) != len(r["response_ids"]):
                 continue
-            self.put(r["group_key"], int(r.get("sample_index", 0)),
-                     Previous(list(r["response_ids"]), list(lp), r.get("finish_reason"), r.get("version")))
+            self.put(int(r["group_key"]), int(r.get("sample_index", 0)),
+                     Previous([int(t) for t in r["response_ids"]], [float(x) for x in lp],
+                              r.get("finish_reason"), r.get("version")))
             n += 1
         return n
+
+    @classmethod
+    def from_draft_server(cls, address: str, *, auth_token: str | None = None,
+                          tls_root_certificates: bytes | None = None, timeout: float = 120.0) -> PreviousResponses:
+        """The latest response (with log-probs) per (group, sample index) in a draft server's
+        snapshot; groups are the records' group keys (``prompt_key`` of the prompt unless the
+        publisher chose one)."""
+        from histospec_sgl import _core
+        from histospec_sgl.sync.client import _Client
+
+        store = cls()
+        client = _Client(address, auth_token=auth_token, tls_root_certificates=tls_root_certificates)
+        try:
+            for msg in client._stream("Snapshot", b"", timeout=timeout):
+                store.add_records(_core.decode_records(msg, "snapshot")["records"])
+        finally:
+            client.close()
+        return store
 
 
 # -- backends --------------------------------------------------------------------------------------
@@ -277,10 +296,18 @@ class SpecRLRollout:
             raise
         for req, res in zip(requests, results):
             self.counters.add(res)
-            if self.history is not None and req.group is not None:
-                self.history.put(req.group, req.sample_index,
+            if self.history is not None:
+                self.history.put(self._group(req), req.sample_index,
                                  Previous(res.response_ids, res.logprobs, res.finish_reason))
         return list(results)
+
+    @staticmethod
+    def _group(req: RolloutRequest) -> Any:
+        if req.group is not None:
+            return req.group
+        from histospec_sgl import prompt_key
+
+        return prompt_key(list(req.prompt_ids))
 
     def rollout_sync(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return asyncio.run(self.rollout(requests))
@@ -314,8 +341,8 @@ class SpecRLRollout:
         sp = dict(req.sampling_params)
         max_new = int(sp.get("max_new_tokens", 128))
         prev = req.previous
-        if prev is None and self.history is not None and req.group is not None:
-            prev = self.history.get(req.group, req.sample_index)
+        if prev is None and self.history is not None:
+            prev = self.history.get(self._group(req), req.sample_index)
         if prev is None or len(prev.response_ids) == 0:
             ids, lps, fin = await self._generate(name, "generate", prompt, sp)
             return RolloutResult(name, ids, lps, fin, 0, len(ids), 0, 0)
