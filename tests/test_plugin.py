@@ -622,8 +622,9 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     the accepted tokens including the ones not yet in output_ids, siblings draft from each other,
     finished requests become history that survives flush_cache, aborted ones do not."""
     snap = tmp_path / "snap.bin"
+    auto = tmp_path / "auto" / "history.snap"
     r = _run_sglang(sglang_py, _WORKER.replace("sys.argv[1]", repr(str(snap))),
-                    env={"PYTHONPATH": str(ROOT / "tests" / "_stubs")})
+                    env={"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "HISTOSPEC_SNAPSHOT_PATH": str(auto)})
     res = _result(r)
     assert res["responses"] == 3 and res["finished"] == 3 and res["after_flush"] == 3
     # a0 decodes 41 tokens one step at a time (nothing to draft from); its siblings, 15 steps late,
@@ -633,3 +634,9 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     assert res["first"] >= 8, "a new epoch's first verify step takes a full draft from history"
     assert res["live"] == ["b0"] and res["key"] in res["groups"] and len(res["groups"]) == 1
     assert snap.exists() and snap.stat().st_size > 0
+    # HISTOSPEC_SNAPSHOT_PATH is refreshed at flush_cache; it loads back with the same history.
+    from histospec_sgl import HistoryIndex
+
+    back = HistoryIndex()
+    back.load(auto)
+    assert back.stats()["responses"] == 3

@@ -105,7 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
             "history to load at start: an index snapshot, or token-id JSONL(.gz) lines "
             '{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}'),
     Setting("HISTOSPEC_SNAPSHOT_PATH", "snapshot_path", _path, None,
-            "where the index is saved at shutdown and by the histospec_save RPC"),
+            "where the index is saved at every weight update (flush_cache), at a clean exit and by the "
+            "histospec_save RPC"),
     Setting("HISTOSPEC_DRAFT_SERVER", "draft_server", str.strip, None,
             "host:port of a histospec draft server: subscribe to its history, publish finished responses"),
     Setting("HISTOSPEC_MAX_BATCH", "max_batch", _int(0), 0,

@@ -13,7 +13,8 @@ overlap relay. What differs:
 - ``clear_cache_pool`` (``flush_cache``, which runs after every weight update) keeps the history:
   NGRAM forgets its trie there, but history across epochs is the point;
 - no NGRAM corpus is built (no C++ JIT, no preallocated trie);
-- history is loaded at start (``HISTOSPEC_HISTORY_LOAD``), saved at exit and on demand
+- history is loaded at start (``HISTOSPEC_HISTORY_LOAD``), saved to ``HISTOSPEC_SNAPSHOT_PATH`` at
+  every ``flush_cache`` (weight update), at a clean exit and on demand
   (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
   steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``).
@@ -115,8 +116,15 @@ class HistoryWorker(NGRAMWorker):
     # -- SGLang's hooks ------------------------------------------------------------------------
 
     def clear_cache_pool(self) -> None:
-        # flush_cache (after weight updates): the KV cache goes, the history stays.
+        # flush_cache (after weight updates): the KV cache goes, the history stays. The engine is
+        # idle here, so this is where the snapshot is refreshed: SGLang ends its scheduler processes
+        # with SIGKILL at shutdown, so an exit hook alone would rarely run.
         self._prev_decode_rids = set()
+        if self.drafter is not None and self.config.snapshot_path:
+            try:
+                self.history_save()
+            except Exception:
+                logger.exception("histospec: could not save the history snapshot")
 
     def _update_ngram_corpus(self, batch: Any) -> None:
         # Contexts are brought up to date right before drafting (_prepare_draft_tokens).
