@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -243,6 +244,9 @@ def test_launch_server_help_and_errors():
     r = _cli("launch-server", "--model-path", "m", "--speculative-algorithm", "NGRAM")
     assert r.returncode == 2 and "runs HISTORY" in r.stderr
     assert "launch-server" in _cli("--help").stdout
+    if importlib.util.find_spec("sglang") is None:
+        r = _cli("launch-server", "--check")
+        assert r.returncode == 1 and "sglang is not installed" in r.stderr
 
 
 # -- real SGLang, in fresh subprocesses ---------------------------------------------------------------

@@ -64,7 +64,9 @@ def _has_flag(args: Sequence[str], flag: str) -> str | None:
 def check(python: str = sys.executable) -> int:
     """Asks a fresh interpreter what SGLang will see: its version and whether HISTORY registers."""
     code = (
-        "import importlib.metadata as m, sys\n"
+        "import importlib.metadata as m, importlib.util, sys\n"
+        "if importlib.util.find_spec('sglang') is None:\n"
+        "    sys.exit(f'sglang is not installed for {sys.executable}: pip install sglang (0.5.15 to 0.5.23)')\n"
         "print('sglang', m.version('sglang'))\n"
         "eps = [e for e in m.entry_points(group='sglang.srt.plugins') if e.value.startswith('histospec_sgl')]\n"
         "print('entry point', eps[0].name + ' = ' + eps[0].value if eps else 'MISSING')\n"
