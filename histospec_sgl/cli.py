@@ -203,7 +203,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _add_replay(sub: Any) -> None:
     from histospec_sgl.replay.data import PRESETS
-    from histospec_sgl.replay.run import DEFAULT_VERIFY_COSTS, PEERS
+    from histospec_sgl.replay.run import DEFAULT_VERIFY_COSTS, OPTIONAL_PEERS, PEERS
     from histospec_sgl.replay.scenarios import SCENARIOS
 
     rp = sub.add_parser(
@@ -234,7 +234,7 @@ def _add_replay(sub: Any) -> None:
     sc.add_argument("--history-size", type=int, help="cap on history responses per case (0 = all)")
     sc.add_argument("--history-policies", type=int, help="cross-policy: other policies in the history (0 = all)")
     sc.add_argument("--min-step", type=int, help="only steps/iterations >= this")
-    sc.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}, or none")
+    sc.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)} (the last needs sglang), or none")
     sc.add_argument("--draft-config", type=_kv, help="ours: DraftConfig overrides, e.g. recency=0.5,escape=1")
     cm = rp.add_argument_group("cost model")
     cm.add_argument(

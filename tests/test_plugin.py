@@ -644,3 +644,21 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     back = HistoryIndex()
     back.load(auto)
     assert back.stats()["responses"] == 3
+
+
+def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):
+    """The replay peer ``sglang_ngram_global`` runs SGLang's real C++ NGRAM corpus (JIT-built here):
+    on the shipped HumanEval sample it must agree with our reimplementation of the same trie
+    (``sglang_trie_global``), which the other benchmarks use where SGLang is not installed."""
+    out = tmp_path / "r.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
+                        "--scenario", "cross-sample", "--peers", "sglang_trie_global,sglang_ngram_global",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**env, "PYTHONWARNINGS": "ignore", "OPENBLAS_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    peers = json.loads(out.read_text())["peers"]
+    real, model = peers["sglang_ngram_global"], peers["sglang_trie_global"]
+    assert real["status"] == model["status"] == "ok"
+    assert real["tokens_per_verify_step"] > 1.5
+    assert abs(real["tokens_per_verify_step"] / model["tokens_per_verify_step"] - 1) < 0.05

@@ -137,6 +137,88 @@ class SGLangTrie:
         del self.ctx[rid]
 
 
+class SGLangNgram:
+    """SGLang's own NGRAM corpus (the C++ trie its NGRAM worker drafts from, JIT-built on first use),
+    driven as the worker drives it online: one corpus for every request, each request's last
+    ``max_trie_depth`` tokens inserted once per step, ``batch_get`` on the same window, the corpus
+    reset at every weight update (here: at every case, like ``sglang_trie_global``). Needs sglang
+    (``.venv-sglang``), ninja and a C++ compiler.
+
+    SGLang 0.5.17's JIT sources use ``size_t`` without including ``<cstddef>``, which g++ 12
+    rejects; unless ``CXX`` is set, the compiler is called as ``c++ -include cstddef``.
+    """
+
+    name = "sglang_ngram_global"
+
+    def __init__(self, depth: int = 18, min_breadth: int = 1, max_breadth: int = 10,
+                 match_type: str = "BFS", capacity: int = 1_000_000):
+        import os
+        import sys
+
+        os.environ.setdefault("CXX", "c++ -include cstddef")
+        bindir = os.path.dirname(sys.executable)  # the venv's ninja
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+        self._cls = NgramCorpus
+        self.kw = dict(min_bfs_breadth=min_breadth, max_bfs_breadth=max_breadth, match_type=match_type,
+                       capacity=capacity, max_trie_depth=depth, external_sam_budget=0,
+                       external_corpus_max_tokens=0)
+        self.depth = depth
+        self.description = f"SGLang's NGRAM C++ corpus ({match_type}, depth {depth}), global, online"
+        self.corpus: Any = None
+        self.d = 0
+        self.visible = True
+        self.ctx: dict[int, list[int]] = {}
+        self.inserted: dict[int, int] = {}
+
+    def _ensure(self, d: int) -> None:
+        if self.corpus is None or self.d != d:
+            self.corpus = self._cls(draft_token_num=d, **self.kw)
+            self.d = d
+
+    def reset(self, case_online_visible: bool) -> None:
+        if self.corpus is not None:
+            self.corpus.reset()
+        self.visible = case_online_visible
+        self.ctx.clear()
+        self.inserted.clear()
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        # Online, the engine saw these only if it decoded them since the last weight update.
+        if self.visible:
+            self._ensure(self.d or 16)
+            self.corpus.batch_put([list(prompt[-self.depth:]) + list(response)])
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self.ctx[rid] = list(prompt)
+        self.inserted[rid] = len(prompt)  # the prompt body is never inserted (SGLang's FIXME)
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        self._ensure(num_nodes)
+        ctx = self.ctx[rid]
+        window = ctx[-self.depth:]
+        if self.inserted[rid] < len(ctx):
+            self.corpus.batch_put([window])
+            self.inserted[rid] = len(ctx)
+        self.corpus.synchronize()
+        toks, mask = self.corpus.batch_get([str(rid)], [window], [len(ctx)])
+        d = num_nodes
+        m = mask.reshape(d, d)
+        parents = [-1] + [int(max(j for j in range(i) if m[i, j])) for i in range(1, d)]
+        return [int(t) for t in toks], parents
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        self.ctx[rid].extend(tokens)
+
+    def finish(self, rid: int) -> None:
+        if self.corpus is not None:
+            self.corpus.erase_match_state([str(rid)])
+        del self.ctx[rid]
+        del self.inserted[rid]
+
+
 class PromptLookup:
     """Plain prompt-lookup n-gram: the last 3, 2, then 1 tokens' most recent earlier occurrence in
     the request's own context, then in the group's finished responses; drafts the chain after it."""
@@ -211,11 +293,18 @@ def missing_peers() -> dict[str, dict[str, str]]:
         else "arctic-inference is not installed (it builds only against torch and vLLM)"
     )
     why_s = (
-        "sglang is installed but driving its JIT-built C++ NgramCorpus offline is not wired up yet"
+        "SGLang's external-corpus SAM cannot be scoped to one prompt (every corpus serves every request; "
+        "PR #35102); its online trie is sglang_ngram_global"
         if sglang
         else "sglang is not installed; its trie algorithm is measured through the reimplementation"
     )
     out["arctic_per_prompt"] = {"status": "missing", "reason": why_a}
     out["arctic_global"] = {"status": "missing", "reason": why_a}
     out["sglang_sam_per_group"] = {"status": "missing", "reason": why_s}
+    out["sglang_ngram_global"] = {
+        "status": "missing",
+        "reason": "not requested: add sglang_ngram_global to --peers (needs sglang, e.g. .venv-sglang)"
+        if sglang
+        else "sglang is not installed here; run the replay from .venv-sglang with --peers ...,sglang_ngram_global",
+    }
     return out

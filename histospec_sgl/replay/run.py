@@ -17,11 +17,13 @@ from histospec_sgl.replay.data import (
     load_rollouts,
     preset_path,
 )
-from histospec_sgl.replay.methods import Method, Ours, PromptLookup, SGLangTrie, missing_peers
+from histospec_sgl.replay.methods import Method, Ours, PromptLookup, SGLangNgram, SGLangTrie, missing_peers
 from histospec_sgl.replay.scenarios import Case, Selection, build_cases
 from histospec_sgl.replay.simulate import run_method
 
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
+#: Peers that need extra software (SGLang's own C++ corpus: run from .venv-sglang).
+OPTIONAL_PEERS = ("sglang_ngram_global",)
 DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
 
 
@@ -73,8 +75,10 @@ def make_methods(o: ReplayOptions) -> list[Method]:
             methods.append(SGLangTrie(per_prompt=True))
         elif p == "sglang_trie_global":
             methods.append(SGLangTrie(per_prompt=False))
+        elif p == "sglang_ngram_global":
+            methods.append(SGLangNgram())
         else:
-            raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS)}")
+            raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS + OPTIONAL_PEERS)}")
     return methods
 
 
