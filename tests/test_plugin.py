@@ -274,9 +274,10 @@ def tiny_model(tmp_path_factory) -> Path:
     return p
 
 
-def _run_sglang(py: Path, code: str, *, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+def _run_sglang(py: Path, code: str, *argv: str, env: dict | None = None, timeout: int = 240
+                ) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    return subprocess.run([str(py), "-c", textwrap.dedent(code)], capture_output=True, text=True,
+    return subprocess.run([str(py), "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
                           env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout,
                           cwd=str(ROOT / "tests"))
 
@@ -288,7 +289,7 @@ _RESOLVE = """
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     algo = SpeculativeAlgorithm.from_string("history")
-    sa = prepare_server_args(sys.argv[1:] if len(sys.argv) > 1 else json.loads(open("ARGS").read()))
+    sa = prepare_server_args(sys.argv[1:])
     print("RESULT " + json.dumps(dict(
         algo_type=type(algo).__name__, is_ngram=algo.is_ngram(), has_draft_kv=algo.has_draft_kv(),
         need_topk=algo.need_topk(), carries=algo.carries_draft_hidden_states(),
@@ -300,9 +301,8 @@ _RESOLVE = """
 """
 
 
-def _resolve(py: Path, args: list[str], env: dict | None = None, tmp: Path | None = None):
-    code = _RESOLVE.replace('open("ARGS").read()', repr(json.dumps(args)))
-    return _run_sglang(py, code, env=env)
+def _resolve(py: Path, args: list[str], env: dict | None = None):
+    return _run_sglang(py, _RESOLVE, *args, env=env)
 
 
 def _result(r: subprocess.CompletedProcess) -> dict:

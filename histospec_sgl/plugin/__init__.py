@@ -30,7 +30,7 @@ import sys
 
 from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError
 
-__all__ = ["register", "NAME", "SUPPORTED_SGLANG", "HistoryConfig", "HistoryConfigError"]
+__all__ = ["register", "flag_value", "NAME", "SUPPORTED_SGLANG", "HistoryConfig", "HistoryConfigError"]
 
 NAME = "HISTORY"
 #: SGLang versions the plugin is written for (slime pins 0.5.15; 0.5.17 is what CI and the GPU box run).
@@ -40,13 +40,19 @@ logger = logging.getLogger("histospec_sgl.plugin")
 _registered = False
 
 
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value given to ``flag`` on a command line (``--flag v`` or ``--flag=v``; ``""`` when it
+    ends the line), or None when absent."""
+    for i, a in enumerate(args):
+        if a == flag:
+            return args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
 def _history_requested(argv: list[str]) -> bool:
-    for i, a in enumerate(argv):
-        if a == "--speculative-algorithm" and i + 1 < len(argv):
-            return argv[i + 1].upper() == NAME
-        if a.startswith("--speculative-algorithm="):
-            return a.split("=", 1)[1].upper() == NAME
-    return False
+    return (flag_value(argv, "--speculative-algorithm") or "").upper() == NAME
 
 
 def register() -> None:

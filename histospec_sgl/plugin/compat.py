@@ -22,9 +22,10 @@ import logging
 from importlib import metadata
 from typing import Any
 
+from histospec_sgl.plugin import NAME, SUPPORTED_SGLANG
+
 logger = logging.getLogger("histospec_sgl.plugin")
 
-NAME = "HISTORY"
 FLASHINFER = "flashinfer"
 _ATTENTION_FIELDS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
@@ -195,7 +196,7 @@ def register_history() -> None:
 
     if spec_registry.get_spec(NAME) is not None:
         return
-    lo, hi = ((0, 5, 15), (0, 5, 23))
+    lo, hi = SUPPORTED_SGLANG
     try:
         version = sglang_version()
         if not lo <= version[:3] <= hi:

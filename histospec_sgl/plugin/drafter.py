@@ -64,6 +64,17 @@ def group_of(custom_params: Any) -> int | None:
     raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {type(v).__name__}")
 
 
+def fill_root_only(tokens: np.ndarray, mask: np.ndarray, roots: Sequence[int], d: int) -> None:
+    """Writes an empty draft for each request into ``tokens[bs*d]`` / ``mask[bs*d*d]``: its root
+    (last token) followed by a chain of token-0 pads, the layout SGLang's verify expects when there
+    is nothing to offer."""
+    bs = len(roots)
+    t = tokens.reshape(bs, d)
+    t[:] = 0
+    t[:, 0] = roots
+    mask.reshape(bs, d, d)[:] = np.tril(np.ones((d, d), dtype=mask.dtype))
+
+
 @dataclasses.dataclass
 class _Live:
     iid: int  # the index's integer request id
@@ -144,7 +155,6 @@ class BatchDrafter:
         self._tokens = np.zeros(0, dtype=np.int64)
         self._mask = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(0, dtype=np.int64)
-        self._tril: np.ndarray | None = None
         self.totals = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
                            offered=0, draft_seconds=0.0, finished=0, kept=0)
         self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
@@ -266,11 +276,8 @@ class BatchDrafter:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
         else:
-            # Switched off: the root alone, padded like an empty draft (a chain of token-0 pads).
-            t = tokens.reshape(bs, d)
-            t[:] = 0
-            t[:, 0] = [lv.last for lv in lives]
-            mask.reshape(bs, d, d)[:] = self._chain_mask()
+            # Switched off: the root alone, padded like an empty draft.
+            fill_root_only(tokens, mask, [lv.last for lv in lives], d)
             counts[:] = 0
             nonempty = 0
         for lv, c in zip(lives, counts.tolist()):
@@ -297,11 +304,6 @@ class BatchDrafter:
         ``on_verify_complete_cpu``); feeds the switch-off rule."""
         acc = list(accepted)
         self.switch.observe(sum(acc), len(acc))
-
-    def _chain_mask(self) -> np.ndarray:
-        if self._tril is None:
-            self._tril = np.tril(np.ones((self.d, self.d), dtype=np.int64))
-        return self._tril
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from histospec_sgl.plugin import flag_value
 from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, settings_table
 
 #: --history-* option -> environment variable.
@@ -52,15 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _has_flag(args: Sequence[str], flag: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == flag:
-            return args[i + 1] if i + 1 < len(args) else ""
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def check(python: str = sys.executable) -> int:
     """Asks a fresh interpreter what SGLang will see: its version and whether HISTORY registers."""
     code = (
@@ -94,14 +86,14 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if ours.check:
         return check()
-    algo = _has_flag(rest, "--speculative-algorithm")
+    algo = flag_value(rest, "--speculative-algorithm")
     if algo is None:
         rest += ["--speculative-algorithm", "HISTORY"]
     elif algo.upper() != "HISTORY":
         print(f"histospec-sgl launch-server: --speculative-algorithm {algo}: this launcher runs HISTORY; "
               "use python -m sglang.launch_server for other algorithms", file=sys.stderr)
         return 2
-    backends = {f: _has_flag(rest, f) for f in
+    backends = {f: flag_value(rest, f) for f in
                 ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")}
     wrong = {f: v for f, v in backends.items() if v is not None and v != "flashinfer"}
     if wrong:

@@ -37,7 +37,7 @@ from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.config import HistoryConfig
-from histospec_sgl.plugin.drafter import BatchDrafter, group_of
+from histospec_sgl.plugin.drafter import BatchDrafter, fill_root_only, group_of
 from histospec_sgl.plugin.tp import DraftBroadcast
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -206,17 +206,19 @@ class HistoryWorker(NGRAMWorker):
 
     def _empty(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
         d, bs = self.draft_token_num, len(batch.reqs)
-        tokens = np.zeros((bs, d), dtype=np.int64)
+        roots = []
         for i, req in enumerate(batch.reqs):
             n = self.prev_accept_lens[i] if use_prev else 0
             if n:
-                tokens[i, 0] = self.prev_token_ids[i * d + n - 1]
+                roots.append(self.prev_token_ids[i * d + n - 1])
             elif req.output_ids:
-                tokens[i, 0] = req.output_ids[-1]
+                roots.append(req.output_ids[-1])
             else:
-                tokens[i, 0] = req.origin_input_ids[-1]
-        mask = np.broadcast_to(np.tril(np.ones((d, d), dtype=np.int64)), (bs, d, d))
-        return tokens.reshape(-1), np.ascontiguousarray(mask).reshape(-1)
+                roots.append(req.origin_input_ids[-1])
+        tokens = np.empty(bs * d, dtype=np.int64)
+        mask = np.empty(bs * d * d, dtype=np.int64)
+        fill_root_only(tokens, mask, roots, d)
+        return tokens, mask
 
     def _group(self, req: Any) -> int | None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
@@ -249,13 +251,14 @@ class HistoryWorker(NGRAMWorker):
         response = list(req.output_ids)
         try:
             live = self.drafter.is_live(rid)
+            group = self._group(req) if keep else None
             # With a draft server, our own responses come back through the subscription.
             self.drafter.finish(rid, response, keep=keep and self.sync is None)
             if keep and not live and self.sync is None:
-                self.drafter.add_finished(req.origin_input_ids, response, self._group(req))
+                self.drafter.add_finished(req.origin_input_ids, response, group)
             if keep and self.sync is not None:
                 self.sync.finished(req.origin_input_ids, response, version=self.drafter.index.version,
-                                   group=self._group(req))
+                                   group=group)
         except Exception:
             logger.exception("histospec: could not record finished request %s", rid)
         self._done[rid] = None
