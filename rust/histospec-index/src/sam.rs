@@ -15,11 +15,16 @@
 //! recency are maintained online by walking the suffix-link path of the new position.
 //!
 //! Transitions live in one edge arena per automaton, threaded into a singly linked list per state
-//! (for enumeration while drafting) and indexed by an open-addressing table keyed by
-//! `(state, token)` (for O(1) lookup while extending and matching).
+//! (for enumeration while drafting). States with at least [`HASHED_DEGREE`] transitions also have
+//! them indexed by an open-addressing table keyed by `(state, token)` (for O(1) lookup while
+//! extending and matching); states with fewer are searched along their short list, which is most
+//! states of a history of similar responses and saves the table's memory and cache misses.
 
 /// Sentinel for "no state" / "no edge".
 pub const NONE: u32 = u32::MAX;
+
+/// States with at least this many transitions are looked up through the hash table.
+pub const HASHED_DEGREE: u32 = 4;
 
 /// One equivalence class of the automaton.
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +43,8 @@ pub struct State {
     pub own: f32,
     /// Clock of the latest such position.
     pub own_recent: u32,
+    /// Number of outgoing transitions.
+    pub deg: u32,
 }
 
 /// One transition `from --tok--> to`, also a node of `from`'s child list.
@@ -60,8 +67,11 @@ pub struct Sam {
     pub states: Vec<State>,
     /// All transitions; never removed, only redirected (`to` changes when a state is cloned).
     pub edges: Vec<Edge>,
-    /// Open-addressing index over `edges`: `(tag << 32) | (edge + 1)`, 0 = empty slot.
+    /// Open-addressing index over the edges of states with at least [`HASHED_DEGREE`] transitions:
+    /// `(tag << 32) | (edge + 1)`, 0 = empty slot.
     slots: Vec<u64>,
+    /// Number of occupied `slots`.
+    hashed: usize,
     /// Logical clock, advanced by one per appended token.
     pub clock: u32,
 }
@@ -94,9 +104,11 @@ impl Sam {
                 recent: 0,
                 own: 0.0,
                 own_recent: 0,
+                deg: 0,
             }],
             edges: Vec::new(),
             slots: vec![0; 16],
+            hashed: 0,
             clock: 0,
         }
     }
@@ -108,6 +120,12 @@ impl Sam {
             + self.slots.capacity() * std::mem::size_of::<u64>()
     }
 
+    /// Number of transitions of `s`.
+    #[inline]
+    pub fn degree(&self, s: u32) -> u32 {
+        self.states[s as usize].deg
+    }
+
     /// Number of states (the root included).
     pub fn num_states(&self) -> usize {
         self.states.len()
@@ -116,6 +134,18 @@ impl Sam {
     /// The edge index of `from --tok-->`, if any.
     #[inline]
     pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
+        let st = &self.states[from as usize];
+        if st.deg < HASHED_DEGREE {
+            let mut e = st.head;
+            while e != NONE {
+                let edge = &self.edges[e as usize];
+                if edge.tok == tok {
+                    return Some(e);
+                }
+                e = edge.next;
+            }
+            return None;
+        }
         let h = mix(from, tok);
         let tag = h >> 32;
         let mask = self.slots.len() - 1;
@@ -153,23 +183,48 @@ impl Sam {
     }
 
     fn add_edge(&mut self, from: u32, tok: u32, to: u32) {
-        if (self.edges.len() + 1) * 4 > self.slots.len() * 3 {
-            let mut slots = vec![0u64; self.slots.len() * 2];
-            for (i, e) in self.edges.iter().enumerate() {
-                Self::insert_slot(&mut slots, e.from, e.tok, i as u32);
-            }
-            self.slots = slots;
-        }
         let id = self.edges.len() as u32;
-        let head = self.states[from as usize].head;
+        let st = &mut self.states[from as usize];
+        let head = st.head;
+        st.head = id;
+        st.deg += 1;
+        let deg = st.deg;
         self.edges.push(Edge {
             from,
             tok,
             to,
             next: head,
         });
-        self.states[from as usize].head = id;
-        Self::insert_slot(&mut self.slots, from, tok, id);
+        if deg < HASHED_DEGREE {
+            return;
+        }
+        // The state joins the table with all its transitions, or adds the new one.
+        let joining = if deg == HASHED_DEGREE { deg as usize } else { 1 };
+        if (self.hashed + joining) * 4 > self.slots.len() * 3 {
+            self.grow_slots(self.hashed + joining);
+        }
+        let mut e = id;
+        for _ in 0..joining {
+            let edge = self.edges[e as usize];
+            Self::insert_slot(&mut self.slots, edge.from, edge.tok, e);
+            e = edge.next;
+        }
+        self.hashed += joining;
+    }
+
+    /// Rebuilds the table with room for `need` entries at a load of at most 3/4.
+    fn grow_slots(&mut self, need: usize) {
+        let mut size = self.slots.len() * 2;
+        while need * 4 > size * 3 {
+            size *= 2;
+        }
+        let mut slots = vec![0u64; size];
+        for (i, e) in self.edges.iter().enumerate() {
+            if self.states[e.from as usize].deg >= HASHED_DEGREE {
+                Self::insert_slot(&mut slots, e.from, e.tok, i as u32);
+            }
+        }
+        self.slots = slots;
     }
 
     fn clone_state(&mut self, q: u32, len: u32) -> u32 {
@@ -183,6 +238,7 @@ impl Sam {
             recent: src.recent,
             own: 0.0,
             own_recent: 0,
+            deg: 0,
         });
         let mut e = src.head;
         while e != NONE {
@@ -285,6 +341,7 @@ impl Sam {
             recent: 0,
             own: 0.0,
             own_recent: 0,
+            deg: 0,
         });
         let mut p = last;
         let mut target = NONE;
