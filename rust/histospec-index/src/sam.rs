@@ -47,11 +47,9 @@ pub struct State {
     pub deg: u32,
 }
 
-/// One transition `from --tok--> to`, also a node of `from`'s child list.
+/// One transition `from --tok--> to`, a node of `from`'s child list.
 #[derive(Clone, Copy, Debug)]
 pub struct Edge {
-    /// Source state.
-    pub from: u32,
     /// Token labelling the transition.
     pub tok: u32,
     /// Target state.
@@ -67,14 +65,27 @@ pub struct Sam {
     pub states: Vec<State>,
     /// All transitions; never removed, only redirected (`to` changes when a state is cloned).
     pub edges: Vec<Edge>,
-    /// Open-addressing index over the edges of states with at least [`HASHED_DEGREE`] transitions:
-    /// `(tag << 32) | (edge + 1)`, 0 = empty slot.
-    slots: Vec<u64>,
+    /// Open-addressing index over the edges of states with at least [`HASHED_DEGREE`] transitions.
+    slots: Vec<Slot>,
     /// Number of occupied `slots`.
     hashed: usize,
     /// Logical clock, advanced by one per appended token.
     pub clock: u32,
 }
+
+/// One entry of the transition table: `from --tok-->` is edge `edge`; `edge == NONE` when empty.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    from: u32,
+    tok: u32,
+    edge: u32,
+}
+
+const EMPTY: Slot = Slot {
+    from: 0,
+    tok: 0,
+    edge: NONE,
+};
 
 #[inline]
 fn mix(from: u32, tok: u32) -> u64 {
@@ -107,7 +118,7 @@ impl Sam {
                 deg: 0,
             }],
             edges: Vec::new(),
-            slots: vec![0; 16],
+            slots: vec![EMPTY; 16],
             hashed: 0,
             clock: 0,
         }
@@ -117,7 +128,7 @@ impl Sam {
     pub fn bytes(&self) -> usize {
         self.states.capacity() * std::mem::size_of::<State>()
             + self.edges.capacity() * std::mem::size_of::<Edge>()
-            + self.slots.capacity() * std::mem::size_of::<u64>()
+            + self.slots.capacity() * std::mem::size_of::<Slot>()
     }
 
     /// Number of transitions of `s`.
@@ -146,21 +157,15 @@ impl Sam {
             }
             return None;
         }
-        let h = mix(from, tok);
-        let tag = h >> 32;
         let mask = self.slots.len() - 1;
-        let mut i = (h as usize) & mask;
+        let mut i = (mix(from, tok) as usize) & mask;
         loop {
             let s = self.slots[i];
-            if s == 0 {
+            if s.edge == NONE {
                 return None;
             }
-            if s >> 32 == tag {
-                let e = (s as u32).wrapping_sub(1);
-                let edge = &self.edges[e as usize];
-                if edge.from == from && edge.tok == tok {
-                    return Some(e);
-                }
+            if s.from == from && s.tok == tok {
+                return Some(s.edge);
             }
             i = (i + 1) & mask;
         }
@@ -172,14 +177,13 @@ impl Sam {
         self.find(from, tok).map(|e| self.edges[e as usize].to)
     }
 
-    fn insert_slot(slots: &mut [u64], from: u32, tok: u32, edge: u32) {
-        let h = mix(from, tok);
+    fn insert_slot(slots: &mut [Slot], from: u32, tok: u32, edge: u32) {
         let mask = slots.len() - 1;
-        let mut i = (h as usize) & mask;
-        while slots[i] != 0 {
+        let mut i = (mix(from, tok) as usize) & mask;
+        while slots[i].edge != NONE {
             i = (i + 1) & mask;
         }
-        slots[i] = (h >> 32) << 32 | (edge as u64 + 1);
+        slots[i] = Slot { from, tok, edge };
     }
 
     fn add_edge(&mut self, from: u32, tok: u32, to: u32) {
@@ -189,12 +193,7 @@ impl Sam {
         st.head = id;
         st.deg += 1;
         let deg = st.deg;
-        self.edges.push(Edge {
-            from,
-            tok,
-            to,
-            next: head,
-        });
+        self.edges.push(Edge { tok, to, next: head });
         if deg < HASHED_DEGREE {
             return;
         }
@@ -206,7 +205,7 @@ impl Sam {
         let mut e = id;
         for _ in 0..joining {
             let edge = self.edges[e as usize];
-            Self::insert_slot(&mut self.slots, edge.from, edge.tok, e);
+            Self::insert_slot(&mut self.slots, from, edge.tok, e);
             e = edge.next;
         }
         self.hashed += joining;
@@ -218,10 +217,15 @@ impl Sam {
         while need * 4 > size * 3 {
             size *= 2;
         }
-        let mut slots = vec![0u64; size];
-        for (i, e) in self.edges.iter().enumerate() {
-            if self.states[e.from as usize].deg >= HASHED_DEGREE {
-                Self::insert_slot(&mut slots, e.from, e.tok, i as u32);
+        let mut slots = vec![EMPTY; size];
+        for (from, st) in self.states.iter().enumerate() {
+            if st.deg >= HASHED_DEGREE {
+                let mut e = st.head;
+                while e != NONE {
+                    let edge = &self.edges[e as usize];
+                    Self::insert_slot(&mut slots, from as u32, edge.tok, e);
+                    e = edge.next;
+                }
             }
         }
         self.slots = slots;
