@@ -17,6 +17,7 @@ use std::sync::Arc;
 use prost::Message;
 
 use crate::proto::Record;
+use crate::wire::Stored;
 
 const LOG_MAGIC: &[u8; 8] = b"HSLOG\x00\x01\x00";
 const SNAP_MAGIC: &[u8; 8] = b"HSSNP\x00\x01\x00";
@@ -59,15 +60,12 @@ pub struct Disk {
     pub snapshot_every_bytes: u64,
 }
 
-fn frame_into(buf: &mut Vec<u8>, r: &Record) {
-    let len = r.encoded_len();
-    buf.reserve(8 + len);
-    buf.extend_from_slice(&(len as u32).to_le_bytes());
-    let at = buf.len();
-    buf.extend_from_slice(&[0; 4]);
-    r.encode(buf).expect("Vec grows");
-    let crc = crc32fast::hash(&buf[at + 4..]);
-    buf[at..at + 4].copy_from_slice(&crc.to_le_bytes());
+fn frame_into(buf: &mut Vec<u8>, r: &Stored) {
+    let payload = &r.encoded[..];
+    buf.reserve(8 + payload.len());
+    buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+    buf.extend_from_slice(payload);
 }
 
 /// Reads frames from `data`; returns the records and the offset after the last good frame.
@@ -225,7 +223,7 @@ impl Disk {
     }
 
     /// Appends records and fsyncs: when this returns Ok they survive a crash.
-    pub fn append(&mut self, records: &[Record]) -> Result<(), DiskError> {
+    pub fn append(&mut self, records: &[Stored]) -> Result<(), DiskError> {
         let mut buf = Vec::new();
         for r in records {
             frame_into(&mut buf, r);
@@ -245,7 +243,7 @@ impl Disk {
 
     /// Writes `records` (every retained record, through `head`) as the snapshot, starts a new log at
     /// `head + 1` and deletes the logs it covers.
-    pub fn snapshot(&mut self, records: &[Arc<Record>], head: u64) -> Result<(), DiskError> {
+    pub fn snapshot(&mut self, records: &[Arc<Stored>], head: u64) -> Result<(), DiskError> {
         let path = self.dir.join("snapshot.bin");
         let tmp = self.dir.join("snapshot.bin.tmp");
         {
@@ -287,6 +285,10 @@ impl Disk {
 mod tests {
     use super::*;
 
+    fn st(seq: u64) -> Stored {
+        Stored::new(&rec(seq))
+    }
+
     fn rec(seq: u64) -> Record {
         Record {
             record_id: format!("id{seq}").into_bytes(),
@@ -303,8 +305,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (mut d, l) = Disk::open(dir.path(), u64::MAX).unwrap();
         assert!(l.records.is_empty());
-        d.append(&[rec(1), rec(2)]).unwrap();
-        d.append(&[rec(3)]).unwrap();
+        d.append(&[st(1), st(2)]).unwrap();
+        d.append(&[st(3)]).unwrap();
         let log = d.log_path.clone();
         drop(d);
         // A torn write: half a frame at the end.
@@ -324,11 +326,11 @@ mod tests {
     fn snapshot_compacts_and_keeps_head() {
         let dir = tempfile::tempdir().unwrap();
         let (mut d, _) = Disk::open(dir.path(), u64::MAX).unwrap();
-        d.append(&(1..=5).map(rec).collect::<Vec<_>>()).unwrap();
+        d.append(&(1..=5).map(st).collect::<Vec<_>>()).unwrap();
         // Retention kept only 4 and 5.
-        let kept: Vec<Arc<Record>> = [4, 5].into_iter().map(|s| Arc::new(rec(s))).collect();
+        let kept: Vec<Arc<Stored>> = [4, 5].into_iter().map(|s| Arc::new(st(s))).collect();
         d.snapshot(&kept, 5).unwrap();
-        d.append(&[rec(6)]).unwrap();
+        d.append(&[st(6)]).unwrap();
         drop(d);
         assert_eq!(log_files(dir.path()).unwrap().len(), 1);
         let (_d, l) = Disk::open(dir.path(), u64::MAX).unwrap();
@@ -340,7 +342,7 @@ mod tests {
         // All records evicted: the head still survives in the snapshot.
         let dir2 = tempfile::tempdir().unwrap();
         let (mut d, _) = Disk::open(dir2.path(), u64::MAX).unwrap();
-        d.append(&[rec(1)]).unwrap();
+        d.append(&[st(1)]).unwrap();
         d.snapshot(&[], 1).unwrap();
         drop(d);
         let (_d, l) = Disk::open(dir2.path(), u64::MAX).unwrap();
@@ -352,7 +354,7 @@ mod tests {
     fn damaged_snapshot_is_refused_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let (mut d, _) = Disk::open(dir.path(), u64::MAX).unwrap();
-        d.snapshot(&[Arc::new(rec(1)), Arc::new(rec(2))], 2)
+        d.snapshot(&[Arc::new(st(1)), Arc::new(st(2))], 2)
             .unwrap();
         drop(d);
         let p = dir.path().join("snapshot.bin");

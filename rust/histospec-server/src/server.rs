@@ -14,7 +14,7 @@ use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Status};
 
 use crate::disk::Disk;
-use crate::proto::history_service_server::HistoryServiceServer;
+use crate::proto_server::history_service_server::HistoryServiceServer;
 use crate::service::{Limits, Service, Shared};
 use crate::store::{Retention, Store};
 
@@ -147,7 +147,7 @@ pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
             loaded_records = loaded.records.len();
             for r in loaded.records {
                 let h = crate::validate::content_hash(&r);
-                store.push_loaded(r, h);
+                store.push_loaded(crate::wire::Stored::new(&r), h);
             }
             store.set_head(loaded.head);
             store.enforce_retention();

@@ -16,13 +16,14 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::disk::Disk;
-use crate::proto::history_service_server::HistoryService;
 use crate::proto::{
-    PublishRequest, PublishResponse, Record, SnapshotChunk, SnapshotRequest, StatsRequest,
-    StatsResponse, SubscribeRequest, SubscribeResponse,
+    PublishRequest, PublishResponse, Record, SnapshotRequest, StatsRequest, StatsResponse,
+    SubscribeRequest,
 };
+use crate::proto_server::history_service_server::HistoryService;
 use crate::store::{Placement, Store};
 use crate::validate;
+use crate::wire::{EncodedSnapshotChunk, EncodedSubscribeResponse, Stored};
 
 /// Per-message and per-stream limits.
 #[derive(Debug, Clone, Copy)]
@@ -113,7 +114,7 @@ impl Shared {
             match p {
                 Placement::New(seq) => {
                     r.sequence = seq;
-                    fresh.push(r);
+                    fresh.push(Stored::new(&r));
                     fresh_hashes.push(h);
                     sequences.push(seq);
                 }
@@ -200,7 +201,7 @@ impl Drop for SubscriberCount {
 async fn subscribe_loop(
     shared: Arc<Shared>,
     mut cursor: u64,
-    tx: mpsc::Sender<Result<SubscribeResponse, Status>>,
+    tx: mpsc::Sender<Result<EncodedSubscribeResponse, Status>>,
 ) {
     shared.subscribers.fetch_add(1, Ordering::Relaxed);
     let _count = SubscriberCount(Arc::clone(&shared));
@@ -244,9 +245,9 @@ async fn subscribe_loop(
             continue;
         }
         cursor = batch.last().map_or(cursor, |r| r.sequence + 1);
-        let records = batch.iter().map(|r| Record::clone(r)).collect();
+        let records = batch.iter().map(|r| r.encoded.clone()).collect();
         tokio::select! {
-            r = tx.send(Ok(SubscribeResponse { records, head_sequence: head })) => if r.is_err() { return },
+            r = tx.send(Ok(EncodedSubscribeResponse { records, head_sequence: head })) => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }
@@ -270,7 +271,7 @@ impl HistoryService for Service {
         Ok(Response::new(reply))
     }
 
-    type SubscribeStream = Stream_<SubscribeResponse>;
+    type SubscribeStream = Stream_<EncodedSubscribeResponse>;
 
     async fn subscribe(
         &self,
@@ -303,7 +304,7 @@ impl HistoryService for Service {
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
-    type SnapshotStream = Stream_<SnapshotChunk>;
+    type SnapshotStream = Stream_<EncodedSnapshotChunk>;
 
     async fn snapshot(
         &self,
@@ -325,14 +326,13 @@ impl HistoryService for Service {
                     && records.len() < lim.batch_records
                     && (records.is_empty() || bytes < lim.batch_bytes)
                 {
-                    let r: &Record = &all[at];
-                    bytes +=
-                        4 * (r.prompt_ids.len() + r.response_ids.len() + r.logprobs.len()) + 32;
+                    let r = &all[at].encoded;
+                    bytes += r.len();
                     records.push(r.clone());
                     at += 1;
                 }
                 let last = at >= all.len();
-                let chunk = SnapshotChunk {
+                let chunk = EncodedSnapshotChunk {
                     records,
                     through_sequence: through,
                     total_records: total,

@@ -5,6 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::proto::{Record, StatsResponse};
+use crate::wire::Stored;
 
 /// What a publish did with one record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,10 +31,11 @@ pub struct Retention {
     pub max_records: u64,
 }
 
-/// Retained records in sequence order. Sequences are consecutive: `records[i]` has `first + i`.
+/// Retained records in sequence order, each encoded once. Sequences are consecutive: `records[i]`
+/// has `first + i`.
 #[derive(Debug, Default)]
 pub struct Store {
-    records: VecDeque<Arc<Record>>,
+    records: VecDeque<Arc<Stored>>,
     /// Sequence of `records[0]`; `head + 1` when empty.
     first: u64,
     head: u64,
@@ -43,10 +45,6 @@ pub struct Store {
     retention: Retention,
     pub evicted: u64,
     pub duplicates: u64,
-}
-
-pub(crate) fn record_tokens(r: &Record) -> u64 {
-    (r.prompt_ids.len() + r.response_ids.len()) as u64
 }
 
 impl Store {
@@ -86,7 +84,7 @@ impl Store {
     }
 
     /// Appends a record that [`Store::place`] gave sequence `head + 1` (or one loaded from disk).
-    pub fn push(&mut self, record: Record, hash: u64) {
+    pub fn push(&mut self, record: Stored, hash: u64) {
         assert_eq!(
             record.sequence,
             self.head + 1,
@@ -97,7 +95,7 @@ impl Store {
 
     /// Appends a record with any sequence above the head (loading from disk: evicted gaps allowed only
     /// before the first record).
-    pub fn push_loaded(&mut self, record: Record, hash: u64) {
+    pub fn push_loaded(&mut self, record: Stored, hash: u64) {
         assert!(
             record.sequence > self.head,
             "sequence {} not above head {}",
@@ -110,7 +108,7 @@ impl Store {
             assert_eq!(record.sequence, self.head + 1, "gap in the record sequence");
         }
         self.head = record.sequence;
-        self.tokens += record_tokens(&record);
+        self.tokens += record.tokens;
         let g = record.group_key.unwrap_or_default();
         *self.groups.entry(g).or_default() += 1;
         self.ids
@@ -131,7 +129,7 @@ impl Store {
             if !(over_tokens || over_records) {
                 break;
             }
-            self.tokens -= record_tokens(front);
+            self.tokens -= front.tokens;
             let g = front.group_key.unwrap_or_default();
             if let Some(c) = self.groups.get_mut(&g) {
                 *c -= 1;
@@ -173,14 +171,14 @@ impl Store {
         self.tokens
     }
 
-    /// Records from sequence `from` on, at most `max_records` of them and about `max_bytes` of token
-    /// data (always at least one). `None` when `from` was evicted.
+    /// Records from sequence `from` on, at most `max_records` of them and about `max_bytes` of
+    /// encoded records (always at least one). `None` when `from` was evicted.
     pub fn read_from(
         &self,
         from: u64,
         max_records: usize,
         max_bytes: usize,
-    ) -> Option<Vec<Arc<Record>>> {
+    ) -> Option<Vec<Arc<Stored>>> {
         let from = from.max(1);
         if from < self.first {
             return None;
@@ -188,18 +186,18 @@ impl Store {
         let start = (from - self.first) as usize;
         let mut out = Vec::new();
         let mut bytes = 0usize;
-        for r in self.records.iter().skip(start) {
+        for r in self.records.range(start.min(self.records.len())..) {
             if out.len() >= max_records || (!out.is_empty() && bytes >= max_bytes) {
                 break;
             }
-            bytes += 4 * record_tokens(r) as usize + 4 * r.logprobs.len() + 32;
+            bytes += r.encoded.len();
             out.push(Arc::clone(r));
         }
         Some(out)
     }
 
     /// Every retained record (for snapshots).
-    pub fn all(&self) -> Vec<Arc<Record>> {
+    pub fn all(&self) -> Vec<Arc<Stored>> {
         self.records.iter().cloned().collect()
     }
 
@@ -251,8 +249,8 @@ mod tests {
                 Placement::Duplicate(1)
             ]
         );
-        s.push(rec("a", 1, 1), 1);
-        s.push(rec("b", 2, 1), 2);
+        s.push(Stored::new(&rec("a", 1, 1)), 1);
+        s.push(Stored::new(&rec("b", 2, 1)), 2);
         let p = s.place(&[rec("c", 0, 1), rec("b", 0, 1)], &[3, 2]).unwrap();
         assert_eq!(p, vec![Placement::New(3), Placement::Duplicate(2)]);
         let e = s.place(&[rec("b", 0, 1)], &[99]).unwrap_err();
@@ -266,7 +264,7 @@ mod tests {
             max_records: 0,
         });
         for i in 1..=5 {
-            s.push(rec(&format!("r{i}"), i, 9), i);
+            s.push(Stored::new(&rec(&format!("r{i}"), i, 9)), i);
             s.enforce_retention();
         }
         // 10 tokens each: only two fit in 25.
@@ -291,11 +289,12 @@ mod tests {
     fn read_from_bounds_batches() {
         let mut s = Store::new(Retention::default());
         for i in 1..=10 {
-            s.push(rec(&format!("r{i}"), i, 99), i);
+            s.push(Stored::new(&rec(&format!("r{i}"), i, 99)), i);
         }
         assert_eq!(s.read_from(1, 3, 1 << 20).unwrap().len(), 3);
-        // 400 bytes per record: a 1000-byte budget takes 3 (the one that crosses it included).
-        assert_eq!(s.read_from(1, 100, 1000).unwrap().len(), 3);
+        // A budget of 2.5 records takes 3 (the one that crosses it included).
+        let each = s.read_from(1, 1, 1).unwrap()[0].encoded.len();
+        assert_eq!(s.read_from(1, 100, each * 5 / 2).unwrap().len(), 3);
         assert_eq!(s.read_from(1, 100, 1).unwrap().len(), 1);
     }
 }

@@ -6,6 +6,7 @@ use histospec_server::disk::Disk;
 use histospec_server::proto::{PublishRequest, Record};
 use histospec_server::store::{Placement, Retention, Store};
 use histospec_server::validate;
+use histospec_server::wire::Stored;
 use proptest::prelude::*;
 use prost::Message;
 
@@ -83,10 +84,10 @@ proptest! {
                 let mut r = r.clone();
                 r.sequence = *seq;
                 fresh.push(r.clone());
-                store.push(r, *h);
+                store.push(Stored::new(&r), *h);
             }
         }
-        disk.append(&fresh).unwrap();
+        disk.append(&fresh.iter().map(Stored::new).collect::<Vec<_>>()).unwrap();
         drop(disk);
         let (_d, loaded) = Disk::open(dir.path(), u64::MAX).unwrap();
         prop_assert_eq!(loaded.records, fresh);
