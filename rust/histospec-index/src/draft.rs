@@ -32,7 +32,7 @@
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 
-use crate::sam::{Sam, NONE};
+use crate::sam::{prefetch, Sam, NONE};
 
 /// Knobs of the draft policy; see the module docs for what each does.
 #[derive(Clone, Debug, PartialEq)]
@@ -162,6 +162,8 @@ impl Ord for Cand {
 struct Kid {
     tok: u32,
     to: u32,
+    /// First edge of `to` (prefetched when the kid is offered: it is read if the kid is expanded).
+    head: u32,
     cnt: f32,
     recent: u32,
     p: f32,
@@ -311,6 +313,7 @@ impl Drafter {
             if score < cfg.min_prob {
                 break;
             }
+            prefetch(&sam.edges, k.head as usize);
             self.heap.push(Cand {
                 score,
                 seq: *seq,
@@ -332,6 +335,7 @@ impl Drafter {
             self.kids.push(Kid {
                 tok,
                 to,
+                head: st.head,
                 cnt: st.cnt,
                 recent: st.recent,
                 p: 0.0,

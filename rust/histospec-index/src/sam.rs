@@ -26,6 +26,19 @@ pub const NONE: u32 = u32::MAX;
 /// States with at least this many transitions are looked up through the hash table.
 pub const HASHED_DEGREE: u32 = 4;
 
+/// Asks the CPU to start loading `slice[i]` into cache (a hint; no effect out of range or off x86-64).
+#[inline(always)]
+pub fn prefetch<T>(slice: &[T], i: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(x) = slice.get(i) {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: a prefetch of a valid reference; SSE is part of the x86-64 baseline.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(x as *const T as *const i8) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (slice, i);
+}
+
 /// One equivalence class of the automaton.
 #[derive(Clone, Copy, Debug)]
 pub struct State {
