@@ -60,9 +60,19 @@ def _print_index(result: dict[str, Any]) -> None:
     p = Table(title="peers (same run)")
     p.add_column("peer")
     p.add_column("status")
+    measured = [n for n, i in result["peers"].items() if i.get("status") == "ok"]
     for name, info in result["peers"].items():
         p.add_row(name, info.get("status", "") + (f": {info['reason']}" if "reason" in info else ""))
     con.print(p)
+    if measured:
+        m = Table(title="ours and peers side by side (W1 unless noted)")
+        m.add_column("metric")
+        m.add_column("ours", justify="right")
+        for n in measured:
+            m.add_column(n, justify="right")
+        for k, v in result["ours"].items():
+            m.add_row(k, _fmt(v), *(_fmt(result["peers"][n][k]) if k in result["peers"][n] else "" for n in measured))
+        con.print(m)
 
 
 def _bench_index(args: argparse.Namespace) -> int:

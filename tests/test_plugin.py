@@ -662,3 +662,32 @@ def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):
     assert real["status"] == model["status"] == "ok"
     assert real["tokens_per_verify_step"] > 1.5
     assert abs(real["tokens_per_verify_step"] / model["tokens_per_verify_step"] - 1) < 0.05
+
+
+_INDEX_PEER = r"""
+import json, os
+from histospec_sgl import HistoryIndex
+from histospec_sgl.bench import index_bench
+from histospec_sgl.bench.index_peers import SGLangSAM
+from histospec_sgl.bench.workload import W1, generate
+w = generate(W1, prompts=4)
+peer = SGLangSAM("PROB").run(w, index_bench._rss, steps=3, acc_prompts=2, latency_requests=4)
+ix, _, _ = index_bench.ingest(w, {})
+ours = index_bench.acceptance(ix, w, 2)
+print(json.dumps({"peer": peer, "ours": ours}))
+"""
+
+
+def test_index_bench_runs_sglangs_own_suffix_automaton(sglang_py):
+    """``bench index`` measures SGLang's real NGRAM suffix automaton (its external-corpus SAM, one per
+    prompt) side by side with ours; on a 4-prompt W1 both must draft, at comparable acceptance."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    r = subprocess.run([str(sglang_py), "-c", _INDEX_PEER], capture_output=True, text=True, timeout=600,
+                       env={**env, "PYTHONWARNINGS": "ignore", "OPENBLAS_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    peer, ours = res["peer"], res["ours"]
+    assert peer["ingest_tokens_per_s"] > 0 and peer["batch_draft_ms_per_step"] > 0
+    assert peer["accepted_per_position_k16"] > 3.0 and peer["tokens_per_verify_step_d16"] > 2.0
+    for k in ("accepted_per_position_k16", "tokens_per_verify_step_d16"):
+        assert 0.7 < peer[k] / ours[k] < 1.3, (k, peer[k], ours[k])

@@ -13,6 +13,11 @@ Metrics (keys of ``--json``):
   drafted at every position; mean tokens matching the logged continuation.
 - ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
   d=16 tree (root included, 15 draft nodes): accepted + 1 tokens per verify step, pooled.
+
+Peers run in the same process when installed (``peers`` in the JSON, the same keys where they
+apply): SGLang's NGRAM suffix automaton with its PROB and BFS drafting (``histospec_sgl/bench/index_peers.py``;
+run the bench from ``.venv-sglang``), and ArcticInference's SuffixDecoding (reported as missing: its
+only release is an sdist that builds against torch).
 """
 
 from __future__ import annotations
@@ -150,9 +155,11 @@ def peers_status() -> dict[str, dict[str, Any]]:
             "reason": f"{e}; arctic-inference ships only an sdist that needs torch>=2.10 to build",
         }
     try:
-        from sglang.srt.speculative.cpp_ngram import ngram_corpus  # noqa: F401
+        from histospec_sgl.replay.methods import sglang_ngram_corpus_class
 
-        out["sglang-ngram"] = {"status": "installed but no adapter in this build"}
+        sglang_ngram_corpus_class()
+        for mt in ("PROB", "BFS"):
+            out[f"sglang-sam-{mt.lower()}"] = {"status": "ok"}
     except Exception as e:  # ImportError, or a CUDA-only import failure
         out["sglang-ngram"] = {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
     return out
@@ -196,6 +203,23 @@ def run(
         res.update(acceptance(ix, w, acc_prompts))
         result["workloads"][name] = res
         del ix
+        first_sam = True
+        for peer, info in result["peers"].items():
+            if info.get("status") == "ok" and peer.startswith("sglang-sam-"):
+                from histospec_sgl.bench.index_peers import SGLangSAM
+
+                if progress:
+                    progress(f"{name}: peer {peer}")
+                try:
+                    got = SGLangSAM(peer.rsplit("-", 1)[1].upper()).run(
+                        w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0,
+                        measure_ingest=first_sam and name == "W1",
+                    )
+                    first_sam = False
+                except Exception as e:  # a peer failing is reported, never fatal to our numbers
+                    info.update(status="failed", reason=f"{type(e).__name__}: {e}")
+                    continue
+                info.setdefault("workloads", {})[name] = got
     w1 = result["workloads"].get("W1", {})
     w2 = result["workloads"].get("W2", {})
     keys = [
@@ -214,6 +238,13 @@ def run(
     if w2:
         result["ours"]["w2_accepted_per_position_k16"] = w2["accepted_per_position_k16"]
         result["ours"]["w2_tokens_per_verify_step_d16"] = w2["tokens_per_verify_step_d16"]
+    for info in result["peers"].values():
+        pw = info.get("workloads", {})
+        if "W1" in pw:
+            info.update(pw["W1"])
+        if "W2" in pw:
+            info["w2_accepted_per_position_k16"] = pw["W2"]["accepted_per_position_k16"]
+            info["w2_tokens_per_verify_step_d16"] = pw["W2"]["tokens_per_verify_step_d16"]
     result["machine"] = {
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

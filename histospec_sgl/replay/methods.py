@@ -137,31 +137,35 @@ class SGLangTrie:
         del self.ctx[rid]
 
 
+def sglang_ngram_corpus_class() -> Any:
+    """SGLang's ``NgramCorpus`` (its C++ module is JIT-built on first use). SGLang 0.5.17's JIT sources
+    use ``size_t`` without including ``<cstddef>``, which g++ 12 rejects; unless ``CXX`` is set, the
+    compiler is called as ``c++ -include cstddef``, and the venv's ``ninja`` is put on ``PATH``."""
+    import os
+    import sys
+
+    os.environ.setdefault("CXX", "c++ -include cstddef")
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
+
+    return NgramCorpus
+
+
 class SGLangNgram:
     """SGLang's own NGRAM corpus (the C++ trie its NGRAM worker drafts from, JIT-built on first use),
     driven as the worker drives it online: one corpus for every request, each request's last
     ``max_trie_depth`` tokens inserted once per step, ``batch_get`` on the same window, the corpus
     reset at every weight update (here: at every case, like ``sglang_trie_global``). Needs sglang
-    (``.venv-sglang``), ninja and a C++ compiler.
-
-    SGLang 0.5.17's JIT sources use ``size_t`` without including ``<cstddef>``, which g++ 12
-    rejects; unless ``CXX`` is set, the compiler is called as ``c++ -include cstddef``.
+    (``.venv-sglang``), ninja and a C++ compiler (see :func:`sglang_ngram_corpus_class`).
     """
 
     name = "sglang_ngram_global"
 
     def __init__(self, depth: int = 18, min_breadth: int = 1, max_breadth: int = 10,
                  match_type: str = "BFS", capacity: int = 1_000_000):
-        import os
-        import sys
-
-        os.environ.setdefault("CXX", "c++ -include cstddef")
-        bindir = os.path.dirname(sys.executable)  # the venv's ninja
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        from sglang.srt.speculative.cpp_ngram.ngram_corpus import NgramCorpus
-
-        self._cls = NgramCorpus
+        self._cls = sglang_ngram_corpus_class()
         self.kw = dict(min_bfs_breadth=min_breadth, max_bfs_breadth=max_breadth, match_type=match_type,
                        capacity=capacity, max_trie_depth=depth, external_sam_budget=0,
                        external_corpus_max_tokens=0)

@@ -1,0 +1,174 @@
+"""Peers of ``histospec-sgl bench index``, run in the same process on the same workload.
+
+``sglang-sam-prob`` / ``sglang-sam-bfs``: SGLang's NGRAM suffix automaton, the one its engine builds
+for an external corpus (``NgramCorpus.load_external_corpus_named`` with ``external_sam_budget`` > 0),
+one corpus per prompt holding the prompt and its epoch-1 responses, drafted with its frequency heap
+(PROB) or its default recency BFS. The trie gets no budget (SGLang's online trie is global and is
+measured by ``histospec-sgl replay``). SGLang matches the last ``max_trie_depth`` = 18 tokens.
+Needs sglang (``.venv-sglang``) and a C++ compiler: the corpus is JIT-built on first use.
+
+Metrics as for ours (``index_bench``): ingest and RSS growth, the 256-request batch draft per step
+(one ``batch_get`` per request from Python, as SGLang's worker calls it per batch; binding overhead
+included), greedy chain acceptance at k=16 at every position and simulated tokens per verify step
+with 16-node trees.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from histospec_sgl.bench.workload import Workload
+
+DEPTH = 18
+
+
+def _parents(mask: np.ndarray) -> np.ndarray:
+    """Parent of every node of an n x n ancestor mask (-1 for the root and for rows without one)."""
+    n = mask.shape[0]
+    below = np.tril(mask.astype(bool), k=-1)
+    has = below.any(axis=1)
+    last = n - 1 - np.argmax(below[:, ::-1], axis=1)
+    return np.where(has, last, -1)
+
+
+def _accept_tree(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int) -> int:
+    """Greedy walk from the root: how many of truth[pos:] the tree drafts in a row."""
+    node, acc = 0, 0
+    while pos + acc < len(truth):
+        want = truth[pos + acc]
+        kids = np.nonzero((parents == node) & (tokens == want))[0]
+        if len(kids) == 0:
+            break
+        node = int(kids[0])
+        acc += 1
+    return acc
+
+
+def _accept_chain(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int, k: int) -> int:
+    """Greedy acceptance of the tree's longest root-to-leaf path, cut at k tokens."""
+    depth = np.zeros(len(tokens), dtype=np.int64)
+    for i in range(1, len(tokens)):
+        if parents[i] >= 0:
+            depth[i] = depth[parents[i]] + 1
+    leaf = int(np.argmax(depth))
+    path = []
+    while leaf > 0:
+        path.append(int(tokens[leaf]))
+        leaf = int(parents[leaf])
+    path.reverse()
+    acc = 0
+    for t in path[:k]:
+        if pos + acc >= len(truth) or t != truth[pos + acc]:
+            break
+        acc += 1
+    return acc
+
+
+class SGLangSAM:
+    """One SGLang ``NgramCorpus`` per prompt, drafting only from its external-corpus SAM."""
+
+    def __init__(self, match_type: str) -> None:
+        from histospec_sgl.replay.methods import sglang_ngram_corpus_class
+
+        self.cls = sglang_ngram_corpus_class()
+        self.match_type = match_type
+        self.name = f"sglang-sam-{match_type.lower()}"
+
+    def _corpus(self, nodes: int, breadth: tuple[int, int]) -> Any:
+        return self.cls(max_trie_depth=DEPTH, min_bfs_breadth=breadth[0], max_bfs_breadth=breadth[1],
+                        draft_token_num=nodes, match_type=self.match_type, capacity=64,
+                        external_sam_budget=nodes - 1, external_corpus_max_tokens=1 << 40)
+
+    def build(self, w: Workload, nodes: int, breadth: tuple[int, int]) -> list[Any]:
+        out = []
+        for p, prompt in enumerate(w.prompts):
+            c = self._corpus(nodes, breadth)
+            docs = [prompt.tolist()] + [r.tolist() for r in w.epoch1[p]]
+            n = c.load_external_corpus_named(f"prompt-{p}", docs)
+            c.commit_external_corpus_load(f"prompt-{p}", n)
+            out.append(c)
+        return out
+
+    def run(self, w: Workload, rss: Callable[[], int], steps: int, acc_prompts: int,
+            latency_requests: int, measure_ingest: bool = True) -> dict[str, Any]:
+        """``measure_ingest``: time the build and take its RSS growth. Only the first automaton of a
+        process gives a fair figure: a second one reuses memory the C++ allocator kept from the
+        first (and the match type does not change the automaton)."""
+        ntok = sum(len(r) for rs in w.epoch1 for r in rs)
+        gc.collect()
+        r0 = rss()
+        t = time.perf_counter()
+        tree = self.build(w, 17, (1, 10))
+        dt = time.perf_counter() - t
+        res: dict[str, Any] = {}
+        if measure_ingest:
+            res["ingest_tokens_per_s"] = ntok / dt
+            res["bytes_per_token"] = (rss() - r0) / ntok
+        chain = self.build(w, 17, (1, 1))
+        if latency_requests:
+            res.update(self._latency(w, tree, chain, steps, latency_requests))
+        res.update(self._acceptance(w, tree, chain, acc_prompts))
+        return res
+
+    def _latency(self, w: Workload, tree: list[Any], chain: list[Any], steps: int, n: int) -> dict[str, float]:
+        n = min(n, len(w.prompts))
+        truths = [w.epoch2(p, 0) for p in range(n)]
+        pos = np.full(n, 500, dtype=np.int64)
+        rid = [f"lat-{p}" for p in range(n)]
+        t_tree, t_chain = [], []
+        for _ in range(steps):
+            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
+            wins = [c[-DEPTH:].tolist() for c in ctx]
+            t0 = time.perf_counter()
+            for p in range(n):
+                tree[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
+            t1 = time.perf_counter()
+            for p in range(n):
+                toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
+                par = _parents(np.asarray(mask).reshape(17, 17))
+                acc = _accept_chain(np.asarray(toks), par, truths[p], int(pos[p]), 16)
+                pos[p] = min(pos[p] + acc + 1, len(truths[p]))
+            t2 = time.perf_counter()
+            t_tree.append(t1 - t0)
+            t_chain.append(t2 - t1)
+        for p in range(n):
+            tree[p].erase_match_state([rid[p]])
+            chain[p].erase_match_state([rid[p]])
+        return {
+            "batch_draft_ms_per_step": float(np.median(t_tree) * 1e3),
+            # The chain column includes our acceptance bookkeeping in Python: an upper bound.
+            "batch_chain_ms_per_step_upper_bound": float(np.median(t_chain) * 1e3),
+        }
+
+    def _acceptance(self, w: Workload, tree: list[Any], chain: list[Any], prompts: int) -> dict[str, float]:
+        acc_sum = positions = steps = toks = 0
+        for p in range(min(prompts, len(w.prompts))):
+            for j in range(2):
+                truth = w.epoch2(p, j)
+                ctx = np.concatenate([w.prompts[p], truth])
+                base = len(w.prompts[p])
+                rid = f"acc-{p}-{j}"
+                for i in range(len(truth)):
+                    n = base + i
+                    t, m = chain[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
+                    acc_sum += _accept_chain(np.asarray(t), _parents(np.asarray(m).reshape(17, 17)), truth, i, 16)
+                    positions += 1
+                chain[p].erase_match_state([rid])
+                i = 0
+                while i < len(truth):
+                    n = base + i
+                    t, m = tree[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
+                    a = _accept_tree(np.asarray(t), _parents(np.asarray(m).reshape(17, 17)), truth, i)
+                    adv = min(a + 1, len(truth) - i)
+                    toks += adv
+                    steps += 1
+                    i += adv
+                tree[p].erase_match_state([rid])
+        return {
+            "accepted_per_position_k16": acc_sum / positions,
+            "tokens_per_verify_step_d16": toks / steps,
+        }
