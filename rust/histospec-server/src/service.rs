@@ -21,7 +21,7 @@ use crate::proto::{
     SubscribeRequest,
 };
 use crate::proto_server::history_service_server::HistoryService;
-use crate::store::{Placement, Store};
+use crate::store::{batch_len, Placement, Store};
 use crate::validate;
 use crate::wire::{EncodedSnapshotChunk, EncodedSubscribeResponse, Stored};
 
@@ -320,17 +320,9 @@ impl HistoryService for Service {
             let total = all.len() as u64;
             let mut at = 0;
             loop {
-                let mut bytes = 0;
-                let mut records = Vec::new();
-                while at < all.len()
-                    && records.len() < lim.batch_records
-                    && (records.is_empty() || bytes < lim.batch_bytes)
-                {
-                    let r = &all[at].encoded;
-                    bytes += r.len();
-                    records.push(r.clone());
-                    at += 1;
-                }
+                let n = batch_len(&all[at..], lim.batch_records, lim.batch_bytes);
+                let records = all[at..at + n].iter().map(|r| r.encoded.clone()).collect();
+                at += n;
                 let last = at >= all.len();
                 let chunk = EncodedSnapshotChunk {
                     records,

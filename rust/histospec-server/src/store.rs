@@ -47,6 +47,24 @@ pub struct Store {
     pub duplicates: u64,
 }
 
+/// How many of `records` go into one Subscribe or Snapshot message: at most `max_records`, and none
+/// after the one with which the encoded records reach `max_bytes` (always at least one, if any).
+pub(crate) fn batch_len<'a>(
+    records: impl IntoIterator<Item = &'a Arc<Stored>>,
+    max_records: usize,
+    max_bytes: usize,
+) -> usize {
+    let (mut n, mut bytes) = (0usize, 0usize);
+    for r in records {
+        if n >= max_records || (n > 0 && bytes >= max_bytes) {
+            break;
+        }
+        bytes += r.encoded.len();
+        n += 1;
+    }
+    n
+}
+
 impl Store {
     pub fn new(retention: Retention) -> Self {
         Store {
@@ -183,17 +201,9 @@ impl Store {
         if from < self.first {
             return None;
         }
-        let start = (from - self.first) as usize;
-        let mut out = Vec::new();
-        let mut bytes = 0usize;
-        for r in self.records.range(start.min(self.records.len())..) {
-            if out.len() >= max_records || (!out.is_empty() && bytes >= max_bytes) {
-                break;
-            }
-            bytes += r.encoded.len();
-            out.push(Arc::clone(r));
-        }
-        Some(out)
+        let start = ((from - self.first) as usize).min(self.records.len());
+        let n = batch_len(self.records.range(start..), max_records, max_bytes);
+        Some(self.records.range(start..start + n).cloned().collect())
     }
 
     /// Every retained record (for snapshots).
