@@ -22,30 +22,10 @@ from typing import Any, Callable
 import numpy as np
 
 from histospec_sgl.bench.workload import Workload
+from histospec_sgl.replay.methods import mask_parents, sglang_ngram_corpus_class
+from histospec_sgl.replay.simulate import accept_greedy
 
 DEPTH = 18
-
-
-def _parents(mask: np.ndarray) -> np.ndarray:
-    """Parent of every node of an n x n ancestor mask (-1 for the root and for rows without one)."""
-    n = mask.shape[0]
-    below = np.tril(mask.astype(bool), k=-1)
-    has = below.any(axis=1)
-    last = n - 1 - np.argmax(below[:, ::-1], axis=1)
-    return np.where(has, last, -1)
-
-
-def _accept_tree(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int) -> int:
-    """Greedy walk from the root: how many of truth[pos:] the tree drafts in a row."""
-    node, acc = 0, 0
-    while pos + acc < len(truth):
-        want = truth[pos + acc]
-        kids = np.nonzero((parents == node) & (tokens == want))[0]
-        if len(kids) == 0:
-            break
-        node = int(kids[0])
-        acc += 1
-    return acc
 
 
 def _accept_chain(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int, k: int) -> int:
@@ -72,8 +52,6 @@ class SGLangSAM:
     """One SGLang ``NgramCorpus`` per prompt, drafting only from its external-corpus SAM."""
 
     def __init__(self, match_type: str) -> None:
-        from histospec_sgl.replay.methods import sglang_ngram_corpus_class
-
         self.cls = sglang_ngram_corpus_class()
         self.match_type = match_type
         self.name = f"sglang-sam-{match_type.lower()}"
@@ -129,7 +107,7 @@ class SGLangSAM:
             t1 = time.perf_counter()
             for p in range(n):
                 toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-                par = _parents(np.asarray(mask).reshape(17, 17))
+                par = mask_parents(mask, 17)
                 acc = _accept_chain(np.asarray(toks), par, truths[p], int(pos[p]), 16)
                 pos[p] = min(pos[p] + acc + 1, len(truths[p]))
             t2 = time.perf_counter()
@@ -155,14 +133,14 @@ class SGLangSAM:
                 for i in range(len(truth)):
                     n = base + i
                     t, m = chain[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
-                    acc_sum += _accept_chain(np.asarray(t), _parents(np.asarray(m).reshape(17, 17)), truth, i, 16)
+                    acc_sum += _accept_chain(np.asarray(t), mask_parents(m, 17), truth, i, 16)
                     positions += 1
                 chain[p].erase_match_state([rid])
                 i = 0
                 while i < len(truth):
                     n = base + i
                     t, m = tree[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
-                    a = _accept_tree(np.asarray(t), _parents(np.asarray(m).reshape(17, 17)), truth, i)
+                    a = accept_greedy(np.asarray(t), mask_parents(m, 17), truth, i)
                     adv = min(a + 1, len(truth) - i)
                     toks += adv
                     steps += 1
