@@ -100,6 +100,25 @@ const EMPTY: Slot = Slot {
     edge: NONE,
 };
 
+/// `(edge id, edge)` along `s`'s transition list, most recently created first. Takes the two arrays
+/// rather than the automaton so that callers may write to its other fields meanwhile.
+#[inline]
+fn edge_list<'a>(
+    states: &'a [State],
+    edges: &'a [Edge],
+    s: u32,
+) -> impl Iterator<Item = (u32, &'a Edge)> + 'a {
+    let mut e = states[s as usize].head;
+    std::iter::from_fn(move || {
+        (e != NONE).then(|| {
+            let id = e;
+            let edge = &edges[id as usize];
+            e = edge.next;
+            (id, edge)
+        })
+    })
+}
+
 #[inline]
 fn mix(from: u32, tok: u32) -> u64 {
     // A fixed (unseeded) 64-bit mixer: the same (state, token) hashes identically in every process,
@@ -158,17 +177,10 @@ impl Sam {
     /// The edge index of `from --tok-->`, if any.
     #[inline]
     pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
-        let st = &self.states[from as usize];
-        if st.deg < HASHED_DEGREE {
-            let mut e = st.head;
-            while e != NONE {
-                let edge = &self.edges[e as usize];
-                if edge.tok == tok {
-                    return Some(e);
-                }
-                e = edge.next;
-            }
-            return None;
+        if self.states[from as usize].deg < HASHED_DEGREE {
+            return edge_list(&self.states, &self.edges, from)
+                .find(|(_, edge)| edge.tok == tok)
+                .map(|(e, _)| e);
         }
         let mask = self.slots.len() - 1;
         let mut i = (mix(from, tok) as usize) & mask;
@@ -215,11 +227,8 @@ impl Sam {
         if (self.hashed + joining) * 4 > self.slots.len() * 3 {
             self.grow_slots(self.hashed + joining);
         }
-        let mut e = id;
-        for _ in 0..joining {
-            let edge = self.edges[e as usize];
+        for (e, edge) in edge_list(&self.states, &self.edges, from).take(joining) {
             Self::insert_slot(&mut self.slots, from, edge.tok, e);
-            e = edge.next;
         }
         self.hashed += joining;
     }
@@ -233,11 +242,8 @@ impl Sam {
         let mut slots = vec![EMPTY; size];
         for (from, st) in self.states.iter().enumerate() {
             if st.deg >= HASHED_DEGREE {
-                let mut e = st.head;
-                while e != NONE {
-                    let edge = &self.edges[e as usize];
+                for (e, edge) in edge_list(&self.states, &self.edges, from as u32) {
                     Self::insert_slot(&mut slots, from as u32, edge.tok, e);
-                    e = edge.next;
                 }
             }
         }
