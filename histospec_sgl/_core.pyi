@@ -25,8 +25,11 @@ class HistoryIndex:
         max_versions: keep only the responses of the last E versions per group (0: all).
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
-        min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short:
-            the draft policy
+        min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short,
+        follow, follow_resync:
+            the draft policy; ``follow`` (0 = off) and ``follow_resync`` are the prior weights of
+            source following (the request drafts the next tokens of the earlier response it is
+            rewriting, with a weight learned from its own hits)
             (see ``rust/histospec-index/src/draft.rs`` and the README).
 
     Raises:
@@ -50,6 +53,8 @@ class HistoryIndex:
         recover: float = 0.0,
         blend: int = 0,
         escape_short: float = 2.0,
+        follow: float = 0.5,
+        follow_resync: float = 0.1,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
@@ -132,6 +137,8 @@ class HistoryIndex:
         recover: float | None = None,
         blend: int | None = None,
         escape_short: float | None = None,
+        follow: float | None = None,
+        follow_resync: float | None = None,
     ) -> None:
         """Changes some draft-policy knobs."""
 

@@ -12,7 +12,7 @@ import histospec_sgl as hs
 from histospec_sgl import HistoryIndex, prompt_key
 
 
-FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0}
+FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0, "follow": 0.0}
 
 
 def make_index(**kw) -> HistoryIndex:

@@ -7,6 +7,7 @@
 
 pub mod draft;
 pub mod error;
+pub mod follow;
 pub mod peer_trie;
 pub mod replay;
 pub mod sam;

@@ -218,12 +218,20 @@ impl Sam {
         st.head = id;
         st.deg += 1;
         let deg = st.deg;
-        self.edges.push(Edge { tok, to, next: head });
+        self.edges.push(Edge {
+            tok,
+            to,
+            next: head,
+        });
         if deg < HASHED_DEGREE {
             return;
         }
         // The state joins the table with all its transitions, or adds the new one.
-        let joining = if deg == HASHED_DEGREE { deg as usize } else { 1 };
+        let joining = if deg == HASHED_DEGREE {
+            deg as usize
+        } else {
+            1
+        };
         if (self.hashed + joining) * 4 > self.slots.len() * 3 {
             self.grow_slots(self.hashed + joining);
         }

@@ -3,8 +3,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, MaskElem, Node};
+use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, MaskElem, Node, Pointer};
 use crate::error::{CoreError, Result};
+use crate::follow::{Follow, Log};
 use crate::sam::{Sam, NONE};
 
 /// A fixed, unseeded hasher for integer keys: map iteration order (never relied upon for results)
@@ -25,6 +26,9 @@ impl Hasher for FixedHasher {
     }
 }
 pub(crate) type FixedMap<K, V> = HashMap<K, V, BuildHasherDefault<FixedHasher>>;
+
+/// Shortest automaton match a request's source pointer may start from.
+const FOLLOW_MIN_ANCHOR: u32 = 6;
 
 /// Index-wide settings. Zero means "no limit" for the retention and memory fields.
 #[derive(Clone, Debug, PartialEq)]
@@ -90,6 +94,8 @@ pub struct Response {
 pub struct Group {
     /// Automaton over every `prompt + response` of the group and every in-flight request.
     pub sam: Sam,
+    /// Every token the automaton holds, by clock, linked to the next token of its string.
+    pub log: Log,
     /// Distinct prompts seen in this group (almost always exactly one).
     pub prompts: Vec<Vec<u32>>,
     /// State of each whole prompt once inserted (`NONE` before): later strings with the same
@@ -116,6 +122,7 @@ impl Group {
     fn new(version: u64) -> Self {
         Group {
             sam: Sam::new(),
+            log: Log::new(),
             prompts: Vec::new(),
             prompt_last: Vec::new(),
             dirty: false,
@@ -135,7 +142,7 @@ impl Group {
                 .iter()
                 .map(|r| r.tokens.capacity())
                 .sum::<usize>();
-        self.sam.bytes() + 4 * toks + std::mem::size_of::<Group>()
+        self.sam.bytes() + self.log.bytes() + 4 * toks + std::mem::size_of::<Group>()
     }
 
     fn prompt_index(&mut self, prompt: &[u32]) -> u32 {
@@ -156,33 +163,42 @@ impl Group {
         e.clamp(-80.0, 80.0).exp() as f32
     }
 
-    /// Inserts `prompt + tokens` (the prompt only the first time) and returns the last state.
+    /// Appends `t` to the string whose last state is `last` and whose last token has clock `prev`
+    /// (`NONE` for a string's first token); returns the new state and the token's clock.
     /// With `deferred` the counts go stale (`dirty`) until [`Group::ensure_clean`].
-    fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32, deferred: bool) -> u32 {
+    fn push(&mut self, last: u32, prev: u32, t: u32, w: f32, deferred: bool) -> (u32, u32) {
+        let s = if deferred {
+            self.sam.extend_deferred(last, t, w)
+        } else {
+            self.sam.extend(last, t, w)
+        };
+        self.log.push(self.sam.clock, prev, t);
+        (s, self.sam.clock)
+    }
+
+    /// Inserts `prompt + tokens` (the prompt only the first time); returns the last state and the
+    /// clock of the last token of `tokens` (`NONE` when empty).
+    fn insert(&mut self, prompt: u32, tokens: &[u32], w: f32, deferred: bool) -> (u32, u32) {
         debug_assert!(
             deferred || !self.dirty,
             "online insert into a group with stale counts"
         );
-        let step = |sam: &mut Sam, last: u32, t: u32| {
-            if deferred {
-                sam.extend_deferred(last, t, w)
-            } else {
-                sam.extend(last, t, w)
-            }
-        };
         let mut last = self.prompt_last[prompt as usize];
         if last == NONE {
             last = 0;
-            for &t in &self.prompts[prompt as usize] {
-                last = step(&mut self.sam, last, t);
+            let mut clock = NONE;
+            for i in 0..self.prompts[prompt as usize].len() {
+                let t = self.prompts[prompt as usize][i];
+                (last, clock) = self.push(last, clock, t, w, deferred);
             }
             self.prompt_last[prompt as usize] = last;
         }
+        let mut clock = NONE;
         for &t in tokens {
-            last = step(&mut self.sam, last, t);
+            (last, clock) = self.push(last, clock, t, w, deferred);
         }
         self.dirty |= deferred;
-        last
+        (last, clock)
     }
 
     /// Brings occurrence counts up to date after bulk appends.
@@ -202,6 +218,10 @@ struct Request {
     last: u32,
     /// The state of the context without its last token (`NONE` right after begin).
     prev: u32,
+    /// Clock of the last generated token (`NONE` before the first).
+    clock: u32,
+    /// The request's pointer into the earlier string it follows.
+    follow: Follow,
     /// Generated tokens so far.
     tokens: Vec<u32>,
     version: u64,
@@ -357,7 +377,7 @@ impl HistoryIndex {
         let pi = g.prompt_index(&prompt);
         let weight = g.weight(version, gamma);
         g.ensure_clean();
-        let last = g.insert(pi, &[], weight, false);
+        let (last, _) = g.insert(pi, &[], weight, false);
         g.active += 1;
         self.seq += 1;
         let seq = self.seq;
@@ -368,6 +388,8 @@ impl HistoryIndex {
                 prompt: pi,
                 last,
                 prev: NONE,
+                clock: NONE,
+                follow: Follow::LOST,
                 tokens: Vec::new(),
                 version,
                 weight,
@@ -396,11 +418,16 @@ impl HistoryIndex {
             .groups
             .get_mut(&req.group)
             .expect("in-flight request without its group");
+        let follow = self.cfg.draft.follow > 0.0;
         for &t in toks {
             req.prev = req.last;
-            req.last = g.sam.extend(req.last, t, req.weight);
+            (req.last, req.clock) = g.push(req.last, req.clock, t, req.weight, false);
+            req.tokens.push(t);
+            if follow {
+                req.follow
+                    .step(&g.log, &g.sam, req.last, &req.tokens, FOLLOW_MIN_ANCHOR);
+            }
         }
-        req.tokens.extend_from_slice(toks);
         let key = req.group;
         self.touch(key);
         self.remeasure(key);
@@ -590,6 +617,7 @@ impl HistoryIndex {
             .unwrap_or(g.max_version);
         g.weight_base = min_v;
         g.sam = Sam::new();
+        g.log = Log::new();
         g.prompt_last.iter_mut().for_each(|l| *l = NONE);
         g.dirty = false;
         let resp = std::mem::take(&mut g.responses);
@@ -601,14 +629,18 @@ impl HistoryIndex {
         for (_, rid) in active {
             let req = self.requests.get_mut(&rid).expect("listed request");
             req.weight = g.weight(req.version, gamma);
+            // Clocks changed: the pointer starts over from the automaton's next match.
+            req.follow = Follow::LOST;
             match req.tokens.split_last() {
                 Some((&t, head)) => {
-                    req.prev = g.insert(req.prompt, head, req.weight, true);
-                    req.last = g.sam.extend_deferred(req.prev, t, req.weight);
+                    let (prev, clock) = g.insert(req.prompt, head, req.weight, true);
+                    req.prev = prev;
+                    (req.last, req.clock) = g.push(prev, clock, t, req.weight, true);
                 }
                 None => {
                     req.prev = NONE;
-                    req.last = g.insert(req.prompt, &[], req.weight, true);
+                    req.clock = NONE;
+                    req.last = g.insert(req.prompt, &[], req.weight, true).0;
                 }
             }
         }
@@ -781,7 +813,23 @@ impl HistoryIndex {
             }
         }
         let w_new = g.weight(g.max_version, self.cfg.version_decay);
-        Ok(drafter.grow(sam, root_tok, &anchors[..n], budget, chain, w_new, cfg))
+        let (weight, then) = req.follow.weights([cfg.follow, cfg.follow_resync]);
+        let pointer = (cfg.follow > 0.0).then_some(Pointer {
+            log: &g.log,
+            pred: req.follow.pred,
+            weight,
+            then,
+        });
+        Ok(drafter.grow(
+            sam,
+            root_tok,
+            &anchors[..n],
+            pointer,
+            budget,
+            chain,
+            w_new,
+            cfg,
+        ))
     }
 
     fn check_rids(&self, rids: &[u64]) -> Result<()> {

@@ -112,6 +112,8 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     out.set_item("recover", d.recover)?;
     out.set_item("blend", d.blend)?;
     out.set_item("escape_short", d.escape_short)?;
+    out.set_item("follow", d.follow)?;
+    out.set_item("follow_resync", d.follow_resync)?;
     Ok(out)
 }
 
@@ -141,7 +143,7 @@ impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
                         min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
-                        recover=0.0, blend=0, escape_short=2.0))]
+                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -158,6 +160,8 @@ impl PyHistoryIndex {
         recover: f32,
         blend: u32,
         escape_short: f32,
+        follow: f32,
+        follow_resync: f32,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
             min_match,
@@ -169,6 +173,8 @@ impl PyHistoryIndex {
             recover,
             blend,
             escape_short,
+            follow,
+            follow_resync,
         };
         let cfg = make_config(
             vocab_size,
@@ -411,7 +417,7 @@ impl PyHistoryIndex {
     }
 
     /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None))]
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None))]
     #[allow(clippy::too_many_arguments)]
     fn set_draft_config(
         &self,
@@ -424,6 +430,8 @@ impl PyHistoryIndex {
         recover: Option<f32>,
         blend: Option<u32>,
         escape_short: Option<f32>,
+        follow: Option<f32>,
+        follow_resync: Option<f32>,
     ) -> PyResult<()> {
         let mut g = self.write()?;
         let mut d = g.config().draft.clone();
@@ -436,6 +444,8 @@ impl PyHistoryIndex {
         d.recover = recover.unwrap_or(d.recover);
         d.blend = blend.unwrap_or(d.blend);
         d.escape_short = escape_short.unwrap_or(d.escape_short);
+        d.follow = follow.unwrap_or(d.follow);
+        d.follow_resync = follow_resync.unwrap_or(d.follow_resync);
         g.set_draft_config(d).map_err(to_py)
     }
 

@@ -354,8 +354,7 @@ mod tests {
     fn damaged_snapshot_is_refused_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
         let (mut d, _) = Disk::open(dir.path(), u64::MAX).unwrap();
-        d.snapshot(&[Arc::new(st(1)), Arc::new(st(2))], 2)
-            .unwrap();
+        d.snapshot(&[Arc::new(st(1)), Arc::new(st(2))], 2).unwrap();
         drop(d);
         let p = dir.path().join("snapshot.bin");
         let mut data = fs::read(&p).unwrap();

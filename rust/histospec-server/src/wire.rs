@@ -95,7 +95,10 @@ mod tests {
             head_sequence: 9,
         };
         assert_eq!(sub.encode_to_vec(), want.encode_to_vec());
-        assert_eq!(SubscribeResponse::decode(&sub.encode_to_vec()[..]).unwrap(), want);
+        assert_eq!(
+            SubscribeResponse::decode(&sub.encode_to_vec()[..]).unwrap(),
+            want
+        );
         let chunk = EncodedSnapshotChunk {
             records: stored.iter().map(|s| s.encoded.clone()).collect(),
             through_sequence: 3,
