@@ -215,6 +215,10 @@ impl Follow {
 fn favourite(sam: &Sam, last: u32) -> u32 {
     sam.longest_with_children(last, 1)
         .and_then(|a| {
+            if sam.degree(a) == 1 {
+                // The only continuation: no need to read its state.
+                return sam.children(a).next();
+            }
             sam.children(a).max_by(|x, y| {
                 sam.states[x.1 as usize]
                     .cnt
