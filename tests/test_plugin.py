@@ -86,12 +86,13 @@ def test_config_defaults_and_values():
     cfg = HistoryConfig.from_env({
         "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
         "HISTOSPEC_DRAFT_POLICY": "Frequency", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
+        "HISTOSPEC_FOLLOW": "0",
     })
     assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
         32, 512 << 20, "frequency", 64, 0.5)
     kw = cfg.index_kwargs()
-    assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20
-    HistoryIndex(**kw)  # the index accepts every setting the table produces
+    assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20 and kw["follow"] == 0.0
+    assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
     assert parse_size("4G") == 4 << 30 and parse_size("1.5KiB") == 1536 and parse_size("100") == 100
     assert "HISTOSPEC_DRAFT_SERVER" in settings_table()
 
@@ -103,6 +104,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
     ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
+    ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
 ])

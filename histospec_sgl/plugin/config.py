@@ -101,6 +101,9 @@ SETTINGS: tuple[Setting, ...] = (
             "order of continuations: recency-weighted (best on real rollouts) or pure frequency"),
     Setting("HISTOSPEC_MIN_MATCH", "min_match", _int(1, 1 << 20), 1,
             "draft only after matching at least this many context tokens"),
+    Setting("HISTOSPEC_FOLLOW", "follow", _float(0.0, 0.99), 0.5,
+            "source following: prior weight of the next token of the earlier response a request is "
+            "rewriting (learned per request from its hits; 0: off)"),
     Setting("HISTOSPEC_HISTORY_LOAD", "history_load", _path, None,
             "history to load at start: an index snapshot, or token-id JSONL(.gz) lines "
             '{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}'),
@@ -138,6 +141,7 @@ class HistoryConfig:
     version_decay: float = 1.0
     draft_policy: str = "recency"
     min_match: int = 1
+    follow: float = 0.5
     history_load: str | None = None
     snapshot_path: str | None = None
     draft_server: str | None = None
@@ -184,6 +188,7 @@ class HistoryConfig:
             max_bytes=self.memory_budget,
             version_decay=self.version_decay,
             min_match=self.min_match,
+            follow=self.follow,
         )
         if self.draft_policy == "frequency":
             kw["recency"] = 0.0

@@ -28,6 +28,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "--history-version-decay": ("HISTOSPEC_VERSION_DECAY", "X"),
     "--history-policy": ("HISTOSPEC_DRAFT_POLICY", "recency|frequency"),
     "--history-min-match": ("HISTOSPEC_MIN_MATCH", "N"),
+    "--history-follow": ("HISTOSPEC_FOLLOW", "X"),
     "--history-max-batch": ("HISTOSPEC_MAX_BATCH", "N"),
     "--history-min-accept": ("HISTOSPEC_MIN_ACCEPT", "X"),
     "--history-probe-every": ("HISTOSPEC_PROBE_EVERY", "N"),
