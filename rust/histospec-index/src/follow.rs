@@ -93,8 +93,8 @@ pub struct Follow {
     brk: u32,
     /// Request tokens appended since the break (0 when in step).
     pub since: u32,
-    /// The automaton's most frequent next token when `pred` was chosen (`NONE`: none).
-    sam_tok: u32,
+    /// Whether the automaton's most frequent next token was `pred`'s token when it was chosen.
+    agrees: bool,
     /// Predictions that differed from the automaton's most frequent next token, made in step and
     /// after a break: `[in step, after a break]`.
     tries: [u32; 2],
@@ -113,7 +113,7 @@ impl Follow {
         pred: NONE,
         brk: NONE,
         since: 0,
-        sam_tok: NONE,
+        agrees: false,
         tries: [0; 2],
         hits: [0; 2],
     };
@@ -142,7 +142,7 @@ impl Follow {
         let Some(&t) = tokens.last() else { return };
         if self.pred != NONE {
             let said = log.get(self.pred).map(|e| e.tok);
-            if said != Some(self.sam_tok) {
+            if !self.agrees {
                 let k = usize::from(!self.in_step());
                 self.tries[k] += 1;
                 self.hits[k] += u32::from(said == Some(t));
@@ -170,9 +170,9 @@ impl Follow {
                 self.since = 0;
             }
         }
-        if self.pred != NONE {
-            self.sam_tok = favourite(sam, last);
-        }
+        self.agrees = log
+            .get(self.pred)
+            .is_some_and(|e| is_favourite(sam, last, e.tok));
     }
 
     /// Looks for the request's last few tokens in the source just after the break: a hit means the
@@ -211,22 +211,27 @@ impl Follow {
     }
 }
 
-/// The automaton's most frequent next token after the state `last` (`NONE`: no continuation).
-fn favourite(sam: &Sam, last: u32) -> u32 {
-    sam.longest_with_children(last, 1)
-        .and_then(|a| {
-            if sam.degree(a) == 1 {
-                // The only continuation: no need to read its state.
-                return sam.children(a).next();
-            }
-            sam.children(a).max_by(|x, y| {
-                sam.states[x.1 as usize]
-                    .cnt
-                    .total_cmp(&sam.states[y.1 as usize].cnt)
-                    .then(y.0.cmp(&x.0))
-            })
-        })
-        .map_or(NONE, |(tok, _)| tok)
+/// Whether `tok` is the automaton's most frequent next token after the state `last` (ties go to
+/// the smaller token). Reads only `tok`'s child when it holds the majority of the occurrences.
+fn is_favourite(sam: &Sam, last: u32, tok: u32) -> bool {
+    let Some(a) = sam.longest_with_children(last, 1) else {
+        return false;
+    };
+    if sam.degree(a) == 1 {
+        // The only continuation: no need to read its state.
+        return sam.children(a).next().is_some_and(|(t, _)| t == tok);
+    }
+    let Some(c) = sam.next_state(a, tok) else {
+        return false;
+    };
+    let cc = sam.states[c as usize].cnt;
+    if 2.0 * cc > sam.states[a as usize].cnt {
+        return true;
+    }
+    sam.children(a).all(|(t, s)| {
+        let o = sam.states[s as usize].cnt;
+        t == tok || o < cc || (o == cc && t > tok)
+    })
 }
 
 /// Where a pointer starts: the latest occurrence of the most frequent continuation of the
