@@ -217,21 +217,15 @@ fn is_favourite(sam: &Sam, last: u32, tok: u32) -> bool {
     let Some(a) = sam.longest_with_children(last, 1) else {
         return false;
     };
-    if sam.degree(a) == 1 {
-        // The only continuation: no need to read its state.
-        return sam.children(a).next().is_some_and(|(t, _)| t == tok);
+    if sam.degree(a) > 1 {
+        let Some(c) = sam.next_state(a, tok) else {
+            return false;
+        };
+        if 2.0 * sam.states[c as usize].cnt > sam.states[a as usize].cnt {
+            return true;
+        }
     }
-    let Some(c) = sam.next_state(a, tok) else {
-        return false;
-    };
-    let cc = sam.states[c as usize].cnt;
-    if 2.0 * cc > sam.states[a as usize].cnt {
-        return true;
-    }
-    sam.children(a).all(|(t, s)| {
-        let o = sam.states[s as usize].cnt;
-        t == tok || o < cc || (o == cc && t > tok)
-    })
+    sam.most_frequent_child(a).is_some_and(|(t, _)| t == tok)
 }
 
 /// Where a pointer starts: the latest occurrence of the most frequent continuation of the

@@ -415,6 +415,19 @@ impl Sam {
         }
     }
 
+    /// The most frequent transition `(token, target)` of `s` (ties go to the smaller token);
+    /// `None` when `s` has none. A state with one transition is answered without reading its
+    /// target.
+    pub fn most_frequent_child(&self, s: u32) -> Option<(u32, u32)> {
+        if self.degree(s) == 1 {
+            return self.children(s).next();
+        }
+        self.children(s).max_by(|x, y| {
+            let (cx, cy) = (self.states[x.1 as usize].cnt, self.states[y.1 as usize].cnt);
+            cx.total_cmp(&cy).then(y.0.cmp(&x.0))
+        })
+    }
+
     /// The first state on the suffix-link path of `s` (itself included) that has a continuation and
     /// represents a suffix of length at least `min_len`; `None` when there is none.
     pub fn longest_with_children(&self, mut s: u32, min_len: u32) -> Option<u32> {

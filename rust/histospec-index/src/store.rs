@@ -799,11 +799,7 @@ impl HistoryIndex {
                     }
                     anchors[n] = (a1, share / 2.0);
                     n += 1;
-                    let best = sam.children(a1).max_by(|x, y| {
-                        let (cx, cy) = (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
-                        cx.total_cmp(&cy).then(y.0.cmp(&x.0))
-                    });
-                    if let Some((_, s)) = best {
+                    if let Some((_, s)) = sam.most_frequent_child(a1) {
                         if sam.states[s as usize].head != NONE {
                             anchors[n] = (s, share / 2.0);
                             n += 1;

@@ -192,39 +192,21 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(ix.extend_request(2, &[1]).is_err());
     let mut toks = vec![0i64; 3];
     let mut mask = vec![0i64; 9];
-    assert!(ix
-        .draft_tree_batch(
-            &[1],
-            0,
+    let mut tree_fails = |rids: &[u64], d: usize| {
+        ix.draft_tree_batch(
+            rids,
+            d,
             &mut toks,
             &mut mask,
             None,
             None,
-            &mut Drafter::default()
+            &mut Drafter::default(),
         )
-        .is_err());
-    assert!(ix
-        .draft_tree_batch(
-            &[1],
-            4,
-            &mut toks,
-            &mut mask,
-            None,
-            None,
-            &mut Drafter::default()
-        )
-        .is_err());
-    assert!(ix
-        .draft_tree_batch(
-            &[2],
-            3,
-            &mut toks,
-            &mut mask,
-            None,
-            None,
-            &mut Drafter::default()
-        )
-        .is_err());
+        .is_err()
+    };
+    assert!(tree_fails(&[1], 0)); // no draft nodes
+    assert!(tree_fails(&[1], 4)); // buffers sized for d = 3
+    assert!(tree_fails(&[2], 3)); // unknown request
     assert!(HistoryIndex::from_bytes(b"garbage", IndexConfig::default()).is_err());
     let mut snap = ix.to_bytes();
     let n = snap.len();
