@@ -36,6 +36,10 @@
 //! 6. *Layout.* Nodes are emitted in BFS order (parents first, root = last context token at 0).
 //!    Unused slots are a chain of token-0 pads hung under the last node, so no node ever has two
 //!    children with the same token (SGLang's sampling verification sums duplicate siblings).
+//! 7. *Batches.* A batch call grows [`LANES`] requests at a time and alternates between them: each
+//!    node expansion first prefetches the transitions' target states, then yields to the next
+//!    request, and scores the children when it comes round again, so the cache misses of several
+//!    requests overlap. The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -212,9 +216,75 @@ struct Kid {
     ptr: u32,
 }
 
-/// Reusable scratch space for drafting, so a batch call allocates nothing per request.
+/// Most root anchors one growth starts from (the match and two recovery hypotheses).
+pub const MAX_ANCHORS: usize = 3;
+
+/// Requests whose growth a batch interleaves. Each expansion of a tree node waits on two cache
+/// misses (the node's transitions, then its children's states); while one request waits, the
+/// others compute. Chosen with `histospec-sgl bench index` (batch draft time, 256 requests).
+pub const LANES: usize = 8;
+
+/// Everything one growth reads besides its scratch space.
+#[derive(Clone, Copy)]
+pub struct Job<'a> {
+    pub sam: &'a Sam,
+    /// The last context token (node 0).
+    pub root_tok: u32,
+    /// Weighted root states; the first `n_anchors` are used (none: nothing to draft but the
+    /// pointer's prediction).
+    pub anchors: [(u32, f32); MAX_ANCHORS],
+    pub n_anchors: usize,
+    pub pointer: Option<Pointer<'a>>,
+    /// Most nodes, root included.
+    pub budget: usize,
+    /// One child per node.
+    pub chain: bool,
+    /// Weight of one occurrence of the newest version (scales `escape`).
+    pub w_new: f32,
+}
+
+impl<'a> Job<'a> {
+    /// A job from an anchor slice of at most [`MAX_ANCHORS`] entries (extra ones are ignored).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        sam: &'a Sam,
+        root_tok: u32,
+        anchors: &[(u32, f32)],
+        pointer: Option<Pointer<'a>>,
+        budget: usize,
+        chain: bool,
+        w_new: f32,
+    ) -> Self {
+        let n_anchors = anchors.len().min(MAX_ANCHORS);
+        let mut a = [(NONE, 0.0); MAX_ANCHORS];
+        a[..n_anchors].copy_from_slice(&anchors[..n_anchors]);
+        Job {
+            sam,
+            root_tok,
+            anchors: a,
+            n_anchors,
+            pointer,
+            budget,
+            chain,
+            w_new,
+        }
+    }
+}
+
+/// The next node expansion of a growth: offer the children of `sources` (and the pointer's
+/// prediction at clock `ptr.0` with weight `ptr.1`) under node `parent` of probability `pprob`.
+#[derive(Clone, Copy)]
+struct Pending {
+    sources: [(u32, f32); MAX_ANCHORS],
+    n: usize,
+    parent: u32,
+    pprob: f32,
+    ptr: Option<(u32, f32)>,
+}
+
+/// Scratch space and progress of one growing draft.
 #[derive(Default)]
-pub struct Drafter {
+struct Growth {
     heap: BinaryHeap<Cand>,
     kids: Vec<Kid>,
     /// Nodes in growth order (parents before children), then reordered to BFS.
@@ -223,12 +293,20 @@ pub struct Drafter {
     order: Vec<u32>,
     remap: Vec<u32>,
     out: Vec<Node>,
+    pending: Option<Pending>,
+    seq: u32,
+}
+
+/// Reusable scratch space for drafting, so a batch call allocates nothing per request.
+#[derive(Default)]
+pub struct Drafter {
+    lanes: Vec<Growth>,
 }
 
 impl Drafter {
     /// Grows a draft of at most `budget` nodes (root included) from the weighted root `anchors`
-    /// (matched states; empty = nothing to draft) and the request's source `pointer`, and returns
-    /// the nodes in BFS order, unpadded.
+    /// (matched states, at most [`MAX_ANCHORS`]; empty = nothing to draft) and the request's
+    /// source `pointer`, and returns the nodes in BFS order, unpadded.
     ///
     /// `w_new` is the weight of one occurrence of the newest version (scales `escape`).
     #[allow(clippy::too_many_arguments)]
@@ -243,23 +321,148 @@ impl Drafter {
         w_new: f32,
         cfg: &DraftConfig,
     ) -> &[Node] {
+        let job = Job::new(sam, root_tok, anchors, pointer, budget, chain, w_new);
+        self.grow_job(&job, cfg)
+    }
+
+    /// Grows one job to completion; the nodes in BFS order, unpadded.
+    pub fn grow_job(&mut self, job: &Job, cfg: &DraftConfig) -> &[Node] {
+        if self.lanes.is_empty() {
+            self.lanes.push(Growth::default());
+        }
+        let g = &mut self.lanes[0];
+        g.begin(job);
+        while !g.advance(job, cfg) {}
+        &g.out
+    }
+
+    /// Grows the drafts of `n` requests, [`LANES`] at a time with their memory accesses
+    /// interleaved, and hands each result to `emit(i, nodes)` (in completion order). `job(i)`
+    /// describes request `i`; `ahead(i)` is called before `job(i)`, early enough to prefetch what
+    /// `job(i)` will read. The drafts are exactly those of [`Drafter::grow_job`].
+    pub fn grow_many<'a>(
+        &mut self,
+        n: usize,
+        cfg: &DraftConfig,
+        mut job: impl FnMut(usize) -> Job<'a>,
+        mut ahead: impl FnMut(usize),
+        mut emit: impl FnMut(usize, &[Node]),
+    ) {
+        if self.lanes.len() < LANES {
+            self.lanes.resize_with(LANES, Growth::default);
+        }
+        // Per lane: the request it grows, its job, and whether its next move is the prefetch.
+        let mut slots: [Option<(usize, Job<'a>, bool)>; LANES] = [None; LANES];
+        for i in 0..n.min(2 * LANES) {
+            ahead(i);
+        }
+        let mut next = 0;
+        let mut busy = 0;
+        loop {
+            for (lane, slot) in self.lanes.iter_mut().zip(slots.iter_mut()) {
+                if slot.is_none() && next < n {
+                    if next + 2 * LANES < n {
+                        ahead(next + 2 * LANES);
+                    }
+                    let j = job(next);
+                    lane.begin(&j);
+                    *slot = Some((next, j, true));
+                    next += 1;
+                    busy += 1;
+                    continue;
+                }
+                let Some((i, j, touch)) = slot.as_mut() else {
+                    continue;
+                };
+                if *touch {
+                    lane.touch(j);
+                    *touch = false;
+                } else if lane.advance(j, cfg) {
+                    emit(*i, &lane.out);
+                    *slot = None;
+                    busy -= 1;
+                } else {
+                    *touch = true;
+                }
+            }
+            if busy == 0 && next >= n {
+                break;
+            }
+        }
+    }
+}
+
+impl Growth {
+    /// Starts growing `job`: the root node, and the root's expansion pending.
+    fn begin(&mut self, job: &Job) {
         self.heap.clear();
         self.nodes.clear();
         self.depth.clear();
+        self.seq = 0;
         self.nodes.push(Node {
-            tok: root_tok,
+            tok: job.root_tok,
             parent: NONE,
             prob: 1.0,
         });
         self.depth.push(0);
-        let per_node = if chain { 1 } else { cfg.max_children as usize };
-        let mut seq = 0u32;
-        let log = pointer.map(|p| (p.log, p.then));
-        let root_ptr = pointer.and_then(|p| (p.pred != NONE).then_some((p.log, p.pred, p.weight)));
-        self.offer(
-            sam, anchors, 0, 1.0, per_node, w_new, cfg, &mut seq, true, root_ptr,
-        );
-        while self.nodes.len() < budget {
+        let sam = job.sam;
+        for &(a, _) in &job.anchors[..job.n_anchors] {
+            prefetch(&sam.edges, sam.states[a as usize].head as usize);
+        }
+        self.pending = Some(Pending {
+            sources: job.anchors,
+            n: job.n_anchors,
+            parent: 0,
+            pprob: 1.0,
+            ptr: job
+                .pointer
+                .and_then(|p| (p.pred != NONE).then_some((p.pred, p.weight))),
+        });
+    }
+
+    /// Prefetches what the pending expansion reads: its sources' child states and the pointer's
+    /// log entry.
+    fn touch(&self, job: &Job) {
+        let Some(p) = &self.pending else { return };
+        let sam = job.sam;
+        for &(s, _) in &p.sources[..p.n] {
+            for (_, to) in sam.children(s) {
+                prefetch(&sam.states, to as usize);
+            }
+        }
+        if let (Some((clock, _)), Some(ptr)) = (p.ptr, job.pointer) {
+            ptr.log.prefetch(clock);
+        }
+    }
+
+    /// Runs the pending expansion, then takes the best candidates as nodes until one has
+    /// something to expand (false: call again) or the draft is complete (true: `out` holds it).
+    fn advance(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
+        let sam = job.sam;
+        let per_node = if job.chain {
+            1
+        } else {
+            cfg.max_children as usize
+        };
+        if let Some(p) = self.pending.take() {
+            let ptr = match (p.ptr, job.pointer) {
+                (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
+                _ => None,
+            };
+            let blend = true;
+            self.offer(
+                sam,
+                &p.sources[..p.n],
+                p.parent,
+                p.pprob,
+                per_node,
+                job.w_new,
+                cfg,
+                blend,
+                ptr,
+            );
+        }
+        while self.nodes.len() < job.budget {
             let Some(c) = self.heap.pop() else { break };
             if c.score < cfg.min_prob || c.score <= 0.0 {
                 break;
@@ -279,23 +482,31 @@ impl Drafter {
                 sam.longest_with_children(sam.states[c.state as usize].link, cfg.min_match)
             };
             // The pointer's path goes on with the source's next token.
-            let ptr = match log {
-                Some((log, then)) if c.ptr != NONE => {
-                    let n = log.next(c.ptr);
-                    (n != NONE).then_some((log, n, then))
+            let ptr = match job.pointer {
+                Some(p) if c.ptr != NONE => {
+                    let n = p.log.next(c.ptr);
+                    (n != NONE).then_some((n, p.then))
                 }
                 _ => None,
             };
-            let one = st.map(|s| [(s, 1.0)]);
-            let sources: &[(u32, f32)] = one.as_ref().map_or(&[], |o| &o[..]);
-            if !sources.is_empty() || ptr.is_some() {
-                self.offer(
-                    sam, sources, id, c.score, per_node, w_new, cfg, &mut seq, true, ptr,
-                );
+            if st.is_some() || ptr.is_some() {
+                let mut sources = [(NONE, 0.0); MAX_ANCHORS];
+                if let Some(s) = st {
+                    sources[0] = (s, 1.0);
+                    prefetch(&sam.edges, sam.states[s as usize].head as usize);
+                }
+                self.pending = Some(Pending {
+                    sources,
+                    n: usize::from(st.is_some()),
+                    parent: id,
+                    pprob: c.score,
+                    ptr,
+                });
+                return false;
             }
         }
         self.reorder_bfs();
-        &self.out
+        true
     }
 
     /// Offers the children of the weighted `sources` (merged by token) as candidates under `parent`,
@@ -310,7 +521,6 @@ impl Drafter {
         per_node: usize,
         w_new: f32,
         cfg: &DraftConfig,
-        seq: &mut u32,
         blend: bool,
         ptr: Option<(&Log, u32, f32)>,
     ) {
@@ -385,7 +595,7 @@ impl Drafter {
             self.kids.select_nth_unstable_by(m - 1, by_p);
             self.kids.truncate(m);
         }
-        self.kids.sort_unstable_by(by_p);
+        sort_small(&mut self.kids, by_p);
         for k in &self.kids {
             let score = pprob * k.p;
             if score < cfg.min_prob {
@@ -394,13 +604,13 @@ impl Drafter {
             prefetch(&sam.edges, k.head as usize);
             self.heap.push(Cand {
                 score,
-                seq: *seq,
+                seq: self.seq,
                 parent,
                 tok: k.tok,
                 state: k.to,
                 ptr: k.ptr,
             });
-            *seq += 1;
+            self.seq += 1;
         }
     }
 
@@ -435,21 +645,31 @@ impl Drafter {
             k.p = (1.0 - a) * k.cnt / denom;
         }
         if a > 0.0 {
-            // Rank by recency (ties: larger count, then smaller token) and add the recency share.
-            kids.sort_unstable_by(|x, y| {
+            // Rank by recency (ties: larger count, then smaller token) and add the recency share,
+            // which decays geometrically: only the first `ranks` children get a share worth adding,
+            // so only they need ordering.
+            let b = cfg.recency_decay;
+            let r0 = a * conf * (1.0 - b);
+            let mut ranks = 1;
+            let mut r = r0 * b;
+            while ranks < kids.len() && r >= 1e-6 {
+                ranks += 1;
+                r *= b;
+            }
+            let by_recency = |x: &Kid, y: &Kid| {
                 y.recent
                     .cmp(&x.recent)
                     .then(y.cnt.total_cmp(&x.cnt))
                     .then(x.tok.cmp(&y.tok))
-            });
-            let b = cfg.recency_decay;
-            let mut r = a * conf * (1.0 - b);
-            for k in kids.iter_mut() {
+            };
+            if ranks < kids.len() {
+                kids.select_nth_unstable_by(ranks - 1, by_recency);
+            }
+            sort_small(&mut kids[..ranks], by_recency);
+            let mut r = r0;
+            for k in &mut kids[..ranks] {
                 k.p += r;
                 r *= b;
-                if r < 1e-6 {
-                    break;
-                }
             }
         }
         esc / denom
@@ -457,10 +677,23 @@ impl Drafter {
 
     fn reorder_bfs(&mut self) {
         let n = self.nodes.len();
+        // Counting sort by depth, stable in growth order.
+        let deepest = self.depth.iter().copied().max().unwrap_or(0) as usize;
+        self.remap.clear();
+        self.remap.resize(deepest + 2, 0);
+        for &dp in &self.depth {
+            self.remap[dp as usize + 1] += 1;
+        }
+        for k in 1..self.remap.len() {
+            self.remap[k] += self.remap[k - 1];
+        }
         self.order.clear();
-        self.order.extend(0..n as u32);
-        let depth = &self.depth;
-        self.order.sort_by_key(|&i| (depth[i as usize], i));
+        self.order.resize(n, 0);
+        for (i, &dp) in self.depth.iter().enumerate() {
+            let at = &mut self.remap[dp as usize];
+            self.order[*at as usize] = i as u32;
+            *at += 1;
+        }
         self.remap.clear();
         self.remap.resize(n, 0);
         for (new, &old) in self.order.iter().enumerate() {
@@ -474,6 +707,25 @@ impl Drafter {
             }
             self.out.push(node);
         }
+    }
+}
+
+/// Sorts `v` by the total order `cmp`: insertion sort for the few children most nodes have, the
+/// standard sort otherwise (the same result either way, as the order is total).
+#[inline]
+fn sort_small<T: Copy>(v: &mut [T], cmp: impl Fn(&T, &T) -> Ordering) {
+    if v.len() > 12 {
+        v.sort_unstable_by(cmp);
+        return;
+    }
+    for i in 1..v.len() {
+        let x = v[i];
+        let mut j = i;
+        while j > 0 && cmp(&x, &v[j - 1]) == Ordering::Less {
+            v[j] = v[j - 1];
+            j -= 1;
+        }
+        v[j] = x;
     }
 }
 

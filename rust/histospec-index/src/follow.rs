@@ -14,7 +14,7 @@
 //! known of the string so far). Bulk-loaded strings occupy consecutive clocks, so following one
 //! reads memory sequentially. Cost: 8 bytes per indexed token.
 
-use crate::sam::{Sam, NONE};
+use crate::sam::{prefetch, Sam, NONE};
 
 /// One logged token: the token and the clock of the next token of the same string.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,6 +62,12 @@ impl Log {
             return None;
         }
         self.entries.get(clock as usize).copied()
+    }
+
+    /// Asks the CPU to start loading the entry at `clock`.
+    #[inline]
+    pub fn prefetch(&self, clock: u32) {
+        prefetch(&self.entries, clock as usize);
     }
 
     /// The clock after `clock` in its string (`NONE` when unknown).

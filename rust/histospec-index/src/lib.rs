@@ -14,7 +14,7 @@ pub mod sam;
 pub mod snapshot;
 pub mod store;
 
-pub use draft::{DraftConfig, Drafter, Node};
+pub use draft::{DraftConfig, Drafter, Job, Node, LANES, MAX_ANCHORS};
 pub use error::{CoreError, Result};
 pub use replay::{accept_greedy, ReplayTrace};
 pub use store::{check_tokens, BatchDraftStats, HistoryIndex, IndexConfig, Response, Stats};

@@ -3,10 +3,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, MaskElem, Node, Pointer};
+use crate::draft::{
+    write_chain, write_tree, DraftConfig, Drafter, Job, MaskElem, Node, Pointer, MAX_ANCHORS,
+};
 use crate::error::{CoreError, Result};
 use crate::follow::{Follow, Log};
-use crate::sam::{Sam, NONE};
+use crate::sam::{prefetch, Sam, NONE};
 
 /// A fixed, unseeded hasher for integer keys: map iteration order (never relied upon for results)
 /// is the same in every process.
@@ -770,6 +772,29 @@ impl HistoryIndex {
             .requests
             .get(&rid)
             .ok_or(CoreError::UnknownRequest(rid))?;
+        let job = self.job(req, budget, chain);
+        Ok(drafter.grow_job(&job, &self.cfg.draft))
+    }
+
+    /// Looks up every request of a batch (the lookups are independent, so the CPU overlaps their
+    /// cache misses); the first unknown one is an error.
+    fn batch_requests(&self, rids: &[u64]) -> Result<Vec<&Request>> {
+        rids.iter()
+            .map(|r| self.requests.get(r).ok_or(CoreError::UnknownRequest(*r)))
+            .collect()
+    }
+
+    /// Prefetches the automaton state and pointer entry that [`HistoryIndex::job`] reads first.
+    fn prefetch_job(&self, req: &Request) {
+        if let Some(g) = self.groups.get(&req.group) {
+            prefetch(&g.sam.states, req.last as usize);
+            g.log.prefetch(req.follow.pred);
+        }
+    }
+
+    /// What growing `req`'s draft reads: its anchors (the longest match with continuations, and
+    /// recovery hypotheses), its pointer and the group's automaton.
+    fn job<'a>(&'a self, req: &Request, budget: usize, chain: bool) -> Job<'a> {
         let g = &self.groups[&req.group];
         let root_tok = match req.tokens.last() {
             Some(&t) => t,
@@ -781,7 +806,7 @@ impl HistoryIndex {
         let sam = &g.sam;
         let anchor = sam.longest_with_children(req.last, cfg.min_match);
         let l0 = anchor.map_or(0, |a| sam.states[a as usize].len);
-        let mut anchors = [(0u32, 0f32); 3];
+        let mut anchors = [(0u32, 0f32); MAX_ANCHORS];
         let mut n = 0;
         if let Some(a) = anchor {
             anchors[0] = (a, 1.0);
@@ -816,24 +841,27 @@ impl HistoryIndex {
             weight,
             then,
         });
-        Ok(drafter.grow(
-            sam,
-            root_tok,
-            &anchors[..n],
-            pointer,
-            budget,
-            chain,
-            w_new,
-            cfg,
-        ))
+        Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new)
     }
 
-    fn check_rids(&self, rids: &[u64]) -> Result<()> {
-        for &r in rids {
-            if !self.requests.contains_key(&r) {
-                return Err(CoreError::UnknownRequest(r));
-            }
-        }
+    /// Grows the drafts of a whole batch with their memory accesses interleaved
+    /// ([`Drafter::grow_many`]); `emit(i, nodes)` receives request `i`'s draft.
+    fn grow_batch(
+        &self,
+        rids: &[u64],
+        budget: usize,
+        chain: bool,
+        drafter: &mut Drafter,
+        emit: impl FnMut(usize, &[Node]),
+    ) -> Result<()> {
+        let reqs = self.batch_requests(rids)?;
+        drafter.grow_many(
+            reqs.len(),
+            &self.cfg.draft,
+            |i| self.job(reqs[i], budget, chain),
+            |i| self.prefetch_job(reqs[i]),
+            emit,
+        );
         Ok(())
     }
 
@@ -865,10 +893,8 @@ impl HistoryIndex {
         if let Some(c) = counts.as_deref() {
             expect_len("counts", c.len(), bs)?;
         }
-        self.check_rids(rids)?;
         let mut st = BatchDraftStats::default();
-        for (i, &rid) in rids.iter().enumerate() {
-            let nodes = self.grow(rid, d, false, drafter)?;
+        self.grow_batch(rids, d, false, drafter, |i, nodes| {
             let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
             let n = write_tree(
                 nodes,
@@ -882,7 +908,7 @@ impl HistoryIndex {
             }
             st.nodes += n - 1;
             st.nonempty += (n > 1) as usize;
-        }
+        })?;
         Ok(st)
     }
 
@@ -908,16 +934,14 @@ impl HistoryIndex {
         if let Some(p) = probs.as_deref() {
             expect_len("probs", p.len(), bs * k)?;
         }
-        self.check_rids(rids)?;
         let mut st = BatchDraftStats::default();
-        for (i, &rid) in rids.iter().enumerate() {
-            let nodes = self.grow(rid, k + 1, true, drafter)?;
+        self.grow_batch(rids, k + 1, true, drafter, |i, nodes| {
             let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
             let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
             lens[i] = n as i64;
             st.nodes += n;
             st.nonempty += (n > 0) as usize;
-        }
+        })?;
         Ok(st)
     }
 }

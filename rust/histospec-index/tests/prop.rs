@@ -139,6 +139,55 @@ proptest! {
         prop_assert_eq!(&draft(&mut c), &da);
     }
 
+    /// A batch call grows its requests interleaved (several at once, steps alternating); every
+    /// request's tree and chain must still be exactly the one it gets drafted alone, for batch
+    /// sizes below, at and above the number of lanes, across groups, with and without following.
+    #[test]
+    fn interleaved_batch_equals_one_by_one(
+        history in strings_strategy(),
+        prompts in prop::collection::vec(prop::collection::vec(0u32..4, 1..6), 1..4),
+        gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..10), 1..(3 * histospec_index::LANES)),
+        follow in prop::sample::select(vec![0.0f32, 0.5]),
+        d in 1usize..10,
+    ) {
+        let cfg = IndexConfig { draft: DraftConfig { follow, ..DraftConfig::default() }, ..Default::default() };
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        for (v, h) in history.iter().enumerate() {
+            let g = (v % prompts.len()) as u64;
+            ix.add_response(g, &to_i32(&prompts[g as usize]), &to_i32(h), v as u64).unwrap();
+        }
+        let rids: Vec<u64> = (0..gens.len() as u64).map(|i| 100 + i).collect();
+        for (i, g) in gens.iter().enumerate() {
+            let grp = (i % prompts.len()) as u64;
+            ix.begin_request(rids[i], grp, &to_i32(&prompts[grp as usize]), None).unwrap();
+            ix.extend_request(rids[i], &to_i32(g)).unwrap();
+        }
+        let bs = rids.len();
+        let mut dr = Drafter::default();
+        let mut tok = vec![0i64; bs * d];
+        let mut mask = vec![0u8; bs * d * d];
+        let mut probs = vec![0f32; bs * d];
+        ix.draft_tree_batch(&rids, d, &mut tok, &mut mask, Some(&mut probs), None, &mut dr).unwrap();
+        let mut ctok = vec![0i64; bs * d];
+        let mut clen = vec![0i64; bs];
+        ix.draft_chain_batch(&rids, d, &mut ctok, &mut clen, None, &mut dr).unwrap();
+        for (i, &rid) in rids.iter().enumerate() {
+            let nodes = ix.draft_nodes(rid, d, false, &mut Drafter::default()).unwrap();
+            let mut t1 = vec![0i64; d];
+            let mut m1 = vec![0u8; d * d];
+            let mut p1 = vec![0f32; d];
+            write_tree(&nodes, d, &mut t1, &mut m1, Some(&mut p1));
+            prop_assert_eq!(&tok[i * d..(i + 1) * d], &t1[..]);
+            prop_assert_eq!(&mask[i * d * d..(i + 1) * d * d], &m1[..]);
+            prop_assert_eq!(&probs[i * d..(i + 1) * d], &p1[..]);
+            let chain = ix.draft_nodes(rid, d + 1, true, &mut Drafter::default()).unwrap();
+            let n = chain.len() - 1;
+            prop_assert_eq!(clen[i] as usize, n);
+            let want: Vec<i64> = chain[1..].iter().map(|x| x.tok as i64).collect();
+            prop_assert_eq!(&ctok[i * d..i * d + n], &want[..]);
+        }
+    }
+
     /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.
     #[test]
     fn retention_limits_hold(history in prop::collection::vec(prop::collection::vec(0u32..6, 1..12), 1..10), n in 1usize..4) {
