@@ -762,7 +762,8 @@ pub fn write_tree<M: MaskElem>(
     mut probs: Option<&mut [f32]>,
 ) -> usize {
     let n = nodes.len().min(d);
-    mask.fill(M::ZERO);
+    // Every row is written whole (a parent's row, or zeros for the root), so the buffer needs no
+    // clearing first: half the memory traffic of a 256-request batch's int64 masks.
     for i in 0..d {
         let (tok, parent, prob) = if i < n {
             let nd = nodes[i];
@@ -778,6 +779,8 @@ pub fn write_tree<M: MaskElem>(
         if parent != NONE {
             let (before, row) = mask.split_at_mut(i * d);
             row[..d].copy_from_slice(&before[parent as usize * d..parent as usize * d + d]);
+        } else {
+            mask[i * d..(i + 1) * d].fill(M::ZERO);
         }
         mask[i * d + i] = M::ONE;
     }

@@ -164,9 +164,10 @@ proptest! {
         }
         let bs = rids.len();
         let mut dr = Drafter::default();
-        let mut tok = vec![0i64; bs * d];
-        let mut mask = vec![0u8; bs * d * d];
-        let mut probs = vec![0f32; bs * d];
+        // Stale contents (a reused buffer) must be overwritten everywhere.
+        let mut tok = vec![-7i64; bs * d];
+        let mut mask = vec![7u8; bs * d * d];
+        let mut probs = vec![-1f32; bs * d];
         ix.draft_tree_batch(&rids, d, &mut tok, &mut mask, Some(&mut probs), None, &mut dr).unwrap();
         let mut ctok = vec![0i64; bs * d];
         let mut clen = vec![0i64; bs];
