@@ -95,10 +95,13 @@ class HistoryIndex:
         mask: npt.NDArray[Any],
         probs: npt.NDArray[np.float32] | None = None,
         counts: npt.NDArray[np.int64] | None = None,
+        interleave: bool = True,
     ) -> tuple[int, int]:
         """Fills ``tokens[bs*d]``, ``mask[bs*d*d]`` (int64/int32/uint8/bool), ``probs[bs*d]`` and
         ``counts[bs]`` (real draft nodes per request, root and pads excluded) for a batch with the
-        GIL released; returns (requests with a draft, draft nodes).
+        GIL released; returns (requests with a draft, draft nodes). The batch's requests grow
+        several at a time with their memory accesses interleaved; ``interleave=False`` grows them
+        one after the other (the same drafts, for paired timing).
 
         Raises:
             ValueError: a buffer of the wrong size or a budget of 0.

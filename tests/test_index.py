@@ -90,6 +90,35 @@ def test_draft_batch_fills_sglang_layout(mask_dtype):
     assert np.allclose(probs[: len(single)], single.probs)
 
 
+def test_interleaved_batch_equals_one_by_one():
+    # Batches grow several requests at once; interleave=False grows them one after the other.
+    # Both must give identical buffers, whatever stale contents the buffers held.
+    ix = HistoryIndex()
+    rng = np.random.default_rng(5)
+    for g in range(4):
+        base = rng.integers(1, 50, 40).tolist()
+        for _ in range(3):
+            resp = [t if rng.random() > 0.1 else int(rng.integers(1, 50)) for t in base]
+            ix.add_response(g, [g + 1, 99], resp, 0)
+    rids = np.arange(100, 121)
+    for r in rids:
+        g = int(r) % 4
+        ix.begin_request(int(r), g, [g + 1, 99])
+        ix.extend_request(int(r), rng.integers(1, 50, int(r) % 7).tolist())
+    d = 8
+    out = []
+    for interleave in (True, False):
+        tokens = np.full(len(rids) * d, -1, np.int64)
+        mask = np.full(len(rids) * d * d, 3, np.uint8)
+        probs = np.full(len(rids) * d, -1, np.float32)
+        res = ix.draft_batch(rids, d, tokens, mask, probs, interleave=interleave)
+        out.append((res, tokens, mask, probs))
+    assert out[0][0] == out[1][0] and out[0][0][1] > 0
+    for a, b in zip(out[0][1:], out[1][1:]):
+        assert np.array_equal(a, b)
+    assert set(np.unique(out[0][2]).tolist()) <= {0, 1}
+
+
 def test_draft_chain_batch():
     ix = make_index()
     ix.begin_request(1, None, [1, 2, 3])

@@ -298,9 +298,20 @@ struct Growth {
 }
 
 /// Reusable scratch space for drafting, so a batch call allocates nothing per request.
-#[derive(Default)]
 pub struct Drafter {
     lanes: Vec<Growth>,
+    /// Whether batch calls interleave their requests ([`Drafter::grow_many`]); off, they grow one
+    /// request after the other (the same drafts; for paired timing).
+    pub interleave: bool,
+}
+
+impl Default for Drafter {
+    fn default() -> Self {
+        Drafter {
+            lanes: Vec::new(),
+            interleave: true,
+        }
+    }
 }
 
 impl Drafter {
@@ -348,6 +359,14 @@ impl Drafter {
         mut ahead: impl FnMut(usize),
         mut emit: impl FnMut(usize, &[Node]),
     ) {
+        if !self.interleave {
+            for i in 0..n {
+                ahead(i);
+                let j = job(i);
+                emit(i, self.grow_job(&j, cfg));
+            }
+            return;
+        }
         if self.lanes.len() < LANES {
             self.lanes.resize_with(LANES, Growth::default);
         }

@@ -276,7 +276,9 @@ impl PyHistoryIndex {
     ///
     /// `tokens`: int64 `[bs*num_nodes]`; `mask`: int64/int32/uint8/bool `[bs*num_nodes*num_nodes]`;
     /// `probs`: optional float32 `[bs*num_nodes]`. Returns (requests with a draft, draft nodes).
-    #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None, counts=None))]
+    /// `interleave=False` grows the requests one after the other instead of several at once (the
+    /// same drafts; for paired timing).
+    #[pyo3(signature = (rids, num_nodes, tokens, mask, probs=None, counts=None, interleave=true))]
     #[allow(clippy::too_many_arguments)]
     fn draft_batch(
         &self,
@@ -287,6 +289,7 @@ impl PyHistoryIndex {
         mask: &Bound<'_, PyAny>,
         probs: Option<&Bound<'_, PyAny>>,
         counts: Option<&Bound<'_, PyAny>>,
+        interleave: bool,
     ) -> PyResult<(usize, usize)> {
         let rids = rids_arg(rids)?;
         let mut toks = writable::<i64>(tokens, "tokens", "int64")?;
@@ -310,7 +313,8 @@ impl PyHistoryIndex {
         let st = self.inspect(py, |g| {
             DRAFTER.with(|d| {
                 let d = &mut d.borrow_mut();
-                match mask_s {
+                d.interleave = interleave;
+                let r = match mask_s {
                     MaskElemAny::I64(m) => {
                         g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
@@ -323,7 +327,9 @@ impl PyHistoryIndex {
                     MaskElemAny::Bool(m) => {
                         g.draft_tree_batch(&rids, num_nodes, toks_s, m, probs_s, counts_s, d)
                     }
-                }
+                };
+                d.interleave = true;
+                r
             })
         })?;
         Ok((st.nonempty, st.nodes))
