@@ -349,8 +349,8 @@ impl Drafter {
 
     /// Grows the drafts of `n` requests, [`LANES`] at a time with their memory accesses
     /// interleaved, and hands each result to `emit(i, nodes)` (in completion order). `job(i)`
-    /// describes request `i`; `ahead(i)` is called before `job(i)`, early enough to prefetch what
-    /// `job(i)` will read. The drafts are exactly those of [`Drafter::grow_job`].
+    /// describes request `i`; when interleaving, `ahead(i)` is called before `job(i)`, early enough
+    /// to prefetch what `job(i)` will read. The drafts are exactly those of [`Drafter::grow_job`].
     pub fn grow_many<'a>(
         &mut self,
         n: usize,
@@ -361,7 +361,6 @@ impl Drafter {
     ) {
         if !self.interleave {
             for i in 0..n {
-                ahead(i);
                 let j = job(i);
                 emit(i, self.grow_job(&j, cfg));
             }
@@ -468,7 +467,6 @@ impl Growth {
                 (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
                 _ => None,
             };
-            let blend = true;
             self.offer(
                 sam,
                 &p.sources[..p.n],
@@ -477,7 +475,6 @@ impl Growth {
                 per_node,
                 job.w_new,
                 cfg,
-                blend,
                 ptr,
             );
         }
@@ -512,7 +509,11 @@ impl Growth {
                 let mut sources = [(NONE, 0.0); MAX_ANCHORS];
                 if let Some(s) = st {
                     sources[0] = (s, 1.0);
-                    prefetch(&sam.edges, sam.states[s as usize].head as usize);
+                    // `c.state`'s transitions were prefetched when it was offered; a fallback
+                    // state's were not.
+                    if s != c.state {
+                        prefetch(&sam.edges, sam.states[s as usize].head as usize);
+                    }
                 }
                 self.pending = Some(Pending {
                     sources,
@@ -540,7 +541,6 @@ impl Growth {
         per_node: usize,
         w_new: f32,
         cfg: &DraftConfig,
-        blend: bool,
         ptr: Option<(&Log, u32, f32)>,
     ) {
         self.kids.clear();
@@ -558,7 +558,7 @@ impl Growth {
                     k.p *= wt;
                 }
                 level += 1;
-                if !blend || level > cfg.blend as usize || esc <= 0.0 {
+                if level > cfg.blend as usize || esc <= 0.0 {
                     break;
                 }
                 wt *= esc;

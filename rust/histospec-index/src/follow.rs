@@ -250,17 +250,22 @@ fn anchor(sam: &Sam, last: u32, min_len: u32) -> Option<u32> {
 mod tests {
     use super::*;
 
+    /// Appends `t` to the string whose last state is `last` and whose last clock is `prev`, in
+    /// both the automaton and the log (what `Group::push` does in the index).
+    fn append(sam: &mut Sam, log: &mut Log, last: &mut u32, prev: &mut u32, t: u32) {
+        *last = sam.extend(*last, t, 1.0);
+        log.push(sam.clock, *prev, t);
+        *prev = sam.clock;
+    }
+
     /// Logs `strings` one after another (each its own chain) in a fresh automaton + log.
     fn build(strings: &[&[u32]]) -> (Sam, Log) {
         let mut sam = Sam::new();
         let mut log = Log::new();
         for s in strings {
-            let mut last = 0;
-            let mut prev = NONE;
+            let (mut last, mut prev) = (0, NONE);
             for &t in *s {
-                last = sam.extend(last, t, 1.0);
-                log.push(sam.clock, prev, t);
-                prev = sam.clock;
+                append(&mut sam, &mut log, &mut last, &mut prev, t);
             }
         }
         (sam, log)
@@ -272,9 +277,7 @@ mod tests {
         let (mut last, mut prev) = (0, NONE);
         let mut out = Vec::new();
         for i in 0..req.len() {
-            last = sam.extend(last, req[i], 1.0);
-            log.push(sam.clock, prev, req[i]);
-            prev = sam.clock;
+            append(sam, log, &mut last, &mut prev, req[i]);
             f.step(log, sam, last, &req[..=i], 3);
             out.push(log.get(f.pred).map(|e| e.tok));
         }

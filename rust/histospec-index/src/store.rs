@@ -768,34 +768,29 @@ impl HistoryIndex {
         chain: bool,
         drafter: &'d mut Drafter,
     ) -> Result<&'d [Node]> {
+        let (req, g) = self.request_and_group(rid)?;
+        let job = self.job(req, g, budget, chain);
+        Ok(drafter.grow_job(&job, &self.cfg.draft))
+    }
+
+    /// An in-flight request and its group.
+    fn request_and_group(&self, rid: u64) -> Result<(&Request, &Group)> {
         let req = self
             .requests
             .get(&rid)
             .ok_or(CoreError::UnknownRequest(rid))?;
-        let job = self.job(req, budget, chain);
-        Ok(drafter.grow_job(&job, &self.cfg.draft))
-    }
-
-    /// Looks up every request of a batch (the lookups are independent, so the CPU overlaps their
-    /// cache misses); the first unknown one is an error.
-    fn batch_requests(&self, rids: &[u64]) -> Result<Vec<&Request>> {
-        rids.iter()
-            .map(|r| self.requests.get(r).ok_or(CoreError::UnknownRequest(*r)))
-            .collect()
+        Ok((req, &self.groups[&req.group]))
     }
 
     /// Prefetches the automaton state and pointer entry that [`HistoryIndex::job`] reads first.
-    fn prefetch_job(&self, req: &Request) {
-        if let Some(g) = self.groups.get(&req.group) {
-            prefetch(&g.sam.states, req.last as usize);
-            g.log.prefetch(req.follow.pred);
-        }
+    fn prefetch_job(req: &Request, g: &Group) {
+        prefetch(&g.sam.states, req.last as usize);
+        g.log.prefetch(req.follow.pred);
     }
 
     /// What growing `req`'s draft reads: its anchors (the longest match with continuations, and
-    /// recovery hypotheses), its pointer and the group's automaton.
-    fn job<'a>(&'a self, req: &Request, budget: usize, chain: bool) -> Job<'a> {
-        let g = &self.groups[&req.group];
+    /// recovery hypotheses), its pointer and its group `g`'s automaton.
+    fn job<'a>(&self, req: &Request, g: &'a Group, budget: usize, chain: bool) -> Job<'a> {
         let root_tok = match req.tokens.last() {
             Some(&t) => t,
             None => *g.prompts[req.prompt as usize]
@@ -854,12 +849,17 @@ impl HistoryIndex {
         drafter: &mut Drafter,
         emit: impl FnMut(usize, &[Node]),
     ) -> Result<()> {
-        let reqs = self.batch_requests(rids)?;
+        // Every lookup first: they are independent, so the CPU overlaps their cache misses, and
+        // the first unknown id is an error before anything is written.
+        let reqs = rids
+            .iter()
+            .map(|&r| self.request_and_group(r))
+            .collect::<Result<Vec<_>>>()?;
         drafter.grow_many(
             reqs.len(),
             &self.cfg.draft,
-            |i| self.job(reqs[i], budget, chain),
-            |i| self.prefetch_job(reqs[i]),
+            |i| self.job(reqs[i].0, reqs[i].1, budget, chain),
+            |i| Self::prefetch_job(reqs[i].0, reqs[i].1),
             emit,
         );
         Ok(())
