@@ -530,7 +530,8 @@ from histospec_sgl import prompt_key
 D = 8
 sa = types.SimpleNamespace(disable_overlap_schedule=False, page_size=1, speculative_num_draft_tokens=D,
                            speculative_ngram_max_trie_depth=18, speculative_eagle_topk=8,
-                           speculative_num_steps=1, device="cpu", tp_size=1)
+                           speculative_num_steps=1, device="cpu", tp_size=1, enable_metrics=True,
+                           served_model_name="tiny-llama")
 target = types.SimpleNamespace(model_runner=types.SimpleNamespace())
 # SGLang 0.5.17's constructor: (server_args, gpu_id, ps, nccl_port, target_worker).
 w = HistoryWorker(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0,
@@ -612,13 +613,26 @@ step([ab], {"x": [1]})
 ab.done = True
 ab.finished_reason = type("FINISH_ABORT", (), {})()
 w._departed(["x"])
-g = w.drafter.index.request_group  # noqa
+step([r2], {"b0": pend["b0"]})  # the next step's metrics see the abort
+w.metrics.refresh_index(w.drafter)
+from prometheus_client import CollectorRegistry, multiprocess
+reg = CollectorRegistry()
+multiprocess.MultiProcessCollector(reg)
+metrics = {}
+for fam in reg.collect():
+    for smp in fam.samples:
+        if smp.name.startswith("histospec:"):
+            assert smp.labels["model_name"] == "tiny-llama", smp
+            metrics[smp.name + (f"/{smp.labels['kept']}" if "kept" in smp.labels else "")] = smp.value
+totals = dict(w.drafter.totals)
+index = w.drafter.index.stats()
 w.clear_cache_pool()  # flush_cache after a weight update: history stays
 w.history_save(sys.argv[1])
 print("RESULT " + json.dumps(dict(
     steps=len(accepted_steps), accepted=sum(accepted_steps), responses=stats["responses"],
     after_flush=w.drafter.index.stats()["responses"], first=first, finished=stats["finished"],
-    live=sorted(w.drafter.live()), groups=w.drafter.index.group_keys(), key=prompt_key(prompt))))
+    live=sorted(w.drafter.live()), groups=w.drafter.index.group_keys(), key=prompt_key(prompt),
+    metrics=metrics, totals=totals, index=index)))
 '''
 
 
@@ -629,8 +643,11 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     finished requests become history that survives flush_cache, aborted ones do not."""
     snap = tmp_path / "snap.bin"
     auto = tmp_path / "auto" / "history.snap"
+    prom = tmp_path / "prometheus"
+    prom.mkdir()
     r = _run_sglang(sglang_py, _WORKER.replace("sys.argv[1]", repr(str(snap))),
-                    env={"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "HISTOSPEC_SNAPSHOT_PATH": str(auto)})
+                    env={"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "HISTOSPEC_SNAPSHOT_PATH": str(auto),
+                         "PROMETHEUS_MULTIPROC_DIR": str(prom)})
     res = _result(r)
     assert res["responses"] == 3 and res["finished"] == 3 and res["after_flush"] == 3
     # a0 decodes 41 tokens one step at a time (nothing to draft from); its siblings, 15 steps late,
@@ -646,6 +663,19 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     back = HistoryIndex()
     back.load(auto)
     assert back.stats()["responses"] == 3
+    # --enable-metrics: the worker's counters reach SGLang's multiprocess Prometheus collection.
+    m, tot, idx = res["metrics"], res["totals"], res["index"]
+    assert m["histospec:decode_steps_total"] == tot["steps"] == res["steps"] + 3
+    for name, key in [("request_steps", "request_steps"), ("covered_request_steps", "covered"),
+                      ("draft_tokens_offered", "offered"), ("draft_tokens_accepted", "accepted"),
+                      ("drafted_steps", "drafted_steps")]:
+        assert m[f"histospec:{name}_total"] == tot[key], name
+    assert m["histospec:draft_tokens_accepted_total"] >= res["accepted"] > 0
+    assert m["histospec:finished_requests_total/1"] == 3 and m["histospec:finished_requests_total/0"] == 1
+    assert 0 < m["histospec:draft_seconds_total"] <= m["histospec:host_seconds_total"]
+    assert m["histospec:drafting"] == 1 and m["histospec:draft_errors_total"] == 0
+    assert m["histospec:index_responses"] == idx["responses"] == 3
+    assert m["histospec:index_bytes"] == idx["bytes"] > 0 and m["histospec:inflight_requests"] == 1
 
 
 def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):

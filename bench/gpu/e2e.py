@@ -52,7 +52,8 @@ def start(args: argparse.Namespace, spec: bool, log: Path) -> subprocess.Popen:
     if args.no_cuda_graph:
         cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
     if spec:
-        cmd += ["--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(args.draft_tokens)]
+        cmd += ["--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(args.draft_tokens),
+                "--enable-metrics"]
     print("+", " ".join(cmd), flush=True)
     f = open(log, "w")
     return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
@@ -107,6 +108,21 @@ def specrl_alignment(base: str, prompts: list[list[int]], max_new: int, out: Pat
     return {"max_abs_logprob_diff": max(diffs), "first_entries": first}
 
 
+def histospec_metrics(base: str) -> dict:
+    """The worker's Prometheus samples from ``/metrics`` (``--enable-metrics``), or the error."""
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+    except Exception as e:
+        return {"error": repr(e)}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(("histospec:", "sglang:spec_accept_length")):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -142,6 +158,7 @@ def main() -> int:
                 outs2, _ = generate(base, prompts, args.max_new, max(args.batch_sizes))
                 r["pass2_accept_length"] = accept_length(outs2)
                 r["pass2_identical"] = [o["output_ids"] for o in outs2] == r["pass1_ids"]
+                r["metrics"] = histospec_metrics(base)
             r["throughput"] = {}
             for bs in args.batch_sizes:
                 sub = prompts[:bs] * max(1, 64 // bs) if bs < 64 else prompts[:bs]

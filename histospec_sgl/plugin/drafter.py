@@ -149,6 +149,8 @@ class BatchDrafter:
         self.config = config or HistoryConfig()
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
         self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
+        #: Whether the last :meth:`draft` drafted (False: the switch-off rule held it off).
+        self.drafting = True
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
         self._finished: dict[str, RequestStats] = {}
@@ -271,7 +273,7 @@ class BatchDrafter:
             self._counts = np.zeros(cap, dtype=np.int64)
         tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
         lives = [self._live[r] for r in rids]
-        drafting = self.switch.should_draft(bs)
+        drafting = self.drafting = self.switch.should_draft(bs)
         if drafting:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)

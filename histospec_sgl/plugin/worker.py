@@ -17,7 +17,9 @@ overlap relay. What differs:
   every ``flush_cache`` (weight update), at a clean exit and on demand
   (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
-  steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``).
+  steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``);
+- with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
+  (:mod:`histospec_sgl.plugin.metrics`).
 
 This module imports SGLang's NGRAM worker and therefore needs a CUDA build of ``sgl_kernel``; the
 plugin imports it only in the worker factory, inside the scheduler.
@@ -38,6 +40,7 @@ from sglang.srt.speculative.ngram_worker import NGRAMWorker
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.config import HistoryConfig
 from histospec_sgl.plugin.drafter import BatchDrafter, fill_root_only, group_of
+from histospec_sgl.plugin.metrics import HistoryMetrics
 from histospec_sgl.plugin.tp import DraftBroadcast
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -91,6 +94,7 @@ class HistoryWorker(NGRAMWorker):
         self.broadcast = DraftBroadcast.from_sglang(int(getattr(server_args, "tp_size", 1) or 1))
         self.drafter: BatchDrafter | None = None
         self.sync = None
+        self.metrics: HistoryMetrics | None = None
         self._reqs: dict[str, Any] = {}
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._no_keep: set[str] = set()
@@ -107,6 +111,10 @@ class HistoryWorker(NGRAMWorker):
                 self.sync = EngineSync.from_env(self.drafter.index)
             if self.config.snapshot_path:
                 atexit.register(self.history_save)
+            try:
+                self.metrics = HistoryMetrics.from_sglang(server_args, self.tp_rank)
+            except Exception:
+                logger.exception("histospec: Prometheus metrics are off (the server runs without them)")
         _install_scheduler_rpcs()
         logger.info(
             "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s)", self.tp_rank,
@@ -160,6 +168,7 @@ class HistoryWorker(NGRAMWorker):
     # -- drafting ------------------------------------------------------------------------------
 
     def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+        t0 = time.perf_counter()
         bs, d = len(batch.reqs), self.draft_token_num
         prev_ids, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
         if not prev_ids.is_cpu:
@@ -178,7 +187,15 @@ class HistoryWorker(NGRAMWorker):
                     logger.exception("histospec: drafting failed (%d times); verifying without drafts",
                                      self._errors)
                 tokens, mask = self._empty(batch, use_prev)
-        return self.broadcast.share(tokens, mask, bs, d)
+        shared = self.broadcast.share(tokens, mask, bs, d)
+        if self.metrics is not None and self.drafter is not None:
+            try:
+                self.metrics.observe(self.drafter, errors=self._errors,
+                                     host_seconds=time.perf_counter() - t0)
+            except Exception:
+                logger.exception("histospec: could not update the Prometheus metrics; they stay off")
+                self.metrics = None
+        return shared
 
     def _draft(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
         assert self.drafter is not None

@@ -1,0 +1,158 @@
+"""Prometheus metrics of the HISTORY worker.
+
+SGLang already exports the speculative-decoding figures it measures itself: the gauges
+``sglang:spec_accept_length`` and ``sglang:spec_accept_rate``, and per request ``spec_verify_ct``,
+``spec_accept_length`` and ``spec_accepted_drafts`` in each response's ``meta_info``. The metrics below
+add what only the drafter knows. They exist when the server runs with ``--enable-metrics`` (SGLang
+then puts ``prometheus_client`` in multiprocess mode and serves every process's metrics at
+``/metrics``), on the drafting rank (TP rank 0), with SGLang's ``model_name`` and ``tp_rank`` labels
+plus ``--extra-metric-labels``.
+
+Counters (use ``rate()``; e.g. draft coverage is ``rate(histospec:covered_request_steps_total)`` over
+``rate(histospec:request_steps_total)``, host time per step is ``rate(histospec:host_seconds_total)``
+over ``rate(histospec:decode_steps_total)``):
+
+=========================================  =====================================================
+``histospec:decode_steps_total``           decode (verify) steps the worker prepared drafts for
+``histospec:drafted_steps_total``          of those, steps that drafted (the rest were switched off)
+``histospec:request_steps_total``          requests summed over steps
+``histospec:covered_request_steps_total``  request-steps with a non-empty draft
+``histospec:draft_tokens_offered_total``   draft nodes offered (root and pads excluded)
+``histospec:draft_tokens_accepted_total``  draft tokens accepted
+``histospec:draft_seconds_total``          host time in the batch draft call
+``histospec:host_seconds_total``           host time the worker adds per step (context updates,
+                                           draft, broadcast)
+``histospec:draft_errors_total``           errors while drafting (that step is verified without
+                                           drafts) or syncing with the draft server
+``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
+=========================================  =====================================================
+
+Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 while drafting, 0 while
+switched off), ``histospec:index_groups``, ``histospec:index_responses``, ``histospec:index_tokens``,
+``histospec:index_bytes`` and ``histospec:inflight_requests``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+#: Steps between two refreshes of the index-size gauges (``stats()`` walks every group).
+INDEX_EVERY = 32
+
+_COUNTERS = {
+    # metric name: (documentation, drafter total it follows)
+    "histospec:decode_steps": ("Decode (verify) steps the HISTORY worker prepared drafts for.", "steps"),
+    "histospec:drafted_steps": ("Decode steps that drafted (the others were switched off).", "drafted_steps"),
+    "histospec:request_steps": ("Requests summed over decode steps.", "request_steps"),
+    "histospec:covered_request_steps": ("Request-steps with a non-empty history draft.", "covered"),
+    "histospec:draft_tokens_offered": ("Draft nodes offered (root and pads excluded).", "offered"),
+    "histospec:draft_tokens_accepted": ("Draft tokens accepted by verification.", "accepted"),
+    "histospec:draft_seconds": ("Host seconds in the batch draft call.", "draft_seconds"),
+}
+_GAUGES = {
+    "histospec:drafting": "1 while the HISTORY worker drafts, 0 while its switch-off rule holds drafting off.",
+    "histospec:index_groups": "Groups (prompts) in the history index.",
+    "histospec:index_responses": "Finished responses held as history.",
+    "histospec:index_tokens": "Response tokens held (history and in flight).",
+    "histospec:index_bytes": "Bytes used by the history index.",
+    "histospec:inflight_requests": "Requests drafting from the index right now.",
+}
+
+_families: dict[int, dict[str, Any]] = {}
+_families_lock = threading.Lock()
+
+
+def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, Any]:
+    """The metric objects of ``registry``, created once per process (prometheus_client refuses a
+    second registration of the same name)."""
+    from prometheus_client import Counter, Gauge
+
+    with _families_lock:
+        fam = _families.get(id(registry))
+        if fam is None:
+            fam = {}
+            for name, (doc, _) in _COUNTERS.items():
+                fam[name] = Counter(name, doc, labelnames, registry=registry)
+            fam["histospec:host_seconds"] = Counter(
+                "histospec:host_seconds", "Host seconds the HISTORY worker adds per decode step.",
+                labelnames, registry=registry)
+            fam["histospec:draft_errors"] = Counter(
+                "histospec:draft_errors", "Errors while drafting or syncing with the draft server.",
+                labelnames, registry=registry)
+            fam["histospec:finished_requests"] = Counter(
+                "histospec:finished_requests", "Finished requests (kept=1: kept as history).",
+                (*labelnames, "kept"), registry=registry)
+            for name, doc in _GAUGES.items():
+                fam[name] = Gauge(name, doc, labelnames, registry=registry, multiprocess_mode="mostrecent")
+            _families[id(registry)] = fam
+        return fam
+
+
+class HistoryMetrics:
+    """Follows a :class:`~histospec_sgl.plugin.drafter.BatchDrafter`'s counters into Prometheus.
+
+    Args:
+        labels: label values (SGLang's ``model_name`` and ``tp_rank``, and any extra labels).
+        registry: the ``prometheus_client`` registry; its default one when None (in multiprocess mode
+            SGLang's ``/metrics`` collects from the files every process writes).
+    """
+
+    def __init__(self, labels: dict[str, str], registry: Any = None):
+        if registry is None:
+            from prometheus_client import REGISTRY as registry
+        self._labels = {k: str(v) for k, v in labels.items()}
+        fam = _metric_families(registry, tuple(self._labels))
+        self._m = {name: m.labels(**self._labels) for name, m in fam.items()
+                   if name != "histospec:finished_requests"}
+        fin = fam["histospec:finished_requests"]
+        self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
+        self._seen: dict[str, float] = {}
+        self._errors = 0
+        self._steps = 0
+
+    @classmethod
+    def from_sglang(cls, server_args: Any, tp_rank: int = 0) -> HistoryMetrics | None:
+        """Metrics for a server started with ``--enable-metrics``, else None."""
+        if not getattr(server_args, "enable_metrics", False):
+            return None
+        labels = {"model_name": getattr(server_args, "served_model_name", None) or "", "tp_rank": tp_rank}
+        extra = getattr(server_args, "extra_metric_labels", None)
+        if isinstance(extra, dict):
+            labels.update(extra)
+        return cls(labels)
+
+    def observe(self, drafter: Any, *, errors: int, host_seconds: float) -> None:
+        """Records one decode step: ``drafter.totals`` since the last call, the worker's error count
+        and the host time it spent on the step."""
+        totals = drafter.totals
+        for name, (_, key) in _COUNTERS.items():
+            value = totals[key]
+            delta = value - self._seen.get(key, 0)
+            if delta > 0:
+                self._m[name].inc(delta)
+            self._seen[key] = value
+        kept = totals["kept"]
+        for label, value in (("1", kept), ("0", totals["finished"] - kept)):
+            delta = value - self._seen.get(f"finished{label}", 0)
+            if delta > 0:
+                self._finished[label].inc(delta)
+            self._seen[f"finished{label}"] = value
+        if errors > self._errors:
+            self._m["histospec:draft_errors"].inc(errors - self._errors)
+        self._errors = errors
+        if host_seconds > 0:
+            self._m["histospec:host_seconds"].inc(host_seconds)
+        self._m["histospec:drafting"].set(float(drafter.drafting))
+        if self._steps % INDEX_EVERY == 0:
+            self.refresh_index(drafter)
+        self._steps += 1
+
+    def refresh_index(self, drafter: Any) -> None:
+        """Sets the index-size gauges from ``drafter.index.stats()``."""
+        st = drafter.index.stats()
+        self._m["histospec:index_groups"].set(st["groups"])
+        self._m["histospec:index_responses"].set(st["responses"])
+        self._m["histospec:index_tokens"].set(st["tokens"])
+        self._m["histospec:index_bytes"].set(st["bytes"])
+        self._m["histospec:inflight_requests"].set(st["requests"])
