@@ -115,6 +115,30 @@ def _bench_specrl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_worker(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import worker_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench worker] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --batch-sizes must be a comma list of ints, got {args.batch_sizes!r}", file=sys.stderr)
+        return 2
+    if not sizes or min(sizes) < 1 or args.groups < 1 or args.steps < 1 or not 2 <= args.draft_tokens <= 64:
+        print("error: --batch-sizes and --groups need values >= 1, --steps >= 1, --draft-tokens in 2..64",
+              file=sys.stderr)
+        return 2
+    if not 0 < args.warm < 1900:
+        print("error: --warm must be in 1..1899 (W1 responses have 2000 tokens)", file=sys.stderr)
+        return 2
+    r = worker_bench.run(sizes, groups=args.groups, d=args.draft_tokens, warm=args.warm, steps=args.steps,
+                         progress=progress)
+    _report(r, worker_bench.print_table, args.json)
+    return 0
+
+
 def _bench_sync(args: argparse.Namespace) -> int:
     from histospec_sgl.bench import sync_bench
 
@@ -356,6 +380,14 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--seed", type=int, default=0)
     bs.add_argument("--samples", type=int, default=100_000)
     bs.set_defaults(func=_bench_specrl)
+    bw = bsub.add_parser("worker", help="host time the SGLang worker adds per decode step (context sync + draft)")
+    bw.add_argument("--json", metavar="PATH")
+    bw.add_argument("--batch-sizes", default="32,128,256", help="comma list of decode batch sizes")
+    bw.add_argument("--groups", type=int, default=64, help="prompts (groups); siblings per group = batch / groups")
+    bw.add_argument("--draft-tokens", type=int, default=12, help="d, the verify width (SGLang's default 12)")
+    bw.add_argument("--warm", type=int, default=1000, help="response tokens already decoded when timing starts")
+    bw.add_argument("--steps", type=int, default=60)
+    bw.set_defaults(func=_bench_worker)
     by = bsub.add_parser("sync", help="draft server: publish throughput, time until 1/2/4 replicas applied a step")
     by.add_argument("--json", metavar="PATH")
     by.add_argument("--prompts", type=int, default=256)

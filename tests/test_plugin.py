@@ -174,6 +174,56 @@ def test_drafter_contract_and_sibling_drafting_on_real_completions():
     assert dr.pop_stats("t0-s0") is not None
 
 
+def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
+    """The worker hands each request's context as SGLang holds it in overlap mode: ``output_ids``
+    (one step behind) plus the tokens accepted last step. One ``sync_batch`` call with those parts
+    must leave the index exactly where syncing every whole context one by one does: same drafts,
+    same acceptance counts, also across a retraction and with a group that only the start reads."""
+    d = 10
+    tasks = _humaneval(3)
+    whole, parts = BatchDrafter(d), BatchDrafter(d)
+    rng = np.random.default_rng(0)
+    reqs = [(f"t{t}-{k}", prompt, samples[k]) for t, (prompt, samples) in enumerate(tasks) for k in range(3)]
+    pos = {rid: 1 for rid, _, _ in reqs}
+    retracted = False
+    for step in range(60):
+        live = [r for r in reqs if pos[r[0]] < len(r[2])]
+        if not live:
+            break
+        items = []
+        for rid, prompt, full in live:
+            ctx = full[:pos[rid]]
+            whole.sync(rid, prompt, ctx, group=7 if rid.endswith("-0") else None)
+            # Where output_ids ends: usually right after what the index held last step (overlap
+            # mode), sometimes before or after it.
+            head = int(rng.integers(max(0, len(ctx) - 8), len(ctx) + 1))
+            # A group given after the start is ignored; passing a different one must change nothing.
+            group = 7 if rid.endswith("-0") else None
+            if parts.is_live(rid):
+                group = 12345
+            items.append((rid, prompt, ctx[:head], ctx[head:], group))
+        parts.sync_batch(items)
+        rids = [r[0] for r in live]
+        a, b = whole.draft(rids), parts.draft(rids)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), f"step {step}"
+        for i, (rid, _, full) in enumerate(live):
+            t = a[0][i * d:(i + 1) * d]
+            acc = 0
+            while acc + 1 < d and pos[rid] + acc < len(full) and t[acc + 1] == full[pos[rid] + acc]:
+                acc += 1  # the chain along the first children is enough to advance differently
+            pos[rid] += min(acc + 1, len(full) - pos[rid])
+        if step == 20 and not retracted:
+            # SGLang retracts a request: its context restarts shorter.
+            rid = live[0][0]
+            pos[rid], retracted = 2, True
+    assert retracted
+    counts = ("steps", "request_steps", "covered", "accepted", "offered")
+    assert [whole.totals[k] for k in counts] == [parts.totals[k] for k in counts]
+    assert whole.totals["accepted"] > 50
+    assert whole.index.group_keys() == parts.index.group_keys()
+    assert 7 in parts.index.group_keys() and 12345 not in parts.index.group_keys()
+
+
 def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
     d = 6
     dr = BatchDrafter(d, HistoryConfig(max_batch=2))
@@ -723,3 +773,20 @@ def test_index_bench_runs_sglangs_own_suffix_automaton(sglang_py):
     assert peer["accepted_per_position_k16"] > 3.0 and peer["tokens_per_verify_step_d16"] > 2.0
     for k in ("accepted_per_position_k16", "tokens_per_verify_step_d16"):
         assert 0.7 < peer[k] / ours[k] < 1.3, (k, peer[k], ours[k])
+
+
+def test_bench_worker_runs_the_worker_loop_and_reports_host_time(tmp_path):
+    out = tmp_path / "worker.json"
+    r = _cli("bench", "worker", "--batch-sizes", "4,8", "--groups", "4", "--steps", "4", "--warm", "200",
+             "--draft-tokens", "8", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["command"].startswith("histospec-sgl bench worker") and set(res["batch_sizes"]) == {"4", "8"}
+    for bs, row in res["batch_sizes"].items():
+        assert row["requests"] == int(bs) and row["steps"] == 4
+        assert row["host_ms_per_step"] >= row["draft_ms_per_step"] > 0 and row["sync_one_by_one_ms_per_step"] > 0
+        # W1's epoch-2 responses follow their epoch-1 history closely: several tokens per step.
+        assert row["tokens_per_request_step"] > 2
+        assert 200 + 4 < row["response_tokens_at_end"] <= 200 + 4 * 8
+    bad = _cli("bench", "worker", "--batch-sizes", "0")
+    assert bad.returncode == 2 and "--batch-sizes" in bad.stderr

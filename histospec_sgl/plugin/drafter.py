@@ -84,6 +84,7 @@ class _Live:
     accepted: int = 0  # draft tokens accepted so far
     offered: int = 0  # draft nodes offered so far
     steps: int = 0  # verify steps it took part in
+    group: int | None = None  # the group it was started in (None: its prompt's key)
 
 
 @dataclasses.dataclass
@@ -195,36 +196,61 @@ class BatchDrafter:
     # -- the request stream ---------------------------------------------------------------------
 
     def sync(self, rid: str, prompt_ids: Sequence[int], response: Sequence[int],
-             group: int | None = None) -> None:
-        """Brings request ``rid``'s context up to ``prompt_ids + response`` (what SGLang has accepted,
-        last token included), starting it in ``group`` (None: the prompt's key) if it is new."""
-        live = self._live.get(rid)
-        if live is None:
-            iid = self._next_iid
-            self._next_iid += 1
-            self.index.begin_request(iid, group, prompt_ids)
-            live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]))
-        n = len(response)
-        if n < live.known:
-            # SGLang rewound the request (retraction); start its context again.
-            self.index.finish_request(live.iid, keep=False)
-            self.index.begin_request(live.iid, group, prompt_ids)
-            live.known = 0
-            live.drafted = 0
-        if n > live.known:
-            self._advance(live, response)
+             group: int | None = None, pending: Sequence[int] = ()) -> None:
+        """Brings request ``rid``'s context up to ``prompt_ids + response + pending`` (what SGLang has
+        accepted, last token included; ``pending``: tokens accepted but not yet in ``response``, as in
+        SGLang's overlap mode), starting it in ``group`` (None: the prompt's key) if it is new."""
+        self.sync_batch([(rid, prompt_ids, response, pending, group)])
 
-    def _advance(self, live: _Live, response: Sequence[int]) -> None:
-        n = len(response)
+    def sync_batch(self, requests: Iterable[tuple[str, Sequence[int], Sequence[int], Sequence[int],
+                                                  int | None]]) -> None:
+        """:meth:`sync` for a whole decode batch, with one call into the index for all the new tokens.
+        Each item is ``(rid, prompt_ids, response, pending, group)``; only the tokens past what the
+        index already holds are read, so a step costs O(new tokens), not O(response length).
+
+        ``group`` is read only when ``rid`` starts; a request whose context got shorter (SGLang
+        retracted it) starts again from its prompt in the group it began in.
+        """
+        todo: list[tuple[_Live, int, list[int]]] = []
+        for rid, prompt_ids, response, pending, group in requests:
+            live = self._live.get(rid)
+            if live is None:
+                iid = self._next_iid
+                self._next_iid += 1
+                self.index.begin_request(iid, group, prompt_ids)
+                live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]), group=group)
+            head = len(response)
+            n = head + len(pending)
+            if n < live.known:
+                # SGLang rewound the request (retraction); start its context again.
+                self.index.finish_request(live.iid, keep=False)
+                self.index.begin_request(live.iid, live.group, prompt_ids)
+                live.known = 0
+                live.drafted = 0
+            if n > live.known:
+                k = live.known
+                new = list(response[k:]) + list(pending) if k < head else list(pending[k - head:])
+                todo.append((live, n, new))
+        if not todo:
+            return
+        if len(todo) == 1:
+            self.index.extend_request(todo[0][0].iid, todo[0][2])
+        else:
+            self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
+                                    [len(new) for _, _, new in todo])
+        for live, n, new in todo:
+            self._advanced(live, n, new[-1])
+
+    def _advanced(self, live: _Live, n: int, last: int) -> None:
+        """The index now holds ``n`` response tokens of ``live``, the last one ``last``."""
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
             acc = max(min(n - live.known - 1, live.drafted), 0)
             live.accepted += acc
             self._window["accepted"] += acc
             self.totals["accepted"] += acc
-        self.index.extend_request(live.iid, response[live.known:])
         live.known = n
-        live.last = int(response[-1])
+        live.last = int(last)
 
     def finish(self, rid: str, response: Sequence[int] | None = None, *, keep: bool = True) -> None:
         """Request ``rid`` is done: its response (brought up to ``response`` first when given) becomes
@@ -233,7 +259,8 @@ class BatchDrafter:
         if live is None:
             return
         if response is not None and len(response) > live.known:
-            self._advance(live, response)
+            self.index.extend_request(live.iid, response[live.known:])
+            self._advanced(live, len(response), response[-1])
         self.index.finish_request(live.iid, keep=keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)

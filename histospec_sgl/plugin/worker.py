@@ -207,16 +207,19 @@ class HistoryWorker(NGRAMWorker):
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
         d = self.draft_token_num
-        rids = []
+        rids, items = [], []
+        drafter = self.drafter
         for i, req in enumerate(batch.reqs):
             rid = req.rid
             if rid in self._done:  # came back after it was finalized: draft, but never keep it twice
                 self._done.pop(rid)
                 self._no_keep.add(rid)
-            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]] if use_prev else []
-            response = list(req.output_ids) + prev if prev else req.output_ids
-            self.drafter.sync(rid, req.origin_input_ids, response, self._group(req))
+            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]] if use_prev else ()
+            # The group is read only for a request the drafter does not know yet.
+            group = None if drafter.is_live(rid) else self._group(req)
+            items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
+        drafter.sync_batch(items)
         tokens, mask = self.drafter.draft(rids)
         self._maybe_log()
         return tokens, mask

@@ -1,0 +1,121 @@
+"""``histospec-sgl bench worker``: the host time the HISTORY worker adds to each decode step.
+
+Every verify step the worker brings each request's context in the index up to what SGLang accepted,
+then drafts the whole batch (:class:`~histospec_sgl.plugin.drafter.BatchDrafter`, the code the
+SGLang worker runs). This benchmark replays that loop without a GPU, on W1 (RL-shaped synthetic,
+2000-token responses): ``--groups`` prompts hold their 16 epoch-1 responses as history, and
+``bs / groups`` epoch-2 responses of each prompt decode together, as siblings of a GRPO group do.
+Each step drafts, accepts greedily along the tree against the logged continuation (exact match) and
+advances by accepted + 1, like the replay.
+
+SGLang's overlap scheduler hands the worker a request's context in two parts: ``output_ids``, one step
+behind, and the tokens accepted last step. Two ways of syncing are timed on the same steps, each on
+its own drafter holding the same history:
+
+- ``sync_ms_per_step``: what the worker does, one ``sync_batch`` call that reads only the new tokens
+  and appends them in one call into the index;
+- ``sync_one_by_one_ms_per_step``: the earlier way, a call per request with its whole context
+  (``output_ids + pending``) copied into one list, whose cost grows with the response length.
+
+``draft_ms_per_step`` is the batch draft; ``host_ms_per_step`` = sync + draft. Medians over the steps
+after ``--warm`` tokens per request; the index runs on one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from histospec_sgl.bench.workload import W1, generate
+from histospec_sgl.plugin.config import HistoryConfig
+from histospec_sgl.plugin.drafter import BatchDrafter
+from histospec_sgl.replay.methods import mask_parents
+from histospec_sgl.replay.simulate import accept_greedy
+
+
+def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int) -> dict[str, float]:
+    per = max(1, bs // groups)
+    reqs = [(g, j) for g in range(groups) for j in range(per)][:bs]
+    drafters = []
+    for _ in range(2):
+        dr = BatchDrafter(d, HistoryConfig())
+        for g in range(groups):
+            for resp in w.epoch1[g]:
+                dr.index.add_response(g, w.prompts[g], resp)
+        drafters.append(dr)
+    fast, slow = drafters
+    rids = [f"g{g}-{j}" for g, j in reqs]
+    prompts = [w.prompts[g].tolist() for g, _ in reqs]
+    truths = [w.epoch2(g, j).tolist() for g, j in reqs]
+    # After prefill: `warm` tokens are in output_ids, the last prefill token is pending.
+    outputs = [t[:warm] for t in truths]
+    pending = [[t[warm]] for t in truths]
+    t_sync, t_slow, t_draft, advanced = [], [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fast.sync_batch([(rids[i], prompts[i], outputs[i], pending[i], reqs[i][0]) for i in range(len(reqs))])
+        t1 = time.perf_counter()
+        tokens, mask = fast.draft(rids)
+        t2 = time.perf_counter()
+        for i in range(len(reqs)):
+            slow.sync(rids[i], prompts[i], list(outputs[i]) + pending[i], reqs[i][0])
+        t3 = time.perf_counter()
+        t_sync.append(t1 - t0)
+        t_draft.append(t2 - t1)
+        t_slow.append(t3 - t2)
+        adv = 0
+        for i, truth in enumerate(truths):
+            outputs[i] = outputs[i] + pending[i]  # result processing catches up, one step late
+            pos = len(outputs[i])
+            if pos >= len(truth):
+                pending[i] = []
+                continue
+            t = tokens[i * d:(i + 1) * d]
+            acc = accept_greedy(t, mask_parents(mask[i * d * d:(i + 1) * d * d], d), truth, pos)
+            pending[i] = truth[pos:pos + acc + 1]
+            adv += len(pending[i])
+        advanced.append(adv / len(reqs))
+    ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
+    return {
+        "sync_ms_per_step": ms(t_sync),
+        "draft_ms_per_step": ms(t_draft),
+        "host_ms_per_step": ms(np.add(t_sync, t_draft)),
+        "sync_one_by_one_ms_per_step": ms(t_slow),
+        "tokens_per_request_step": float(np.mean(advanced)),
+        "response_tokens_at_end": float(np.mean([len(o) for o in outputs])),
+        "requests": len(reqs),
+        "groups": groups,
+        "steps": steps,
+    }
+
+
+def run(batch_sizes: list[int], groups: int = 64, d: int = 12, warm: int = 1000, steps: int = 60,
+        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    say = progress or (lambda _m: None)
+    say(f"generating W1 ({groups} prompts)")
+    w = generate(W1, prompts=groups)
+    out: dict[str, Any] = {"workload": "W1", "draft_tokens": d, "warm_tokens": warm, "batch_sizes": {}}
+    for bs in batch_sizes:
+        g = min(groups, bs)
+        say(f"batch {bs}: {g} groups x {max(1, bs // g)} siblings, {steps} steps")
+        out["batch_sizes"][str(bs)] = _run_batch(w, bs, g, d, warm, steps)
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"histospec-sgl bench worker (W1, d={result['draft_tokens']}, "
+                    f"responses past {result['warm_tokens']} tokens; ms per decode step)")
+    for col in ("batch", "sync", "draft", "host (sync + draft)", "sync one by one (earlier)",
+                "tokens / request-step"):
+        t.add_column(col, justify="right")
+    for bs, r in result["batch_sizes"].items():
+        t.add_row(bs, f"{r['sync_ms_per_step']:.2f}", f"{r['draft_ms_per_step']:.2f}",
+                  f"{r['host_ms_per_step']:.2f}", f"{r['sync_one_by_one_ms_per_step']:.2f}",
+                  f"{r['tokens_per_request_step']:.2f}")
+    Console().print(t)
