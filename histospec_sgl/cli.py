@@ -121,19 +121,13 @@ def _bench_worker(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[bench worker] {msg}", file=sys.stderr, flush=True)
 
-    try:
-        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    except ValueError:
-        print(f"error: --batch-sizes must be a comma list of ints, got {args.batch_sizes!r}", file=sys.stderr)
-        return 2
-    if not sizes or min(sizes) < 1 or args.groups < 1 or args.steps < 1 or not 2 <= args.draft_tokens <= 64:
-        print("error: --batch-sizes and --groups need values >= 1, --steps >= 1, --draft-tokens in 2..64",
-              file=sys.stderr)
+    if args.groups < 1 or args.steps < 1 or not 2 <= args.draft_tokens <= 64:
+        print("error: --groups and --steps need values >= 1, --draft-tokens one in 2..64", file=sys.stderr)
         return 2
     if not 0 < args.warm < 1900:
         print("error: --warm must be in 1..1899 (W1 responses have 2000 tokens)", file=sys.stderr)
         return 2
-    r = worker_bench.run(sizes, groups=args.groups, d=args.draft_tokens, warm=args.warm, steps=args.steps,
+    r = worker_bench.run(args.batch_sizes, groups=args.groups, d=args.draft_tokens, warm=args.warm, steps=args.steps,
                          progress=progress)
     _report(r, worker_bench.print_table, args.json)
     return 0
@@ -145,17 +139,9 @@ def _bench_sync(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[bench sync] {msg}", file=sys.stderr, flush=True)
 
-    try:
-        replicas = [int(x) for x in args.replicas.split(",") if x.strip()]
-    except ValueError:
-        print(f"error: --replicas must be a comma list of ints, got {args.replicas!r}", file=sys.stderr)
-        return 2
-    if not replicas or min(replicas) < 1:
-        print("error: --replicas needs counts >= 1", file=sys.stderr)
-        return 2
     r = sync_bench.run(
         prompts=args.prompts, samples=args.samples, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
-        vocab=args.vocab, mutation=args.mutation, replicas=replicas, batch_records=args.batch_records,
+        vocab=args.vocab, mutation=args.mutation, replicas=args.replicas, batch_records=args.batch_records,
         durable=args.durable, seed=args.seed, progress=progress,
     )
     _report(r, sync_bench.print_table, args.json)
@@ -169,6 +155,17 @@ def _kv(text: str) -> dict[str, Any]:
         if not sep:
             raise argparse.ArgumentTypeError(f"expected key=value, got {part!r}")
         out[k.strip()] = float(v) if any(c in v for c in ".e") else int(v)
+    return out
+
+
+def _counts(text: str) -> list[int]:
+    """A comma list of ints >= 1 (an argparse type)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a comma list of ints: {text!r}") from e
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"needs counts >= 1, got {text!r}")
     return out
 
 
@@ -382,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.set_defaults(func=_bench_specrl)
     bw = bsub.add_parser("worker", help="host time the SGLang worker adds per decode step (context sync + draft)")
     bw.add_argument("--json", metavar="PATH")
-    bw.add_argument("--batch-sizes", default="32,128,256", help="comma list of decode batch sizes")
+    bw.add_argument("--batch-sizes", type=_counts, default=[32, 128, 256], help="comma list of decode batch sizes")
     bw.add_argument("--groups", type=int, default=64, help="prompts (groups); siblings per group = batch / groups")
     bw.add_argument("--draft-tokens", type=int, default=12, help="d, the verify width (SGLang's default 12)")
     bw.add_argument("--warm", type=int, default=1000, help="response tokens already decoded when timing starts")
@@ -396,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     by.add_argument("--prompt-tokens", type=int, default=200)
     by.add_argument("--vocab", type=int, default=150_000)
     by.add_argument("--mutation", type=float, default=0.2, help="share of a response resampled from its group's base")
-    by.add_argument("--replicas", default="1,2,4", help="comma list of replica counts, one run each")
+    by.add_argument("--replicas", type=_counts, default=[1, 2, 4], help="comma list of replica counts, one run each")
     by.add_argument("--batch-records", type=int, default=256, help="records per Publish call")
     by.add_argument("--durable", action="store_true", help="give the server a data dir (fsync before ack)")
     by.add_argument("--seed", type=int, default=0)
