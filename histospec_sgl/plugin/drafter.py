@@ -233,11 +233,8 @@ class BatchDrafter:
                 todo.append((live, n, new))
         if not todo:
             return
-        if len(todo) == 1:
-            self.index.extend_request(todo[0][0].iid, todo[0][2])
-        else:
-            self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
-                                    [len(new) for _, _, new in todo])
+        self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
+                                [len(new) for _, _, new in todo])
         for live, n, new in todo:
             self._advanced(live, n, new[-1])
 

@@ -220,7 +220,7 @@ class HistoryWorker(NGRAMWorker):
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
         drafter.sync_batch(items)
-        tokens, mask = self.drafter.draft(rids)
+        tokens, mask = drafter.draft(rids)
         self._maybe_log()
         return tokens, mask
 
