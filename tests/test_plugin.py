@@ -90,6 +90,7 @@ def test_config_defaults_and_values():
     })
     assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
         32, 512 << 20, "frequency", 64, 0.5)
+    assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
     kw = cfg.index_kwargs()
     assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20 and kw["follow"] == 0.0
     assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
@@ -105,6 +106,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
+    ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
 ])
@@ -726,6 +728,40 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     assert m["histospec:drafting"] == 1 and m["histospec:draft_errors_total"] == 0
     assert m["histospec:index_responses"] == idx["responses"] == 3
     assert m["histospec:index_bytes"] == idx["bytes"] > 0 and m["histospec:inflight_requests"] == 1
+
+
+def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sglang_py, tiny_model):
+    """SGLang's own NGRAM verify path (forward_batch_generation: tree reconstruction, the
+    TARGET_VERIFY batch, greedy tree verification, KV compaction) driven by the HISTORY worker on
+    CPU, against a fake model that emulates tree attention from the KV slots and the mask it is
+    given (tests/sglang_cpu_verify.py). Every response must equal plain greedy decoding, with and
+    without overlap scheduling; history must be accepted; and with narrow verify, batches above
+    HISTOSPEC_MAX_BATCH (which draft nothing) must reach the model at width 1, the rest at width d."""
+    env = {"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "SGLANG_USE_CPU_ENGINE": "1"}
+    r = subprocess.run([str(sglang_py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(tiny_model)],
+                       capture_output=True, text=True, timeout=600, cwd=str(ROOT / "tests"),
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")},
+                            "PYTHONWARNINGS": "ignore", **env})
+    res = _result(r)
+    assert len(res) == 4
+    d = 8
+    for name, run in res.items():
+        first, second = run["epochs"]
+        assert first["identical"] and second["identical"], name
+        assert run["width_after"] == d and run["responses"] == 12, name
+        narrow = name.endswith("narrow=True")
+        widths = {w for _, w in first["calls"] + second["calls"]}
+        if not narrow:
+            assert widths == {d} and run["narrow_steps"] == 0, name
+            # Epoch 2 drafts each response whole from epoch 1's: about d tokens per verify step.
+            assert second["steps"] * 4 < first["steps"], name
+        else:
+            assert run["narrow_steps"] > 0 and widths == {1, d}, name
+            # Above HISTOSPEC_MAX_BATCH=3 nothing is drafted and the step is verified at width 1;
+            # at 3 or fewer the second epoch drafts from history at width d.
+            assert all(w == 1 for bs, w in second["calls"] if bs > 3), name
+            assert all(w == d for bs, w in second["calls"] if bs <= 3), name
+            assert second["steps"] < first["steps"], name
 
 
 def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):

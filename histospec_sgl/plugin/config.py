@@ -119,6 +119,10 @@ SETTINGS: tuple[Setting, ...] = (
             "is below this (0: never); re-measured by probe steps"),
     Setting("HISTOSPEC_PROBE_EVERY", "probe_every", _int(1), 64,
             "while switched off by HISTOSPEC_MIN_ACCEPT, draft every N-th step to re-measure"),
+    Setting("HISTOSPEC_NARROW_VERIFY", "narrow_verify", _int(0), 0,
+            "verify a decode step in which no request has a draft at width 1 instead of d (the cost of a "
+            "plain decode step, run outside CUDA graphs) when the batch has at least this many requests; "
+            "pair it with the switch-off settings (0: never)"),
     Setting("HISTOSPEC_LOG_EVERY", "log_every", _int(0), 200,
             "log acceptance, coverage, index size and draft time every N decode steps (0: never)"),
     Setting("HISTOSPEC_LENIENCE", "lenience", _lenience, 1.0,
@@ -148,6 +152,7 @@ class HistoryConfig:
     max_batch: int = 0
     min_accept: float = 0.0
     probe_every: int = 64
+    narrow_verify: int = 0
     log_every: int = 200
     lenience: float = 1.0
 

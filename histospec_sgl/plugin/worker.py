@@ -18,6 +18,9 @@ overlap relay. What differs:
   (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
   steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``);
+- narrow verify (``HISTOSPEC_NARROW_VERIFY``): a decode step in which no request has a draft is
+  verified at width 1, NGRAM's own code run with one node per request, instead of d nodes that
+  cost d times the compute of plain decoding;
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
 
@@ -99,6 +102,10 @@ class HistoryWorker(NGRAMWorker):
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._no_keep: set[str] = set()
         self._errors = 0
+        # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
+        self._staged: tuple[np.ndarray, np.ndarray] | None = None
+        self._narrow_buffers: dict[str, Any] | None = None
+        self.narrow_steps = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
             self.drafter = BatchDrafter(self.draft_token_num, self.config)
@@ -154,7 +161,73 @@ class HistoryWorker(NGRAMWorker):
                 self._reqs.setdefault(req.rid, req)
                 current.add(req.rid)
             self._sweep(current)
-        return super().forward_batch_generation(batch, *args, **kwargs)
+        narrow = self.config.narrow_verify
+        if (narrow and len(batch.reqs) >= narrow and batch.forward_mode.is_decode()
+                and not getattr(batch, "has_grammar", False)):
+            # Draft first (every TP rank gets rank 0's drafts here), then pick the width from what
+            # all ranks share, so that every rank takes the same branch.
+            tokens, mask = self._prepare_draft_tokens(batch)
+            d = self.draft_token_num
+            if not tokens.reshape(-1, d)[:, 1:].any():
+                return self._narrow_verify(batch, tokens[::d].copy(), *args, **kwargs)
+            self._staged = (tokens, mask)
+        try:
+            return super().forward_batch_generation(batch, *args, **kwargs)
+        finally:
+            self._staged = None
+
+    def _narrow_verify(self, batch: Any, roots: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        """Runs NGRAM's verify path with one node per request (each request's root, the token whose
+        KV is computed this step): SGLang's tree verification then samples exactly what plain decoding
+        would, at a plain decode step's compute. The target's CUDA graphs are captured at width d, so
+        this step runs eagerly (SGLang checks the width before replaying a graph). The result is padded
+        back to d slots per request, the layout SGLang's overlap relay and result processing expect."""
+        import torch
+
+        bs, d = len(batch.reqs), self.draft_token_num
+        if self._narrow_buffers is None:
+            self._narrow_buffers = self._width_buffers(1)
+        wide = self._swap_width(1, self._narrow_buffers)
+        self._staged = (roots, np.ones(bs, dtype=np.int64))
+        try:
+            result = super().forward_batch_generation(batch, *args, **kwargs)
+        finally:
+            self._swap_width(d, wide)
+            self._staged = None
+        self.narrow_steps += 1
+        step = result.next_draft_input
+        padded = torch.zeros((bs, d), dtype=step.accept_tokens.dtype, device=step.accept_tokens.device)
+        padded[:, 0] = step.accept_tokens
+        padded = padded.flatten()
+        result.next_draft_input = type(step)(draft_token_num=d, new_seq_lens=step.new_seq_lens,
+                                             accept_tokens=padded, accept_lens=step.accept_lens)
+        result.next_token_ids = padded
+        return result
+
+    def _width_buffers(self, width: int) -> dict[str, Any]:
+        """NGRAM's preallocated per-batch-size buffers for trees of ``width`` nodes: whatever its
+        ``_init_preallocated_tensors`` sets, taken while ``draft_token_num`` is ``width``."""
+        before = dict(vars(self))
+        self.draft_token_num = width
+        try:
+            self._init_preallocated_tensors()
+            made = {k: v for k, v in vars(self).items() if k != "draft_token_num" and before.get(k) is not v}
+        finally:
+            for k in made:
+                if k in before:
+                    setattr(self, k, before[k])
+                else:
+                    delattr(self, k)
+            self.draft_token_num = before["draft_token_num"]
+        return made
+
+    def _swap_width(self, width: int, buffers: dict[str, Any]) -> dict[str, Any]:
+        """Installs ``buffers`` and tree width ``width``; returns what they replaced."""
+        old = {k: getattr(self, k) for k in buffers}
+        for k, v in buffers.items():
+            setattr(self, k, v)
+        self.draft_token_num = width
+        return old
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise NotImplementedError(
@@ -168,6 +241,9 @@ class HistoryWorker(NGRAMWorker):
     # -- drafting ------------------------------------------------------------------------------
 
     def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
+        staged, self._staged = self._staged, None
+        if staged is not None:  # drafted by forward_batch_generation before NGRAM's verify path ran
+            return staged
         t0 = time.perf_counter()
         bs, d = len(batch.reqs), self.draft_token_num
         prev_ids, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
@@ -302,7 +378,7 @@ class HistoryWorker(NGRAMWorker):
     def history_stats(self) -> dict[str, Any]:
         if self.drafter is None:
             return {}
-        return {**self.drafter.index.stats(), **self.drafter.totals}
+        return {**self.drafter.index.stats(), **self.drafter.totals, "narrow_steps": self.narrow_steps}
 
     def _maybe_log(self) -> None:
         assert self.drafter is not None
