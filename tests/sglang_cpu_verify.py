@@ -18,6 +18,10 @@ what it predicts: the test compares every response with plain greedy decoding of
 Four engines run two epochs of 3 prompts x 2 samples each, with and without SGLang's overlap
 scheduling, with and without narrow verify (``HISTOSPEC_NARROW_VERIFY=1`` with
 ``HISTOSPEC_MAX_BATCH=3``: larger batches draft nothing and are verified at width 1).
+
+``sglang_cpu_verify.py MODEL RANK PORT`` runs one of two tensor-parallel ranks (gloo on loopback):
+rank 0 drafts and broadcasts its drafts (:mod:`histospec_sgl.plugin.tp`), rank 1 keeps no index.
+Both must run the same steps at the same widths and produce the same responses.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
     return steps
 
 
-def engine(model_path: str, overlap: bool, narrow: bool) -> dict:
+def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None) -> dict:
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
     from histospec_sgl.plugin.worker import HistoryWorker
@@ -191,6 +195,13 @@ def engine(model_path: str, overlap: bool, narrow: bool) -> dict:
     worker = HistoryWorker(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0,
                            target_worker=target)
     worker.alloc_memory_pool()
+    if tp is not None:  # (group, rank): rank 0 drafts and broadcasts, rank 1 keeps no index
+        from histospec_sgl.plugin.tp import DraftBroadcast
+
+        group, rank = tp
+        worker.broadcast = DraftBroadcast(group, src=0, rank_in_group=rank, world_size=2)
+        if rank != 0:
+            worker.drafter = None
     # SGLang turns overlap scheduling off for --device cpu (its server args are read-only once
     # resolved); a GPU server runs with it on. The worker reads the flag once, here.
     assert worker.enable_overlap is False
@@ -207,7 +218,7 @@ def engine(model_path: str, overlap: bool, narrow: bool) -> dict:
             identical=all(r.output_ids == policy.greedy(r.origin_input_ids, r.max_new) for r in reqs),
             calls=sorted(set(target.calls))))
     out.update(narrow_steps=worker.narrow_steps, width_after=worker.draft_token_num,
-               responses=worker.history_stats()["responses"])
+               responses=worker.history_stats().get("responses"))
     return out
 
 
@@ -215,5 +226,12 @@ if __name__ == "__main__":
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n) for o in (False, True) for n in (False, True)}
+    tp = None
+    if len(sys.argv) > 2:  # tensor parallelism: RANK PORT, two processes over gloo
+        import torch.distributed as dist
+
+        rank, port = int(sys.argv[2]), sys.argv[3]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        tp = (dist.new_group([0, 1], backend="gloo"), rank)
+    results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n, tp) for o in (False, True) for n in (False, True)}
     print("RESULT " + json.dumps(results))

@@ -730,6 +730,14 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     assert m["histospec:index_bytes"] == idx["bytes"] > 0 and m["histospec:inflight_requests"] == 1
 
 
+def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
+    """The command line and keywords that run tests/sglang_cpu_verify.py in the SGLang environment."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": str(ROOT / "tests" / "_stubs"), "SGLANG_USE_CPU_ENGINE": "1"}
+    return [str(py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(model), *argv], dict(
+        cwd=str(ROOT / "tests"), env=env)
+
+
 def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sglang_py, tiny_model):
     """SGLang's own NGRAM verify path (forward_batch_generation: tree reconstruction, the
     TARGET_VERIFY batch, greedy tree verification, KV compaction) driven by the HISTORY worker on
@@ -737,12 +745,8 @@ def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sg
     given (tests/sglang_cpu_verify.py). Every response must equal plain greedy decoding, with and
     without overlap scheduling; history must be accepted; and with narrow verify, batches above
     HISTOSPEC_MAX_BATCH (which draft nothing) must reach the model at width 1, the rest at width d."""
-    env = {"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "SGLANG_USE_CPU_ENGINE": "1"}
-    r = subprocess.run([str(sglang_py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(tiny_model)],
-                       capture_output=True, text=True, timeout=600, cwd=str(ROOT / "tests"),
-                       env={**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")},
-                            "PYTHONWARNINGS": "ignore", **env})
-    res = _result(r)
+    cmd, kw = _cpu_verify(sglang_py, tiny_model)
+    res = _result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw))
     assert len(res) == 4
     d = 8
     for name, run in res.items():
@@ -762,6 +766,42 @@ def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sg
             assert all(w == 1 for bs, w in second["calls"] if bs > 3), name
             assert all(w == d for bs, w in second["calls"] if bs <= 3), name
             assert second["steps"] < first["steps"], name
+
+
+def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model, tmp_path):
+    """The same verify path on two tensor-parallel ranks (real gloo over loopback): rank 0 drafts and
+    broadcasts, rank 1 keeps no index. Narrow verify decides the width from the broadcast drafts, so
+    both ranks take the same branch every step: neither waits on the other (a hang fails the
+    timeout), and they run the same steps at the same widths with identical, lossless responses."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        cmd, kw = _cpu_verify(sglang_py, tiny_model, str(rank), str(port))
+        with open(tmp_path / f"r{rank}.out", "w") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kw))
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    res = []
+    for rank in (0, 1):
+        text = (tmp_path / f"r{rank}.out").read_text()
+        res.append(_result(subprocess.CompletedProcess([], procs[rank].returncode, text, "")))
+    r0, r1 = res
+    assert r0.keys() == r1.keys() and len(r0) == 4
+    for name in r0:
+        assert r0[name]["responses"] == 12 and r1[name]["responses"] is None, "rank 1 keeps no history"
+        for k in ("epochs", "narrow_steps", "width_after"):
+            assert r0[name][k] == r1[name][k], (name, k)
+        assert all(e["identical"] for e in r0[name]["epochs"]), name
+    assert r0["overlap=True,narrow=True"]["narrow_steps"] > 0
 
 
 def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):
