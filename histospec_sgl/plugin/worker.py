@@ -130,6 +130,17 @@ class HistoryWorker(NGRAMWorker):
 
     # -- SGLang's hooks ------------------------------------------------------------------------
 
+    def alloc_memory_pool(self, **kwargs: Any) -> None:
+        super().alloc_memory_pool(**kwargs)
+        if self.config.narrow_verify:
+            # At start, where a failure stops the server with a message, not in the middle of a run.
+            if not callable(getattr(self, "_init_preallocated_tensors", None)):
+                raise RuntimeError(
+                    f"HISTOSPEC_NARROW_VERIFY is not supported with sglang {compat.sglang_version()} "
+                    "(its NGRAM worker has no _init_preallocated_tensors); unset it"
+                )
+            self._narrow_buffers = self._width_buffers(1)
+
     def clear_cache_pool(self) -> None:
         # flush_cache (after weight updates): the KV cache goes, the history stays. The engine is
         # idle here, so this is where the snapshot is refreshed: SGLang ends its scheduler processes
@@ -185,8 +196,7 @@ class HistoryWorker(NGRAMWorker):
         import torch
 
         bs, d = len(batch.reqs), self.draft_token_num
-        if self._narrow_buffers is None:
-            self._narrow_buffers = self._width_buffers(1)
+        assert self._narrow_buffers is not None, "alloc_memory_pool makes them"
         wide = self._swap_width(1, self._narrow_buffers)
         self._staged = (roots, np.ones(bs, dtype=np.int64))
         try:
@@ -208,6 +218,7 @@ class HistoryWorker(NGRAMWorker):
         """NGRAM's preallocated per-batch-size buffers for trees of ``width`` nodes: whatever its
         ``_init_preallocated_tensors`` sets, taken while ``draft_token_num`` is ``width``."""
         before = dict(vars(self))
+        made: dict[str, Any] = {}
         self.draft_token_num = width
         try:
             self._init_preallocated_tensors()
