@@ -400,9 +400,10 @@ class HistoryWorker(NGRAMWorker):
         st = self.drafter.index.stats()
         logger.info(
             "histospec: %d steps, batch %.1f, accept length %.2f, draft coverage %.2f, draft %.3f ms/step, "
-            "index %d groups / %d responses / %.1f MB",
+            "index %d groups / %d responses / %.1f MB%s",
             w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
             st["groups"], st["responses"], st["bytes"] / 1e6,
+            f", {self.narrow_steps} narrow-verify steps so far" if self.config.narrow_verify else "",
         )
 
 
