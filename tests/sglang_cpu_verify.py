@@ -233,5 +233,6 @@ if __name__ == "__main__":
         rank, port = int(sys.argv[2]), sys.argv[3]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         tp = (dist.new_group([0, 1], backend="gloo"), rank)
-    results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n, tp) for o in (False, True) for n in (False, True)}
+    results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n, tp)
+               for o in (False, True) for n in (False, True)}
     print("RESULT " + json.dumps(results))

@@ -328,11 +328,24 @@ def tiny_model(tmp_path_factory) -> Path:
     return p
 
 
+def _sglang_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any ``HISTOSPEC_*`` setting, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}, **extra}
+
+
+def _free_port() -> int:
+    """A TCP port on loopback that nothing listens on (for a torch.distributed rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run_sglang(py: Path, code: str, *argv: str, env: dict | None = None, timeout: int = 240
                 ) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     return subprocess.run([str(py), "-c", textwrap.dedent(code), *argv], capture_output=True, text=True,
-                          env={**clean, "PYTHONWARNINGS": "ignore", **(env or {})}, timeout=timeout,
+                          env=_sglang_env(**{"PYTHONWARNINGS": "ignore", **(env or {})}), timeout=timeout,
                           cwd=str(ROOT / "tests"))
 
 
@@ -547,12 +560,8 @@ def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
         json.dump(got, open(out, "w"))
         dist.destroy_process_group()
     """))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    port = _free_port()
+    env = _sglang_env()
     logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
     procs = []
     for r in (0, 1):
@@ -732,8 +741,8 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
 
 def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
     """The command line and keywords that run tests/sglang_cpu_verify.py in the SGLang environment."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}, "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": str(ROOT / "tests" / "_stubs"), "SGLANG_USE_CPU_ENGINE": "1"}
+    env = _sglang_env(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "tests" / "_stubs"),
+                      SGLANG_USE_CPU_ENGINE="1")
     return [str(py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(model), *argv], dict(
         cwd=str(ROOT / "tests"), env=env)
 
@@ -773,11 +782,7 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
     broadcasts, rank 1 keeps no index. Narrow verify decides the width from the broadcast drafts, so
     both ranks take the same branch every step: neither waits on the other (a hang fails the
     timeout), and they run the same steps at the same widths with identical, lossless responses."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     procs = []
     for rank in (0, 1):
         cmd, kw = _cpu_verify(sglang_py, tiny_model, str(rank), str(port))
@@ -809,11 +814,10 @@ def test_replay_drives_sglangs_own_ngram_corpus(sglang_py, tmp_path):
     on the shipped HumanEval sample it must agree with our reimplementation of the same trie
     (``sglang_trie_global``), which the other benchmarks use where SGLang is not installed."""
     out = tmp_path / "r.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
                         "--scenario", "cross-sample", "--peers", "sglang_trie_global,sglang_ngram_global",
                         "--json", str(out)], capture_output=True, text=True, timeout=600,
-                       env={**env, "PYTHONWARNINGS": "ignore", "OPENBLAS_NUM_THREADS": "1"})
+                       env=_sglang_env(PYTHONWARNINGS="ignore", OPENBLAS_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     peers = json.loads(out.read_text())["peers"]
     real, model = peers["sglang_ngram_global"], peers["sglang_trie_global"]
@@ -839,9 +843,8 @@ print(json.dumps({"peer": peer, "ours": ours}))
 def test_index_bench_runs_sglangs_own_suffix_automaton(sglang_py):
     """``bench index`` measures SGLang's real NGRAM suffix automaton (its external-corpus SAM, one per
     prompt) side by side with ours; on a 4-prompt W1 both must draft, at comparable acceptance."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     r = subprocess.run([str(sglang_py), "-c", _INDEX_PEER], capture_output=True, text=True, timeout=600,
-                       env={**env, "PYTHONWARNINGS": "ignore", "OPENBLAS_NUM_THREADS": "1"})
+                       env=_sglang_env(PYTHONWARNINGS="ignore", OPENBLAS_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     peer, ours = res["peer"], res["ours"]
