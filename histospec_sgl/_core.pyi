@@ -31,6 +31,9 @@ class HistoryIndex:
             source following (the request drafts the next tokens of the earlier response it is
             rewriting, with a weight learned from its own hits)
             (see ``rust/histospec-index/src/draft.rs`` and the README).
+        threads: threads that batch calls (``draft_batch``, ``draft_chain_batch``,
+            ``extend_batch``) may use, the caller's included (1..64). A batch of at least 32
+            requests is split into contiguous parts; the results are the same for every value.
 
     Raises:
         ValueError: a setting outside its domain.
@@ -55,6 +58,7 @@ class HistoryIndex:
         escape_short: float = 2.0,
         follow: float = 0.5,
         follow_resync: float = 0.1,
+        threads: int = 1,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
@@ -125,6 +129,12 @@ class HistoryIndex:
 
     @version.setter
     def version(self, v: int) -> None: ...
+    @property
+    def threads(self) -> int:
+        """Threads batch calls may use, the caller's included (settable, 1..64; ValueError otherwise)."""
+
+    @threads.setter
+    def threads(self, n: int) -> None: ...
     def draft_config(self) -> dict[str, Any]:
         """The draft policy."""
 

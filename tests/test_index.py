@@ -291,6 +291,119 @@ def test_stats_and_repr():
     assert ix.config()["max_children"] == 8
 
 
+def _sibling_index(threads: int, rng_seed: int = 9) -> tuple[HistoryIndex, np.ndarray]:
+    rng = np.random.default_rng(rng_seed)
+    ix = HistoryIndex(threads=threads)
+    for g in range(6):
+        base = rng.integers(1, 60, 80).tolist()
+        for _ in range(3):
+            resp = [t if rng.random() > 0.1 else int(rng.integers(1, 60)) for t in base]
+            ix.add_response(g, [g + 1, 99], resp, 0)
+    rids = np.arange(200, 280)
+    for r in rids:
+        ix.begin_request(int(r), int(r) % 6, [int(r) % 6 + 1, 99])
+    return ix, rids
+
+
+def test_threaded_batch_calls_equal_one_thread():
+    # 80 requests in 6 groups: batch calls split them across threads (drafts by contiguous parts,
+    # appends by group). Drafts, chains, stats and the final history must equal one thread's.
+    one, rids = _sibling_index(1)
+    many, _ = _sibling_index(3)
+    assert (one.threads, many.threads) == (1, 3)
+    rng = np.random.default_rng(1)
+    d, k = 8, 6
+    for _ in range(5):
+        batch = np.concatenate([rids, rng.choice(rids, 10)])  # some requests get two appends
+        lens = rng.integers(0, 5, len(batch))
+        toks = rng.integers(1, 60, int(lens.sum()))
+        outs = []
+        for ix in (one, many):
+            ix.extend_batch(batch, toks, lens)
+            tok = np.full(len(rids) * d, -1, np.int64)
+            mask = np.full(len(rids) * d * d, 3, np.uint8)
+            probs = np.full(len(rids) * d, -1, np.float32)
+            counts = np.full(len(rids), -1, np.int64)
+            res = ix.draft_batch(rids, d, tok, mask, probs, counts)
+            ctok = np.full(len(rids) * k, -1, np.int64)
+            clen = np.full(len(rids), -1, np.int64)
+            cres = ix.draft_chain_batch(rids, k, ctok, clen)
+            outs.append((res, cres, ix.stats(), tok, mask, probs, counts, ctok, clen))
+        a, b = outs
+        assert a[:3] == b[:3] and a[0][1] > 0
+        for x, y in zip(a[3:], b[3:]):
+            assert np.array_equal(x, y)
+    for r in rids:
+        one.finish_request(int(r))
+        many.finish_request(int(r))
+    assert one.to_bytes() == many.to_bytes()
+
+
+def test_threads_setting():
+    ix = HistoryIndex()
+    assert ix.threads == 1
+    ix.threads = 4
+    assert ix.threads == 4
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match="threads"):
+            ix.threads = bad
+        with pytest.raises(ValueError, match="threads"):
+            HistoryIndex(threads=bad)
+    assert ix.threads == 4
+
+
+def test_threaded_index_drafts_from_several_python_threads():
+    # Several Python threads drafting at once, each call split across the index's own threads.
+    ix, rids = _sibling_index(2)
+    ix.extend_batch(rids, np.full(len(rids), 5), np.ones(len(rids), np.int64))
+    d = 8
+    want = np.zeros(len(rids) * d, np.int64)
+    ix.draft_batch(rids, d, want, np.zeros(len(rids) * d * d, np.uint8))
+    errors: list[BaseException] = []
+
+    def drafter():
+        try:
+            tok = np.zeros(len(rids) * d, np.int64)
+            mask = np.zeros(len(rids) * d * d, np.uint8)
+            for _ in range(100):
+                ix.draft_batch(rids, d, tok, mask)
+                assert np.array_equal(tok, want)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=drafter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+
+
+def test_threaded_index_keeps_working_after_fork():
+    # A fork keeps only the forking thread: the child must not wait on the parent's pool threads.
+    import multiprocessing as mp
+
+    ix, rids = _sibling_index(2)
+    d = 8
+    want = np.zeros(len(rids) * d, np.int64)
+    ix.draft_batch(rids, d, want, np.zeros(len(rids) * d * d, np.uint8))  # the pool exists now
+    q = mp.get_context("fork").Queue()
+
+    def child():
+        tok = np.zeros(len(rids) * d, np.int64)
+        ix.draft_batch(rids, d, tok, np.zeros(len(rids) * d * d, np.uint8))
+        ix.extend_batch(rids, np.full(len(rids), 5), np.ones(len(rids), np.int64))
+        q.put(tok.tolist())
+
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(timeout=60)
+    if p.is_alive():
+        p.kill()
+        pytest.fail("a forked child hung in a threaded batch call")
+    assert p.exitcode == 0 and q.get(timeout=5) == want.tolist()
+
+
 def test_concurrent_drafts_and_updates_from_threads():
     ix = make_index()
     rids = list(range(100, 132))

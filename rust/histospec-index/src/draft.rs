@@ -749,7 +749,7 @@ fn sort_small<T: Copy>(v: &mut [T], cmp: impl Fn(&T, &T) -> Ordering) {
 }
 
 /// An element type SGLang's mask buffer may have (int64 as NGRAM returns it, or bool/uint8).
-pub trait MaskElem: Copy {
+pub trait MaskElem: Copy + Send {
     const ZERO: Self;
     const ONE: Self;
 }

@@ -8,7 +8,14 @@ use crate::draft::{
 };
 use crate::error::{CoreError, Result};
 use crate::follow::{Follow, Log};
+use crate::par::{split, split_mut, split_opt, Par, MAX_THREADS};
 use crate::sam::{prefetch, Sam, NONE};
+
+thread_local! {
+    // Scratch space for the parts of a batch that run on pool threads (and on the caller, when a
+    // batch is split).
+    static PART_DRAFTER: std::cell::RefCell<Drafter> = std::cell::RefCell::new(Drafter::default());
+}
 
 /// A fixed, unseeded hasher for integer keys: map iteration order (never relied upon for results)
 /// is the same in every process.
@@ -232,6 +239,32 @@ struct Request {
     seq: u64,
 }
 
+/// Appends accepted tokens `toks` to request `req` of group `g`, advancing its source pointer.
+fn append(req: &mut Request, g: &mut Group, toks: &[u32], follow: bool) {
+    for &t in toks {
+        req.prev = req.last;
+        (req.last, req.clock) = g.push(req.last, req.clock, t, req.weight, false);
+        req.tokens.push(t);
+        if follow {
+            req.follow
+                .step(&g.log, &g.sam, req.last, &req.tokens, FOLLOW_MIN_ANCHOR);
+        }
+    }
+}
+
+/// One group's share of a parallel [`HistoryIndex::extend_batch`].
+struct GroupWork {
+    key: u64,
+    group: Group,
+    /// The batch's requests of this group (each once).
+    reqs: Vec<(u64, Request)>,
+    /// (index into `reqs`, offset, length) of each append, in batch order: siblings interleave
+    /// in the automaton exactly as they do one by one.
+    appends: Vec<(usize, usize, usize)>,
+    /// Tokens to append plus one per append, for dealing groups to threads.
+    load: usize,
+}
+
 /// Counts of what the index holds.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -255,6 +288,16 @@ pub struct BatchDraftStats {
     pub nonempty: usize,
     /// Real draft nodes (root and pads excluded).
     pub nodes: usize,
+}
+
+impl std::ops::Add for BatchDraftStats {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        BatchDraftStats {
+            nonempty: self.nonempty + o.nonempty,
+            nodes: self.nodes + o.nodes,
+        }
+    }
 }
 
 /// Converts boundary token ids (int32) to internal ids, checking the range.
@@ -287,6 +330,8 @@ pub struct HistoryIndex {
     total_bytes: usize,
     rebuilds: u64,
     evictions: u64,
+    /// Threads for batch calls (not part of the history: snapshots and clones do not carry a pool).
+    par: Par,
 }
 
 impl HistoryIndex {
@@ -303,7 +348,28 @@ impl HistoryIndex {
             total_bytes: 0,
             rebuilds: 0,
             evictions: 0,
+            par: Par::new(1),
         })
+    }
+
+    /// Threads that batch calls ([`HistoryIndex::draft_tree_batch`],
+    /// [`HistoryIndex::draft_chain_batch`], [`HistoryIndex::extend_batch`]) may use, the calling
+    /// thread included (1 = the caller only, the default). Results do not depend on it.
+    pub fn set_threads(&mut self, threads: usize) -> Result<()> {
+        if !(1..=MAX_THREADS).contains(&threads) {
+            return Err(CoreError::InvalidArgument(format!(
+                "threads must be in 1..={MAX_THREADS}, got {threads}"
+            )));
+        }
+        if threads != self.par.threads() {
+            self.par = Par::new(threads);
+        }
+        Ok(())
+    }
+
+    /// Threads that batch calls may use.
+    pub fn threads(&self) -> usize {
+        self.par.threads()
     }
 
     /// The configuration in force.
@@ -420,16 +486,7 @@ impl HistoryIndex {
             .groups
             .get_mut(&req.group)
             .expect("in-flight request without its group");
-        let follow = self.cfg.draft.follow > 0.0;
-        for &t in toks {
-            req.prev = req.last;
-            (req.last, req.clock) = g.push(req.last, req.clock, t, req.weight, false);
-            req.tokens.push(t);
-            if follow {
-                req.follow
-                    .step(&g.log, &g.sam, req.last, &req.tokens, FOLLOW_MIN_ANCHOR);
-            }
-        }
+        append(req, g, toks, self.cfg.draft.follow > 0.0);
         let key = req.group;
         self.touch(key);
         self.remeasure(key);
@@ -468,13 +525,88 @@ impl HistoryIndex {
             }
         }
         let toks = self.check_tokens(tokens)?;
-        let mut off = 0;
-        for (&r, &l) in rids.iter().zip(lens) {
-            self.extend_checked(r, &toks[off..off + l as usize])?;
-            off += l as usize;
+        if self.par.parts(rids.len()) > 1 {
+            self.extend_parallel(rids, &toks, lens);
+        } else {
+            let mut off = 0;
+            for (&r, &l) in rids.iter().zip(lens) {
+                self.extend_checked(r, &toks[off..off + l as usize])?;
+                off += l as usize;
+            }
         }
         self.enforce_budget();
         Ok(())
+    }
+
+    /// [`HistoryIndex::extend_batch`] for validated input, spread over the index's threads. Each
+    /// group goes to one thread, which applies its requests' appends in batch order, so automata,
+    /// pointers and counts come out exactly as one by one; LRU ticks and sizes are then updated
+    /// in batch order, as one by one.
+    fn extend_parallel(&mut self, rids: &[u64], toks: &[u32], lens: &[i64]) {
+        // The batch's requests and groups leave their maps for the call, so that each thread owns
+        // what it mutates. A request listed twice is taken once.
+        let mut work: Vec<GroupWork> = Vec::new();
+        let mut group_slot: FixedMap<u64, usize> = FixedMap::default();
+        let mut req_slot: FixedMap<u64, (usize, usize)> = FixedMap::default();
+        let mut off = 0;
+        for (&r, &l) in rids.iter().zip(lens) {
+            let l = l as usize;
+            let (w, i) = match req_slot.get(&r) {
+                Some(&slot) => slot,
+                None => {
+                    let req = self.requests.remove(&r).expect("validated request id");
+                    let key = req.group;
+                    let w = *group_slot.entry(key).or_insert_with(|| {
+                        let group = self
+                            .groups
+                            .remove(&key)
+                            .expect("in-flight request without its group");
+                        work.push(GroupWork {
+                            key,
+                            group,
+                            reqs: Vec::new(),
+                            appends: Vec::new(),
+                            load: 0,
+                        });
+                        work.len() - 1
+                    });
+                    work[w].reqs.push((r, req));
+                    let slot = (w, work[w].reqs.len() - 1);
+                    req_slot.insert(r, slot);
+                    slot
+                }
+            };
+            work[w].appends.push((i, off, l));
+            work[w].load += l + 1;
+            off += l;
+        }
+        // Deal the groups to the threads, largest first, each to the least loaded thread.
+        let parts = self.par.parts(rids.len()).min(work.len());
+        work.sort_by_key(|w| std::cmp::Reverse(w.load));
+        let mut bins: Vec<(usize, Vec<GroupWork>)> = (0..parts).map(|_| (0, Vec::new())).collect();
+        for w in work {
+            let b = bins.iter_mut().min_by_key(|b| b.0).expect("parts >= 1");
+            b.0 += w.load;
+            b.1.push(w);
+        }
+        let follow = self.cfg.draft.follow > 0.0;
+        let done = self.par.run(bins, |(_, mut bin)| {
+            for w in &mut bin {
+                for &(i, o, l) in &w.appends {
+                    append(&mut w.reqs[i].1, &mut w.group, &toks[o..o + l], follow);
+                }
+            }
+            bin
+        });
+        for w in done.into_iter().flatten() {
+            self.groups.insert(w.key, w.group);
+            self.requests.extend(w.reqs);
+        }
+        for &r in rids {
+            let key = self.requests[&r].group;
+            self.touch(key);
+            self.remeasure(key);
+        }
     }
 
     /// Ends a request. With `keep` its response becomes history of its group (tagged with its
@@ -839,22 +971,22 @@ impl HistoryIndex {
         Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new)
     }
 
-    /// Grows the drafts of a whole batch with their memory accesses interleaved
+    /// Every request of a batch with its group (the first unknown id is an error). The lookups
+    /// are independent, so the CPU overlaps their cache misses.
+    fn resolve(&self, rids: &[u64]) -> Result<Vec<(&Request, &Group)>> {
+        rids.iter().map(|&r| self.request_and_group(r)).collect()
+    }
+
+    /// Grows the drafts of `reqs` with their memory accesses interleaved
     /// ([`Drafter::grow_many`]); `emit(i, nodes)` receives request `i`'s draft.
     fn grow_batch(
         &self,
-        rids: &[u64],
+        reqs: &[(&Request, &Group)],
         budget: usize,
         chain: bool,
         drafter: &mut Drafter,
         emit: impl FnMut(usize, &[Node]),
-    ) -> Result<()> {
-        // Every lookup first: they are independent, so the CPU overlaps their cache misses, and
-        // the first unknown id is an error before anything is written.
-        let reqs = rids
-            .iter()
-            .map(|&r| self.request_and_group(r))
-            .collect::<Result<Vec<_>>>()?;
+    ) {
         drafter.grow_many(
             reqs.len(),
             &self.cfg.draft,
@@ -862,12 +994,12 @@ impl HistoryIndex {
             |i| Self::prefetch_job(reqs[i].0, reqs[i].1),
             emit,
         );
-        Ok(())
     }
 
     /// Drafts a `d`-node tree for every request of a batch into flat buffers:
     /// `tokens[bs*d]`, `mask[bs*d*d]`, optional `probs[bs*d]` and optional `counts[bs]` (real
-    /// draft nodes per request, root and pads excluded).
+    /// draft nodes per request, root and pads excluded). Large batches are split across the
+    /// index's threads ([`HistoryIndex::set_threads`]); the drafts are the same.
     #[allow(clippy::too_many_arguments)]
     pub fn draft_tree_batch<M: MaskElem>(
         &self,
@@ -875,8 +1007,8 @@ impl HistoryIndex {
         d: usize,
         tokens: &mut [i64],
         mask: &mut [M],
-        mut probs: Option<&mut [f32]>,
-        mut counts: Option<&mut [i64]>,
+        probs: Option<&mut [f32]>,
+        counts: Option<&mut [i64]>,
         drafter: &mut Drafter,
     ) -> Result<BatchDraftStats> {
         if d == 0 {
@@ -893,34 +1025,67 @@ impl HistoryIndex {
         if let Some(c) = counts.as_deref() {
             expect_len("counts", c.len(), bs)?;
         }
-        let mut st = BatchDraftStats::default();
-        self.grow_batch(rids, d, false, drafter, |i, nodes| {
-            let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
-            let n = write_tree(
-                nodes,
-                d,
-                &mut tokens[i * d..(i + 1) * d],
-                &mut mask[i * d * d..(i + 1) * d * d],
-                p,
-            );
-            if let Some(c) = counts.as_deref_mut() {
-                c[i] = (n - 1) as i64;
-            }
-            st.nodes += n - 1;
-            st.nonempty += (n > 1) as usize;
-        })?;
-        Ok(st)
+        let reqs = self.resolve(rids)?;
+        let tree = |reqs: &[(&Request, &Group)],
+                    tokens: &mut [i64],
+                    mask: &mut [M],
+                    mut probs: Option<&mut [f32]>,
+                    mut counts: Option<&mut [i64]>,
+                    drafter: &mut Drafter| {
+            let mut st = BatchDraftStats::default();
+            self.grow_batch(reqs, d, false, drafter, |i, nodes| {
+                let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
+                let n = write_tree(
+                    nodes,
+                    d,
+                    &mut tokens[i * d..(i + 1) * d],
+                    &mut mask[i * d * d..(i + 1) * d * d],
+                    p,
+                );
+                if let Some(c) = counts.as_deref_mut() {
+                    c[i] = (n - 1) as i64;
+                }
+                st.nodes += n - 1;
+                st.nonempty += (n > 1) as usize;
+            });
+            st
+        };
+        let parts = self.par.parts(bs);
+        if parts == 1 {
+            return Ok(tree(&reqs, tokens, mask, probs, counts, drafter));
+        }
+        let ranges = split(bs, parts);
+        let tasks: Vec<_> = ranges
+            .iter()
+            .cloned()
+            .zip(split_mut(tokens, &ranges, d))
+            .zip(split_mut(mask, &ranges, d * d))
+            .zip(split_opt(probs, &ranges, d))
+            .zip(split_opt(counts, &ranges, 1))
+            .collect();
+        let interleave = drafter.interleave;
+        let parts = self.par.run(tasks, |((((r, t), m), p), c)| {
+            PART_DRAFTER.with(|dr| {
+                let dr = &mut dr.borrow_mut();
+                dr.interleave = interleave;
+                tree(&reqs[r], t, m, p, c, dr)
+            })
+        });
+        Ok(parts
+            .into_iter()
+            .fold(BatchDraftStats::default(), |a, b| a + b))
     }
 
     /// Drafts a chain of up to `k` tokens for every request: `tokens[bs*k]` (0-padded),
-    /// `lens[bs]` real lengths, optional `probs[bs*k]`.
+    /// `lens[bs]` real lengths, optional `probs[bs*k]`. Split across threads like
+    /// [`HistoryIndex::draft_tree_batch`].
     pub fn draft_chain_batch(
         &self,
         rids: &[u64],
         k: usize,
         tokens: &mut [i64],
         lens: &mut [i64],
-        mut probs: Option<&mut [f32]>,
+        probs: Option<&mut [f32]>,
         drafter: &mut Drafter,
     ) -> Result<BatchDraftStats> {
         if k == 0 {
@@ -934,15 +1099,45 @@ impl HistoryIndex {
         if let Some(p) = probs.as_deref() {
             expect_len("probs", p.len(), bs * k)?;
         }
-        let mut st = BatchDraftStats::default();
-        self.grow_batch(rids, k + 1, true, drafter, |i, nodes| {
-            let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
-            let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
-            lens[i] = n as i64;
-            st.nodes += n;
-            st.nonempty += (n > 0) as usize;
-        })?;
-        Ok(st)
+        let reqs = self.resolve(rids)?;
+        let chain = |reqs: &[(&Request, &Group)],
+                     tokens: &mut [i64],
+                     lens: &mut [i64],
+                     mut probs: Option<&mut [f32]>,
+                     drafter: &mut Drafter| {
+            let mut st = BatchDraftStats::default();
+            self.grow_batch(reqs, k + 1, true, drafter, |i, nodes| {
+                let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
+                let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
+                lens[i] = n as i64;
+                st.nodes += n;
+                st.nonempty += (n > 0) as usize;
+            });
+            st
+        };
+        let parts = self.par.parts(bs);
+        if parts == 1 {
+            return Ok(chain(&reqs, tokens, lens, probs, drafter));
+        }
+        let ranges = split(bs, parts);
+        let tasks: Vec<_> = ranges
+            .iter()
+            .cloned()
+            .zip(split_mut(tokens, &ranges, k))
+            .zip(split_mut(lens, &ranges, 1))
+            .zip(split_opt(probs, &ranges, k))
+            .collect();
+        let interleave = drafter.interleave;
+        let parts = self.par.run(tasks, |(((r, t), l), p)| {
+            PART_DRAFTER.with(|dr| {
+                let dr = &mut dr.borrow_mut();
+                dr.interleave = interleave;
+                chain(&reqs[r], t, l, p, dr)
+            })
+        });
+        Ok(parts
+            .into_iter()
+            .fold(BatchDraftStats::default(), |a, b| a + b))
     }
 }
 

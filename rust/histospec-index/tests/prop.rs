@@ -189,6 +189,81 @@ proptest! {
         }
     }
 
+    /// Batch calls split across threads give exactly what one thread gives: the same drafts, and
+    /// after parallel appends (requests of one group and a request listed twice included) the
+    /// same automata, pointers, LRU order and snapshot.
+    #[test]
+    fn threaded_batches_equal_one_thread(
+        history in strings_strategy(),
+        prompts in prop::collection::vec(prop::collection::vec(0u32..4, 1..6), 1..5),
+        n in (2 * histospec_index::par::MIN_PER_THREAD)..(5 * histospec_index::par::MIN_PER_THREAD),
+        rounds in prop::collection::vec(prop::collection::vec((0usize..1000, 0u32..4, 0i64..4), 40..120), 1..4),
+        follow in prop::sample::select(vec![0.0f32, 0.5]),
+        threads in 2usize..5,
+    ) {
+        let rids: Vec<u64> = (0..n as u64).map(|i| 100 + i).collect();
+        // Built alike (a clone would differ in buffer capacities, hence in measured bytes).
+        let build = |threads: usize| {
+            let cfg = IndexConfig { draft: DraftConfig { follow, ..DraftConfig::default() }, ..Default::default() };
+            let mut ix = HistoryIndex::new(cfg).unwrap();
+            ix.set_threads(threads).unwrap();
+            for (v, h) in history.iter().enumerate() {
+                let g = (v % prompts.len()) as u64;
+                ix.add_response(g, &to_i32(&prompts[g as usize]), &to_i32(h), v as u64).unwrap();
+            }
+            for (i, &r) in rids.iter().enumerate() {
+                let grp = (i % prompts.len()) as u64;
+                ix.begin_request(r, grp, &to_i32(&prompts[grp as usize]), None).unwrap();
+            }
+            ix
+        };
+        let mut one = build(1);
+        let mut many = build(threads);
+        prop_assert_eq!(many.threads(), threads);
+        let d = 6;
+        let mut drs = (Drafter::default(), Drafter::default());
+        for round in &rounds {
+            // A batch of (request, token, length) picks: requests may repeat.
+            let batch: Vec<u64> = round.iter().map(|&(i, _, _)| rids[i % n]).collect();
+            let lens: Vec<i64> = round.iter().map(|&(_, _, l)| l).collect();
+            let toks: Vec<i32> = round
+                .iter()
+                .flat_map(|&(i, t, l)| (0..l).map(move |j| ((t as usize + i + j as usize) % 4) as i32))
+                .collect();
+            one.extend_batch(&batch, &toks, &lens).unwrap();
+            many.extend_batch(&batch, &toks, &lens).unwrap();
+            prop_assert_eq!(one.stats(), many.stats());
+            let mut out = Vec::new();
+            for (ix, dr) in [(&one, &mut drs.0), (&many, &mut drs.1)] {
+                let mut tok = vec![-7i64; n * d];
+                let mut mask = vec![7u8; n * d * d];
+                let mut probs = vec![-1f32; n * d];
+                let mut counts = vec![-1i64; n];
+                let st = ix
+                    .draft_tree_batch(&rids, d, &mut tok, &mut mask, Some(&mut probs), Some(&mut counts), dr)
+                    .unwrap();
+                let mut ctok = vec![-7i64; n * d];
+                let mut clen = vec![-1i64; n];
+                let cst = ix.draft_chain_batch(&rids, d, &mut ctok, &mut clen, None, dr).unwrap();
+                out.push((tok, mask, probs, counts, st, ctok, clen, cst));
+            }
+            let (a, b) = (&out[0], &out[1]);
+            prop_assert_eq!(&a.0, &b.0, "tree tokens");
+            prop_assert_eq!(&a.1, &b.1, "tree masks");
+            prop_assert_eq!(&a.2, &b.2, "tree probs");
+            prop_assert_eq!(&a.3, &b.3, "tree counts");
+            prop_assert_eq!(a.4, b.4, "tree stats");
+            prop_assert_eq!(&a.5, &b.5, "chain tokens");
+            prop_assert_eq!(&a.6, &b.6, "chain lengths");
+            prop_assert_eq!(a.7, b.7, "chain stats");
+        }
+        for &r in &rids {
+            one.finish_request(r, true).unwrap();
+            many.finish_request(r, true).unwrap();
+        }
+        prop_assert_eq!(one.to_bytes(), many.to_bytes());
+    }
+
     /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.
     #[test]
     fn retention_limits_hold(history in prop::collection::vec(prop::collection::vec(0u32..6, 1..12), 1..10), n in 1usize..4) {

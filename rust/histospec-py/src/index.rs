@@ -143,7 +143,7 @@ impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
                         min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
-                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1))]
+                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1, threads=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -162,6 +162,7 @@ impl PyHistoryIndex {
         escape_short: f32,
         follow: f32,
         follow_resync: f32,
+        threads: usize,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
             min_match,
@@ -184,8 +185,10 @@ impl PyHistoryIndex {
             version_decay,
             draft,
         )?;
+        let mut ix = HistoryIndex::new(cfg).map_err(to_py)?;
+        ix.set_threads(threads).map_err(to_py)?;
         Ok(PyHistoryIndex {
-            inner: RwLock::new(HistoryIndex::new(cfg).map_err(to_py)?),
+            inner: RwLock::new(ix),
         })
     }
 
@@ -415,6 +418,18 @@ impl PyHistoryIndex {
     fn set_version(&self, v: u64) -> PyResult<()> {
         self.write()?.set_version(v);
         Ok(())
+    }
+
+    /// Threads that batch calls (`draft_batch`, `draft_chain_batch`, `extend_batch`) may use, the
+    /// calling thread included; results do not depend on it.
+    #[getter]
+    fn threads(&self) -> PyResult<usize> {
+        Ok(self.read()?.threads())
+    }
+
+    #[setter]
+    fn set_threads(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        self.mutate(py, |g| g.set_threads(n))
     }
 
     /// The draft policy as a dict.
