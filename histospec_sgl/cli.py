@@ -44,7 +44,7 @@ def _print_index(result: dict[str, Any]) -> None:
     from histospec_sgl.bench.index_bench import TARGETS
 
     con = Console()
-    t = Table(title="histospec-sgl bench index (one thread)")
+    t = Table(title="histospec-sgl bench index (one thread unless *_threaded)")
     t.add_column("metric")
     t.add_column("ours", justify="right")
     t.add_column("target", justify="right")
@@ -86,6 +86,7 @@ def _bench_index(args: argparse.Namespace) -> int:
         latency_steps=args.latency_steps,
         acc_prompts=args.acc_prompts,
         progress=progress,
+        threads=args.threads,
     )
     _report(result, _print_index, args.json)
     return 0
@@ -366,6 +367,13 @@ def build_parser() -> argparse.ArgumentParser:
     bi.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2 (default both)")
     bi.add_argument("--latency-steps", type=int, default=100)
     bi.add_argument("--acc-prompts", type=int, default=64, help="prompts replayed for acceptance")
+    bi.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="also time the batch calls split across this many threads (*_threaded keys); "
+        "the targets are for one thread",
+    )
     bi.set_defaults(func=_bench_index)
     bs = bsub.add_parser("specrl", help="SPEC-RL lenience trade-off on a synthetic policy pair")
     bs.add_argument("--json", metavar="PATH")

@@ -91,6 +91,9 @@ def test_config_defaults_and_values():
     assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
         32, 512 << 20, "frequency", 64, 0.5)
     assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
+    assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
+    assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)
+    assert HistoryIndex(**HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()).threads == 3
     kw = cfg.index_kwargs()
     assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20 and kw["follow"] == 0.0
     assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
@@ -107,6 +110,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
     ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),
+    ({"HISTOSPEC_THREADS": "65"}, "HISTOSPEC_THREADS"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
 ])

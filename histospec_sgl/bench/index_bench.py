@@ -9,6 +9,9 @@ Metrics (keys of ``--json``):
   ``draft_chain_batch`` (k=16) call for 256 concurrent requests, each in its own group, median of
   the measured steps; ``update_ms_per_step``: one ``extend_batch`` appending each request's accepted
   tokens + 1.
+- ``threads`` and ``batch_draft_ms_per_step_threaded``, ``batch_chain_ms_per_step_threaded``,
+  ``update_ms_per_step_threaded`` (with ``--threads N``, N > 1): the same steps with the index's
+  batch calls split across N threads (``HistoryIndex(threads=N)``). The targets are for one thread.
 - ``accepted_per_position_k16``: replaying 64 prompts x 2 epoch-2 responses, a k=16 greedy chain is
   drafted at every position; mean tokens matching the logged continuation.
 - ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
@@ -56,10 +59,12 @@ def ingest(w: Workload, index_kwargs: dict[str, Any]) -> tuple[HistoryIndex, flo
     return ix, dt, float(_rss() - r0)
 
 
-def latency(ix: HistoryIndex, w: Workload, steps: int, warm_tokens: int = 500) -> dict[str, float]:
+def latency(
+    ix: HistoryIndex, w: Workload, steps: int, warm_tokens: int = 500, first_rid: int = 10_000_000
+) -> dict[str, float]:
     """256 concurrent requests, one per group, decoding epoch-2 responses step by step."""
     n = min(BS, len(w.prompts))
-    rids = np.arange(10_000_000, 10_000_000 + n, dtype=np.int64)
+    rids = np.arange(first_rid, first_rid + n, dtype=np.int64)
     truths = [w.epoch2(p, 0) for p in range(n)]
     pos = np.full(n, warm_tokens, dtype=np.int64)
     for i, p in enumerate(range(n)):
@@ -175,6 +180,7 @@ def run(
     acc_prompts: int = 64,
     index_kwargs: dict[str, Any] | None = None,
     progress: Any = None,
+    threads: int = 1,
 ) -> dict[str, Any]:
     """Runs the benchmark; returns the JSON-ready result."""
     kw = index_kwargs or {}
@@ -202,6 +208,15 @@ def run(
             if progress:
                 progress(f"{name}: batch draft latency, {BS} requests x {latency_steps} steps")
             res.update(latency(ix, w, latency_steps))
+            if threads > 1:
+                if progress:
+                    progress(f"{name}: the same on {threads} threads")
+                ix.threads = threads
+                mt = latency(ix, w, latency_steps, first_rid=20_000_000)
+                ix.threads = 1
+                res["threads"] = threads
+                for k in ("batch_draft_ms_per_step", "batch_chain_ms_per_step", "update_ms_per_step"):
+                    res[f"{k}_threaded"] = mt[k]
         if progress:
             progress(f"{name}: acceptance replay, {acc_prompts} prompts x 2 epoch-2 responses")
         res.update(acceptance(ix, w, acc_prompts))
@@ -237,8 +252,15 @@ def run(
     result["ours"] = {k: w1[k] for k in keys if k in w1}
     if "ingest_tokens_per_s_warm" in w1:
         result["ours"]["ingest_tokens_per_s_warm"] = w1["ingest_tokens_per_s_warm"]
-    if "batch_chain_ms_per_step" in w1:
-        result["ours"]["batch_chain_ms_per_step"] = w1["batch_chain_ms_per_step"]
+    for k in (
+        "batch_chain_ms_per_step",
+        "threads",
+        "batch_draft_ms_per_step_threaded",
+        "batch_chain_ms_per_step_threaded",
+        "update_ms_per_step_threaded",
+    ):
+        if k in w1:
+            result["ours"][k] = w1[k]
     if w2:
         result["ours"]["w2_accepted_per_position_k16"] = w2["accepted_per_position_k16"]
         result["ours"]["w2_tokens_per_verify_step_d16"] = w2["tokens_per_verify_step_d16"]
@@ -253,7 +275,7 @@ def run(
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
-        "threads": 1,
+        "threads": threads,
     }
     result["draft_config"] = HistoryIndex(**kw).draft_config()
     return result

@@ -123,6 +123,9 @@ SETTINGS: tuple[Setting, ...] = (
             "verify a decode step in which no request has a draft at width 1 instead of d (the cost of a "
             "plain decode step, run outside CUDA graphs) when the batch has at least this many requests; "
             "pair it with the switch-off settings (0: never)"),
+    Setting("HISTOSPEC_THREADS", "threads", _int(0, 64), 0,
+            "threads for the index's batch calls (drafting, appending accepted tokens), the scheduler's "
+            "included; batches of 32+ requests are split, drafts are the same (0: min(4, cores available))"),
     Setting("HISTOSPEC_LOG_EVERY", "log_every", _int(0), 200,
             "log acceptance, coverage, index size and draft time every N decode steps (0: never)"),
     Setting("HISTOSPEC_LENIENCE", "lenience", _lenience, 1.0,
@@ -135,6 +138,15 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
     "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE",
     "HISTOSPEC_DRAFT_SERVER_CA",
 }
+
+
+def default_threads() -> int:
+    """``HISTOSPEC_THREADS=0``: up to 4 threads, no more than the cores this process may run on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +165,7 @@ class HistoryConfig:
     min_accept: float = 0.0
     probe_every: int = 64
     narrow_verify: int = 0
+    threads: int = 0
     log_every: int = 200
     lenience: float = 1.0
 
@@ -194,6 +207,7 @@ class HistoryConfig:
             version_decay=self.version_decay,
             min_match=self.min_match,
             follow=self.follow,
+            threads=self.threads or default_threads(),
         )
         if self.draft_policy == "frequency":
             kw["recency"] = 0.0

@@ -33,6 +33,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "--history-min-accept": ("HISTOSPEC_MIN_ACCEPT", "X"),
     "--history-probe-every": ("HISTOSPEC_PROBE_EVERY", "N"),
     "--history-narrow-verify": ("HISTOSPEC_NARROW_VERIFY", "N"),
+    "--history-threads": ("HISTOSPEC_THREADS", "N"),
     "--history-log-every": ("HISTOSPEC_LOG_EVERY", "N"),
 }
 

@@ -124,8 +124,9 @@ class HistoryWorker(NGRAMWorker):
                 logger.exception("histospec: Prometheus metrics are off (the server runs without them)")
         _install_scheduler_rpcs()
         logger.info(
-            "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s)", self.tp_rank,
+            "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s%s)", self.tp_rank,
             self.draft_token_num, "here" if self.drafter else "from rank 0", self.enable_overlap,
+            f", index threads {self.drafter.index.threads}" if self.drafter else "",
         )
 
     # -- SGLang's hooks ------------------------------------------------------------------------
