@@ -128,8 +128,11 @@ def _bench_worker(args: argparse.Namespace) -> int:
     if not 0 < args.warm < 1900:
         print("error: --warm must be in 1..1899 (W1 responses have 2000 tokens)", file=sys.stderr)
         return 2
+    if not 1 <= args.threads <= 64:
+        print("error: --threads must be in 1..64", file=sys.stderr)
+        return 2
     r = worker_bench.run(args.batch_sizes, groups=args.groups, d=args.draft_tokens, warm=args.warm, steps=args.steps,
-                         progress=progress)
+                         progress=progress, threads=args.threads)
     _report(r, worker_bench.print_table, args.json)
     return 0
 
@@ -392,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     bw.add_argument("--draft-tokens", type=int, default=12, help="d, the verify width (SGLang's default 12)")
     bw.add_argument("--warm", type=int, default=1000, help="response tokens already decoded when timing starts")
     bw.add_argument("--steps", type=int, default=60)
+    bw.add_argument("--threads", type=int, default=1,
+                    help="the index's threads (HISTOSPEC_THREADS; the worker's default is min(4, cores))")
     bw.set_defaults(func=_bench_worker)
     by = bsub.add_parser("sync", help="draft server: publish throughput, time until 1/2/4 replicas applied a step")
     by.add_argument("--json", metavar="PATH")

@@ -184,12 +184,15 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
     """The worker hands each request's context as SGLang holds it in overlap mode: ``output_ids``
     (one step behind) plus the tokens accepted last step. One ``sync_batch`` call with those parts
     must leave the index exactly where syncing every whole context one by one does: same drafts,
-    same acceptance counts, also across a retraction and with a group that only the start reads."""
+    same acceptance counts, also across a retraction and with a group that only the start reads.
+    The batched side runs its index on three threads (40 requests: appends and drafts are split),
+    the one-by-one side on one."""
     d = 10
-    tasks = _humaneval(3)
-    whole, parts = BatchDrafter(d), BatchDrafter(d)
+    tasks = _humaneval(8)
+    whole, parts = BatchDrafter(d, HistoryConfig(threads=1)), BatchDrafter(d, HistoryConfig(threads=3))
+    assert (whole.index.threads, parts.index.threads) == (1, 3)
     rng = np.random.default_rng(0)
-    reqs = [(f"t{t}-{k}", prompt, samples[k]) for t, (prompt, samples) in enumerate(tasks) for k in range(3)]
+    reqs = [(f"t{t}-{k}", prompt, samples[k]) for t, (prompt, samples) in enumerate(tasks) for k in range(5)]
     pos = {rid: 1 for rid, _, _ in reqs}
     retracted = False
     for step in range(60):

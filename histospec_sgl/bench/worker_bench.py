@@ -18,7 +18,8 @@ its own drafter holding the same history:
   (``output_ids + pending``) copied into one list, whose cost grows with the response length.
 
 ``draft_ms_per_step`` is the batch draft; ``host_ms_per_step`` = sync + draft. Medians over the steps
-after ``--warm`` tokens per request; the index runs on one thread.
+after ``--warm`` tokens per request; the index runs on ``--threads`` threads (default 1; the worker's
+``HISTOSPEC_THREADS`` defaults to min(4, cores)).
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def _sync_one_by_one(dr: BatchDrafter, rids: list[str], prompts: list[list[int]]
     return time.perf_counter() - t0
 
 
-def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int) -> dict[str, float]:
+def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int, threads: int) -> dict[str, float]:
     per = max(1, bs // groups)
     reqs = [(g, j) for g in range(groups) for j in range(per)][:bs]
     drafters = []
     for _ in range(2):
-        dr = BatchDrafter(d, HistoryConfig())
+        dr = BatchDrafter(d, HistoryConfig(threads=threads))
         for g in range(groups):
             for resp in w.epoch1[g]:
                 dr.index.add_response(g, w.prompts[g], resp)
@@ -103,15 +104,16 @@ def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int) -> d
 
 
 def run(batch_sizes: list[int], groups: int = 64, d: int = 12, warm: int = 1000, steps: int = 60,
-        progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        progress: Callable[[str], None] | None = None, threads: int = 1) -> dict[str, Any]:
     say = progress or (lambda _m: None)
     say(f"generating W1 ({groups} prompts)")
     w = generate(W1, prompts=groups)
-    out: dict[str, Any] = {"workload": "W1", "draft_tokens": d, "warm_tokens": warm, "batch_sizes": {}}
+    out: dict[str, Any] = {"workload": "W1", "draft_tokens": d, "warm_tokens": warm, "threads": threads,
+                           "batch_sizes": {}}
     for bs in batch_sizes:
         g = min(groups, bs)
         say(f"batch {bs}: {g} groups x {max(1, bs // g)} siblings, {steps} steps")
-        out["batch_sizes"][str(bs)] = _run_batch(w, bs, g, d, warm, steps)
+        out["batch_sizes"][str(bs)] = _run_batch(w, bs, g, d, warm, steps, threads)
     return out
 
 
@@ -120,7 +122,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(title=f"histospec-sgl bench worker (W1, d={result['draft_tokens']}, "
-                    f"responses past {result['warm_tokens']} tokens; ms per decode step)")
+                    f"responses past {result['warm_tokens']} tokens, {result['threads']} index thread(s); "
+                    "ms per decode step)")
     for col in ("batch", "sync", "draft", "host (sync + draft)", "sync one by one (earlier)",
                 "tokens / request-step"):
         t.add_column(col, justify="right")
