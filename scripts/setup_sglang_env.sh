@@ -25,6 +25,17 @@ if [ ! -f "$STAMP" ]; then
   echo "$ROOT/tests/_shims" > "$SITE/histospec-test-shims.pth"
   touch "$STAMP"
 fi
+# SGLang 0.5.23 unpacked beside it (not installed): tests lay it over the 0.5.17 environment on
+# PYTHONPATH to run SGLang's verify path on CPU with the newer version (about 40 MB).
+OVERLAY="$VENV/sglang-0.5.23"
+if [ ! -f "$OVERLAY/.done" ]; then
+  echo "[setup-sglang] unpacking sglang 0.5.23 into $OVERLAY"
+  rm -rf "$OVERLAY"
+  "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: "sglang==0.5.23" -d "$OVERLAY.whl"
+  "$VENV/bin/python" -m zipfile -e "$OVERLAY.whl"/sglang-0.5.23-*.whl "$OVERLAY"
+  rm -rf "$OVERLAY.whl"
+  touch "$OVERLAY/.done"
+fi
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"
 rm -rf target/wheels-sglang
 .venv/bin/maturin build --release -q -i "$VENV/bin/python" -o target/wheels-sglang

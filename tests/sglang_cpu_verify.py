@@ -26,6 +26,7 @@ Both must run the same steps at the same widths and produce the same responses.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -79,13 +80,14 @@ class Target:
         self.pools = (types.SimpleNamespace(req_to_token=self.req_to_token),
                       types.SimpleNamespace(get_kvcache=lambda: self.kv, page_size=1))
         self.model_runner = types.SimpleNamespace(max_running_requests=SLOTS,
-                                                  model_config=ModelConfig.from_server_args(server_args))
+                                                  model_config=ModelConfig.from_server_args(server_args),
+                                                  watermark_state=None)  # read by 0.5.23
         self.calls: list[tuple[int, int]] = []  # (batch size, tree width) of every verify forward
 
     def get_memory_pool(self):
         return self.pools
 
-    def forward_batch_generation(self, batch, is_verify=False):
+    def forward_batch_generation(self, batch, is_verify=False, **_kwargs):  # 0.5.23 adds pp_proxy_tensors
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
         assert is_verify and batch.forward_mode.is_target_verify()
@@ -185,15 +187,20 @@ def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None
     if narrow:
         os.environ.update(HISTOSPEC_NARROW_VERIFY="1", HISTOSPEC_MAX_BATCH="3")
     args = ["--model-path", model_path, "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
-            "--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(D)]
+            "--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(D),
+            "--attention-backend", "flashinfer"]
     sa = prepare_server_args(args + ([] if overlap else ["--disable-overlap-schedule"]))
     set_global_server_args_for_scheduler(sa)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, V, size=4).tolist() for _ in range(3)]
     policy = Policy(prompts, rng)
     target = Target(sa, policy)
-    worker = HistoryWorker(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0,
-                           target_worker=target)
+    # NGRAMWorker's constructor takes `ps` in 0.5.17 and not in 0.5.23: pass what it names.
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    kw = dict(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0, target_worker=target)
+    names = inspect.signature(NGRAMWorker.__init__).parameters
+    worker = HistoryWorker(**{k: v for k, v in kw.items() if k in names})
     worker.alloc_memory_pool()
     if tp is not None:  # (group, rank): rank 0 drafts and broadcasts, rank 1 keeps no index
         from histospec_sgl.plugin.tp import DraftBroadcast
@@ -206,7 +213,9 @@ def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None
     # resolved); a GPU server runs with it on. The worker reads the flag once, here.
     assert worker.enable_overlap is False
     worker.enable_overlap = overlap
-    out: dict = {"epochs": []}
+    import sglang
+
+    out: dict = {"epochs": [], "sglang": sglang.__version__}
     for epoch in range(2):
         # different lengths, so that the batch shrinks step by step
         reqs = [Req(f"e{epoch}p{k}s{s}", prompts[k], 2 * k + s, 20 + 6 * (2 * k + s))

@@ -746,6 +746,10 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     assert m["histospec:index_bytes"] == idx["bytes"] > 0 and m["histospec:inflight_requests"] == 1
 
 
+#: SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh, to lay over the 0.5.17 environment.
+SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
+
+
 def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
     """The command line and keywords that run tests/sglang_cpu_verify.py in the SGLang environment."""
     env = _sglang_env(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "tests" / "_stubs"),
@@ -762,7 +766,24 @@ def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sg
     without overlap scheduling; history must be accepted; and with narrow verify, batches above
     HISTOSPEC_MAX_BATCH (which draft nothing) must reach the model at width 1, the rest at width d."""
     cmd, kw = _cpu_verify(sglang_py, tiny_model)
-    res = _result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw))
+    _check_cpu_verify(_result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)), "0.5.17")
+
+
+def test_sglang_0_5_23_verify_path_on_cpu_is_lossless(sglang_py, tiny_model):
+    """The same run on SGLang 0.5.23, laid over the 0.5.17 environment (its dependencies suffice for
+    this path). 0.5.23 moved the worker's settings into a resolved runtime context and changed the
+    NGRAM worker's constructor and verify call; every response must still equal greedy decoding."""
+    if not (SGLANG_0523 / ".done").exists():
+        if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
+            pytest.fail(f"{SGLANG_0523} is missing: scripts/setup_sglang_env.sh did not finish")
+        pytest.skip("needs SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh")
+    cmd, kw = _cpu_verify(sglang_py, tiny_model)
+    kw["env"]["PYTHONPATH"] += os.pathsep + str(SGLANG_0523)
+    _check_cpu_verify(_result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)), "0.5.23")
+
+
+def _check_cpu_verify(res: dict, version: str) -> None:
+    assert {run["sglang"] for run in res.values()} == {version}
     assert len(res) == 4
     d = 8
     for name, run in res.items():

@@ -13,6 +13,8 @@ Differences handled here:
   nccl_port, target_worker)`` in 0.5.15, ``(server_args, gpu_id, ps, nccl_port, target_worker)`` in
   0.5.17 and ``(server_args, gpu_id, nccl_port, target_worker)`` in 0.5.23: :func:`bind_worker_args`
   reads the arguments by name.
+- Where the worker's settings come from: ``server_args`` up to 0.5.17, SGLang's resolved runtime
+  context in 0.5.23 (:func:`ngram_settings`).
 """
 
 from __future__ import annotations
@@ -228,6 +230,31 @@ def bind_worker_args(init: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     named = dict(bound.arguments)
     named.pop("self", None)
     return named
+
+
+def ngram_settings(server_args: Any) -> dict[str, Any]:
+    """The resolved settings ``NGRAMWorker.__init__`` stores on itself, read where the installed
+    version's NGRAM reads them: from ``server_args`` up to 0.5.17, from the runtime context
+    (``get_schedule``/``get_spec``/``get_device``) in 0.5.23. There the raw server args can differ
+    from what the scheduler runs with (``--device cpu`` turns overlap scheduling off only in the
+    resolved schedule, and an unset draft width is filled in only in the resolved spec)."""
+    from sglang.srt.speculative import ngram_worker
+
+    getters = [getattr(ngram_worker, n, None) for n in ("get_schedule", "get_spec", "get_device")]
+    if all(callable(g) for g in getters):
+        schedule, spec, device = (g() for g in getters)
+    else:
+        schedule = spec = device = server_args
+    return {
+        "enable_overlap": not schedule.disable_overlap_schedule,
+        "page_size": schedule.page_size,
+        "draft_token_num": spec.speculative_num_draft_tokens,
+        "max_trie_depth": spec.speculative_ngram_max_trie_depth,
+        "speculative_num_draft_tokens": spec.speculative_num_draft_tokens,
+        "topk": spec.speculative_eagle_topk,
+        "speculative_num_steps": spec.speculative_num_steps,
+        "device": device.device,
+    }
 
 
 def tp_rank_of(named: dict[str, Any]) -> int:

@@ -77,17 +77,12 @@ class HistoryWorker(NGRAMWorker):
         target_worker = named["target_worker"]
         # The attributes NGRAMWorker.__init__ sets (its corpus aside).
         self.server_args = server_args
-        self.enable_overlap = not server_args.disable_overlap_schedule
         self._target_worker = target_worker
         self.model_runner = target_worker.model_runner
         self.tp_rank = compat.tp_rank_of(named)
-        self.page_size = server_args.page_size
-        self.draft_token_num = server_args.speculative_num_draft_tokens
-        self.max_trie_depth = server_args.speculative_ngram_max_trie_depth
-        self.speculative_num_draft_tokens = server_args.speculative_num_draft_tokens
-        self.topk = server_args.speculative_eagle_topk
-        self.speculative_num_steps = server_args.speculative_num_steps
-        self.device = server_args.device
+        # enable_overlap, page_size, draft_token_num, ..., device: as the version's NGRAM reads them.
+        for name, value in compat.ngram_settings(server_args).items():
+            setattr(self, name, value)
         self.adaptive_controller = None
         self._prev_decode_rids: set = set()
         self.grammar_tree_host = None
