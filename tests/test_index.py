@@ -256,15 +256,16 @@ def test_snapshot_roundtrip_bytes_and_file(tmp_path):
     ix = make_index(max_responses=8)
     ix.version = 3
     data = ix.to_bytes()
-    other = HistoryIndex()
+    other = HistoryIndex(threads=3)
     other.load_bytes(data)
     assert other.stats()["tokens"] == ix.stats()["tokens"] and other.version == 3
+    assert other.threads == 3, "a load replaces the history, not the thread count"
     assert other.responses(hs.prompt_key([1, 2, 3])) == ix.responses(hs.prompt_key([1, 2, 3]))
     path = tmp_path / "h.snap"
     ix.save(path)
-    third = HistoryIndex()
+    third = HistoryIndex(threads=2)
     third.load(str(path))
-    assert third.to_bytes() == data
+    assert third.to_bytes() == data and third.threads == 2
     corrupt = bytearray(data)
     corrupt[30] ^= 0xFF
     with pytest.raises(hs.SnapshotError, match="checksum"):

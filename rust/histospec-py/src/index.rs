@@ -133,6 +133,13 @@ pub(crate) fn group_or_key(group: Option<&Bound<'_, PyAny>>, prompt: &[i32]) -> 
     })
 }
 
+/// Puts a loaded index in place of `g`, keeping `g`'s thread count (not part of a snapshot).
+fn replace(g: &mut HistoryIndex, mut loaded: HistoryIndex) -> Result<(), CoreError> {
+    loaded.set_threads(g.threads())?;
+    *g = loaded;
+    Ok(())
+}
+
 fn rid_arg(rid: i64) -> PyResult<u64> {
     u64::try_from(rid)
         .map_err(|_| PyValueError::new_err(format!("request ids must be >= 0, got {rid}")))
@@ -547,8 +554,7 @@ impl PyHistoryIndex {
     /// Replaces this index's history with the snapshot in `data` (configuration kept).
     fn load_bytes(&self, py: Python<'_>, data: &[u8]) -> PyResult<()> {
         self.mutate(py, |g| {
-            *g = HistoryIndex::from_bytes(data, g.config().clone())?;
-            Ok(())
+            replace(g, HistoryIndex::from_bytes(data, g.config().clone())?)
         })
     }
 
@@ -560,8 +566,7 @@ impl PyHistoryIndex {
     /// Replaces this index's history with the snapshot file at `path` (configuration kept).
     fn load(&self, py: Python<'_>, path: std::path::PathBuf) -> PyResult<()> {
         self.mutate(py, |g| {
-            *g = HistoryIndex::load(&path, g.config().clone())?;
-            Ok(())
+            replace(g, HistoryIndex::load(&path, g.config().clone())?)
         })
     }
 
