@@ -19,7 +19,7 @@ pub const MAX_THREADS: usize = 64;
 pub const MIN_PER_THREAD: usize = 16;
 
 /// Thread count and lazily made pool of one index.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Par {
     threads: usize,
     /// The pool (threads - 1 workers; the caller is the other one) and the process that made it.

@@ -1026,35 +1026,7 @@ impl HistoryIndex {
             expect_len("counts", c.len(), bs)?;
         }
         let reqs = self.resolve(rids)?;
-        let tree = |reqs: &[(&Request, &Group)],
-                    tokens: &mut [i64],
-                    mask: &mut [M],
-                    mut probs: Option<&mut [f32]>,
-                    mut counts: Option<&mut [i64]>,
-                    drafter: &mut Drafter| {
-            let mut st = BatchDraftStats::default();
-            self.grow_batch(reqs, d, false, drafter, |i, nodes| {
-                let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
-                let n = write_tree(
-                    nodes,
-                    d,
-                    &mut tokens[i * d..(i + 1) * d],
-                    &mut mask[i * d * d..(i + 1) * d * d],
-                    p,
-                );
-                if let Some(c) = counts.as_deref_mut() {
-                    c[i] = (n - 1) as i64;
-                }
-                st.nodes += n - 1;
-                st.nonempty += (n > 1) as usize;
-            });
-            st
-        };
-        let parts = self.par.parts(bs);
-        if parts == 1 {
-            return Ok(tree(&reqs, tokens, mask, probs, counts, drafter));
-        }
-        let ranges = split(bs, parts);
+        let ranges = split(bs, self.par.parts(bs));
         let tasks: Vec<_> = ranges
             .iter()
             .cloned()
@@ -1063,17 +1035,29 @@ impl HistoryIndex {
             .zip(split_opt(probs, &ranges, d))
             .zip(split_opt(counts, &ranges, 1))
             .collect();
-        let interleave = drafter.interleave;
-        let parts = self.par.run(tasks, |((((r, t), m), p), c)| {
-            PART_DRAFTER.with(|dr| {
-                let dr = &mut dr.borrow_mut();
-                dr.interleave = interleave;
-                tree(&reqs[r], t, m, p, c, dr)
-            })
-        });
-        Ok(parts
-            .into_iter()
-            .fold(BatchDraftStats::default(), |a, b| a + b))
+        Ok(self.draft_parts(
+            tasks,
+            drafter,
+            |((((r, tokens), mask), mut probs), mut counts), dr| {
+                let mut st = BatchDraftStats::default();
+                self.grow_batch(&reqs[r], d, false, dr, |i, nodes| {
+                    let p = probs.as_deref_mut().map(|p| &mut p[i * d..(i + 1) * d]);
+                    let n = write_tree(
+                        nodes,
+                        d,
+                        &mut tokens[i * d..(i + 1) * d],
+                        &mut mask[i * d * d..(i + 1) * d * d],
+                        p,
+                    );
+                    if let Some(c) = counts.as_deref_mut() {
+                        c[i] = (n - 1) as i64;
+                    }
+                    st.nodes += n - 1;
+                    st.nonempty += (n > 1) as usize;
+                });
+                st
+            },
+        ))
     }
 
     /// Drafts a chain of up to `k` tokens for every request: `tokens[bs*k]` (0-padded),
@@ -1100,26 +1084,7 @@ impl HistoryIndex {
             expect_len("probs", p.len(), bs * k)?;
         }
         let reqs = self.resolve(rids)?;
-        let chain = |reqs: &[(&Request, &Group)],
-                     tokens: &mut [i64],
-                     lens: &mut [i64],
-                     mut probs: Option<&mut [f32]>,
-                     drafter: &mut Drafter| {
-            let mut st = BatchDraftStats::default();
-            self.grow_batch(reqs, k + 1, true, drafter, |i, nodes| {
-                let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
-                let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
-                lens[i] = n as i64;
-                st.nodes += n;
-                st.nonempty += (n > 0) as usize;
-            });
-            st
-        };
-        let parts = self.par.parts(bs);
-        if parts == 1 {
-            return Ok(chain(&reqs, tokens, lens, probs, drafter));
-        }
-        let ranges = split(bs, parts);
+        let ranges = split(bs, self.par.parts(bs));
         let tasks: Vec<_> = ranges
             .iter()
             .cloned()
@@ -1127,17 +1092,45 @@ impl HistoryIndex {
             .zip(split_mut(lens, &ranges, 1))
             .zip(split_opt(probs, &ranges, k))
             .collect();
+        Ok(
+            self.draft_parts(tasks, drafter, |(((r, tokens), lens), mut probs), dr| {
+                let mut st = BatchDraftStats::default();
+                self.grow_batch(&reqs[r], k + 1, true, dr, |i, nodes| {
+                    let p = probs.as_deref_mut().map(|p| &mut p[i * k..(i + 1) * k]);
+                    let n = write_chain(nodes, &mut tokens[i * k..(i + 1) * k], p);
+                    lens[i] = n as i64;
+                    st.nodes += n;
+                    st.nonempty += (n > 0) as usize;
+                });
+                st
+            }),
+        )
+    }
+
+    /// Drafts the parts of a batch (from [`split`]) and sums their stats: a batch in one part on
+    /// the caller's `drafter`, several on the index's threads, each with its own scratch drafter
+    /// (the same drafts either way; `drafter.interleave` applies to all).
+    fn draft_parts<T: Send>(
+        &self,
+        tasks: Vec<T>,
+        drafter: &mut Drafter,
+        part: impl Fn(T, &mut Drafter) -> BatchDraftStats + Sync,
+    ) -> BatchDraftStats {
+        if tasks.len() == 1 {
+            let task = tasks.into_iter().next().expect("one task");
+            return part(task, drafter);
+        }
         let interleave = drafter.interleave;
-        let parts = self.par.run(tasks, |(((r, t), l), p)| {
-            PART_DRAFTER.with(|dr| {
-                let dr = &mut dr.borrow_mut();
-                dr.interleave = interleave;
-                chain(&reqs[r], t, l, p, dr)
+        self.par
+            .run(tasks, |t| {
+                PART_DRAFTER.with(|dr| {
+                    let dr = &mut dr.borrow_mut();
+                    dr.interleave = interleave;
+                    part(t, dr)
+                })
             })
-        });
-        Ok(parts
             .into_iter()
-            .fold(BatchDraftStats::default(), |a, b| a + b))
+            .fold(BatchDraftStats::default(), |a, b| a + b)
     }
 }
 
