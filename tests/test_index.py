@@ -90,16 +90,22 @@ def test_draft_batch_fills_sglang_layout(mask_dtype):
     assert np.allclose(probs[: len(single)], single.probs)
 
 
+def _add_siblings(ix: HistoryIndex, rng: np.random.Generator, groups: int, length: int, vocab: int) -> None:
+    """Group g (prompt [g+1, 99]) gets three siblings of one random base response, each with about
+    10% of its tokens replaced."""
+    for g in range(groups):
+        base = rng.integers(1, vocab, length).tolist()
+        for _ in range(3):
+            resp = [t if rng.random() > 0.1 else int(rng.integers(1, vocab)) for t in base]
+            ix.add_response(g, [g + 1, 99], resp, 0)
+
+
 def test_interleaved_batch_equals_one_by_one():
     # Batches grow several requests at once; interleave=False grows them one after the other.
     # Both must give identical buffers, whatever stale contents the buffers held.
     ix = HistoryIndex()
     rng = np.random.default_rng(5)
-    for g in range(4):
-        base = rng.integers(1, 50, 40).tolist()
-        for _ in range(3):
-            resp = [t if rng.random() > 0.1 else int(rng.integers(1, 50)) for t in base]
-            ix.add_response(g, [g + 1, 99], resp, 0)
+    _add_siblings(ix, rng, groups=4, length=40, vocab=50)
     rids = np.arange(100, 121)
     for r in rids:
         g = int(r) % 4
@@ -292,14 +298,10 @@ def test_stats_and_repr():
     assert ix.config()["max_children"] == 8
 
 
-def _sibling_index(threads: int, rng_seed: int = 9) -> tuple[HistoryIndex, np.ndarray]:
-    rng = np.random.default_rng(rng_seed)
+def _sibling_index(threads: int) -> tuple[HistoryIndex, np.ndarray]:
+    """80 requests begun in 6 groups of sibling history, on an index with ``threads`` threads."""
     ix = HistoryIndex(threads=threads)
-    for g in range(6):
-        base = rng.integers(1, 60, 80).tolist()
-        for _ in range(3):
-            resp = [t if rng.random() > 0.1 else int(rng.integers(1, 60)) for t in base]
-            ix.add_response(g, [g + 1, 99], resp, 0)
+    _add_siblings(ix, np.random.default_rng(9), groups=6, length=80, vocab=60)
     rids = np.arange(200, 280)
     for r in rids:
         ix.begin_request(int(r), int(r) % 6, [int(r) % 6 + 1, 99])

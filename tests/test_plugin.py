@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pytest
@@ -316,10 +317,17 @@ def test_launch_server_help_and_errors():
 @pytest.fixture(scope="module")
 def sglang_py() -> Path:
     if not SGLANG_PY.exists():
-        if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
-            pytest.fail(".venv-sglang is missing: scripts/setup_sglang_env.sh did not run")
-        pytest.skip("needs .venv-sglang (real SGLang 0.5.17; bash scripts/setup_sglang_env.sh)")
+        _sglang_missing(".venv-sglang is missing: scripts/setup_sglang_env.sh did not run",
+                        "needs .venv-sglang (real SGLang 0.5.17; bash scripts/setup_sglang_env.sh)")
     return SGLANG_PY
+
+
+def _sglang_missing(fail: str, skip: str) -> NoReturn:
+    """Where scripts/test.sh set up SGLang (HISTOSPEC_REQUIRE_SGLANG=1), a missing piece fails the
+    test; elsewhere it skips it, saying why."""
+    if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
+        pytest.fail(fail)
+    pytest.skip(skip)
 
 
 @pytest.fixture(scope="module")
@@ -774,9 +782,8 @@ def test_sglang_0_5_23_verify_path_on_cpu_is_lossless(sglang_py, tiny_model):
     this path). 0.5.23 moved the worker's settings into a resolved runtime context and changed the
     NGRAM worker's constructor and verify call; every response must still equal greedy decoding."""
     if not (SGLANG_0523 / ".done").exists():
-        if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
-            pytest.fail(f"{SGLANG_0523} is missing: scripts/setup_sglang_env.sh did not finish")
-        pytest.skip("needs SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh")
+        _sglang_missing(f"{SGLANG_0523} is missing: scripts/setup_sglang_env.sh did not finish",
+                        "needs SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh")
     cmd, kw = _cpu_verify(sglang_py, tiny_model)
     kw["env"]["PYTHONPATH"] += os.pathsep + str(SGLANG_0523)
     _check_cpu_verify(_result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)), "0.5.23")
