@@ -18,10 +18,14 @@ REFERENCE = {
     "humaneval-cold": 1.42,
 }
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
+# Oracle ceilings (replay --bounds): the longest prefix of the logged continuation that occurs in the
+# visible text, anywhere or right after the last token.
+BOUNDS = ("bound_copy_after_1", "bound_copy_any")
 
 
 def main(out: Path) -> None:
-    cols = ["scenario", "responses", "ours", *PEERS, "ours / best peer", "target (1.2x ref)", "speedup @1.25"]
+    cols = ["scenario", "responses", "ours", *PEERS, "ours / best peer", "target (1.2x ref)", "speedup @1.25",
+            *BOUNDS]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for name in REFERENCE | {"grpo-cross-sample-inflight": None}:
@@ -39,6 +43,9 @@ def main(out: Path) -> None:
         ref = REFERENCE.get(name)
         cells.append(f"{1.2 * ref:.2f} {'met' if ours >= 1.2 * ref else 'missed'}" if ref else "")
         cells.append(f"{r['ours']['projected_speedup']['1.25']:.2f}x")
+        for b in BOUNDS:
+            v = r.get("bounds", {}).get(b)
+            cells.append(f"{v['tokens_per_verify_step']:.2f}" if v else "")
         print("| " + " | ".join(cells) + " |")
 
 

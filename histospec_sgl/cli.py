@@ -200,6 +200,7 @@ def _replay(args: argparse.Namespace) -> int:
             token_ids=args.token_ids,
         )
     peers = [] if args.peers in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
+    bounds = [] if args.bounds in ("", "none") else [b.strip() for b in args.bounds.split(",") if b.strip()]
     opts = ReplayOptions(
         preset=args.preset,
         input=Path(args.input) if args.input else None,
@@ -216,6 +217,7 @@ def _replay(args: argparse.Namespace) -> int:
         history_policies=args.history_policies,
         min_step=args.min_step,
         peers=peers,
+        bounds=bounds,
         draft_config=args.draft_config or {},
         verify_costs=args.verify_cost,
         batch_size=args.batch_size,
@@ -238,7 +240,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _add_replay(sub: Any) -> None:
     from histospec_sgl.replay.data import PRESETS
-    from histospec_sgl.replay.run import DEFAULT_VERIFY_COSTS, OPTIONAL_PEERS, PEERS
+    from histospec_sgl.replay.run import BOUNDS, DEFAULT_VERIFY_COSTS, OPTIONAL_PEERS, PEERS
     from histospec_sgl.replay.scenarios import SCENARIOS
 
     rp = sub.add_parser(
@@ -270,6 +272,12 @@ def _add_replay(sub: Any) -> None:
     sc.add_argument("--history-policies", type=int, help="cross-policy: other policies in the history (0 = all)")
     sc.add_argument("--min-step", type=int, help="only steps/iterations >= this")
     sc.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)} (the last needs sglang), or none")
+    sc.add_argument(
+        "--bounds",
+        default="none",
+        help=f"oracle ceilings to add, comma list of {', '.join(BOUNDS)}, or none (default): the longest "
+        "prefix of the logged continuation found in the visible text (after the last token)",
+    )
     sc.add_argument("--draft-config", type=_kv, help="ours: DraftConfig overrides, e.g. recency=0.5,escape=1")
     cm = rp.add_argument_group("cost model")
     cm.add_argument(

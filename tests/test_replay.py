@@ -21,7 +21,8 @@ from histospec_sgl.replay import (
     run_replay,
 )
 from histospec_sgl.replay.data import PRESETS, default_data_root, default_tokenizer, preset_path
-from histospec_sgl.replay.methods import Ours, PromptLookup, SGLangTrie
+from histospec_sgl.replay.methods import CopyBound, Ours, PromptLookup, SGLangTrie
+from histospec_sgl.replay.run import load_cases
 from histospec_sgl.replay.simulate import run_method
 
 IDS = FieldMap("p", "r", group="g", token_ids=True)
@@ -82,6 +83,40 @@ def test_tiny_log_peers_hand_computed(tmp_path):
     assert (t.emitted, t.steps, t.covered, t.accepted) == (9, 5, 4, 4)
     t = run_method(SGLangTrie(per_prompt=True), cases, 16)
     assert (t.emitted, t.steps) == (9, 5)
+
+
+def test_tiny_log_copy_bounds_hand_computed(tmp_path):
+    cases = build_cases(load_rollouts(tiny_log(tmp_path), IDS), "cross-sample", Selection(per_group=0))
+    # Anywhere: A over B (1 2 3 4 5 6 8): "4 5" occurs, "4 5 9" does not: emit 4 5 9; "6" occurs,
+    # "6 7" does not: emit 6 7.  B over A (1 2 3 4 5 9 6 7): emit 4 5 6; "8" occurs nowhere: emit 8.
+    t = run_method(CopyBound(context=0), cases, 16)
+    assert (t.emitted, t.steps, t.accepted, t.hist[:3]) == (9, 4, 5, [1, 1, 2])
+    # After the last token: A: "3 4 5" -> emit 4 5 9; "9 6" nowhere -> 6; "6 7" nowhere -> 7.
+    # B: "3 4 5" -> 4 5 6; "6 8" nowhere -> 8.  9 tokens in 5 steps, like ours (hand-computed above).
+    t = run_method(CopyBound(context=1), cases, 16)
+    assert (t.emitted, t.steps, t.accepted, t.hist[:3]) == (9, 5, 4, [3, 0, 2])
+    # Capped at one draft token: A emits 4 5 | 9 | 6 7, B emits 4 5 | 6 8.
+    t = run_method(CopyBound(context=0, max_len=1), cases, 16)
+    assert (t.emitted, t.steps, t.accepted) == (9, 5, 4)
+
+
+def test_copy_bounds_are_ceilings_on_real_text():
+    # One replayed response per case, so every method decodes alone and visibility depends only on
+    # the position: each response's tokens per step under the bound must be at least every drafter's
+    # (each drafts paths that spell text it has seen; the trie and prompt lookup only after a match of
+    # the last token). The sample ships with the project (MIT HumanEval completions).
+    opts = ReplayOptions(preset="humaneval-sample", scenario="cross-sample", max_groups=6, per_group=1,
+                         progress=False)
+    cases, _ = load_cases(opts)
+    per = {m.name: run_method(m, cases, 16).per_response
+           for m in (Ours(), SGLangTrie(per_prompt=True), PromptLookup(), CopyBound(0), CopyBound(1))}
+    assert len(per["ours"]) == len(cases) >= 6
+    for name in ("ours", "sglang_trie_per_prompt", "ngram", "bound_copy_after_1"):
+        assert all(b >= m - 1e-9 for b, m in zip(per["bound_copy_any"], per[name], strict=True)), name
+    for name in ("sglang_trie_per_prompt", "ngram"):
+        assert all(b >= m - 1e-9 for b, m in zip(per["bound_copy_after_1"], per[name], strict=True)), name
+    # ... and it is not vacuous: the ceiling is well above what the drafters reach.
+    assert sum(per["bound_copy_any"]) > 1.2 * sum(per["ours"])
 
 
 def test_inflight_siblings_draft_from_each_other(tmp_path):

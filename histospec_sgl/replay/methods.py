@@ -321,3 +321,103 @@ def missing_peers() -> dict[str, dict[str, str]]:
         else "sglang is not installed here; run the replay from .venv-sglang with --peers ...,sglang_ngram_global",
     }
     return out
+
+
+_MASK = (1 << 64) - 1
+_BASE = 0x9E3779B97F4A7C15  # odd, so the polynomial hash mod 2^64 mixes every token
+
+
+class CopyBound:
+    """Not a drafter: an upper bound for every drafter that copies from the history.
+
+    It knows the logged continuation and drafts, at each verify step, the longest prefix of it
+    (at most ``num_nodes - 1`` tokens) that occurs somewhere in what the index could see: the
+    case's history responses and prompts, and every request's context so far, preceded there by
+    the request's last ``context`` tokens (``context=0``: anywhere). Any draft tree whose
+    root-to-node paths spell substrings of that text following a match of at least ``context``
+    tokens (suffix automata, tries, prompt lookup, suffix trees) accepts no more at any step, so
+    tokens per verify step under this chain bounds theirs when they decode the same steps; it is
+    a ceiling for ranking and tree shape, not a reachable target. Substrings are kept as 64-bit
+    polynomial hashes of every n-gram up to ``context + num_nodes - 1`` tokens.
+    """
+
+    def __init__(self, context: int = 0, max_len: int = 15):
+        if context < 0:
+            raise ValueError("context must be >= 0")
+        self.context = context
+        self.max_len = max_len
+        self.name = "bound_copy_any" if context == 0 else f"bound_copy_after_{context}"
+        self.description = (
+            "oracle: longest prefix of the logged continuation found in the visible text"
+            + ("" if context == 0 else f" after the last {context} context token(s)")
+        )
+        self.seen: set[int] = set()
+        self.prompts: set[tuple[int, ...]] = set()
+        self.ctx: dict[int, list[int]] = {}
+        self.truth: dict[int, tuple[Sequence[int], int]] = {}
+
+    def _span(self) -> int:
+        return self.context + self.max_len
+
+    def _add(self, seq: Sequence[int], start: int = 0) -> None:
+        """Adds the hashes of every n-gram (n <= span) of ``seq`` that ends at index >= ``start``."""
+        span, seen = self._span(), self.seen
+        for end in range(max(start, 0), len(seq)):
+            h, mul = 0, 1
+            for i in range(end, max(-1, end - span), -1):
+                h = (h + (seq[i] + 1) * mul) & _MASK
+                mul = (mul * _BASE) & _MASK
+                seen.add(h)
+
+    def reset(self, case_online_visible: bool) -> None:
+        self.seen = set()
+        self.prompts.clear()
+        self.ctx.clear()
+        self.truth.clear()
+
+    def _prompt(self, prompt: Sequence[int]) -> None:
+        key = tuple(prompt)
+        if key not in self.prompts:
+            self.prompts.add(key)
+            self._add(key)
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        # The prompt's n-grams once per case; the response's with the prompt tail before them.
+        self._prompt(prompt)
+        tail = list(prompt[max(0, len(prompt) - self._span() + 1) :])
+        self._add(tail + list(response), len(tail))
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self._prompt(prompt)
+        self.ctx[rid] = list(prompt)
+
+    def reveal(self, rid: int, truth: Sequence[int]) -> None:
+        self.truth[rid] = (truth, len(self.ctx[rid]))
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        ctx = self.ctx[rid]
+        truth, offset = self.truth[rid]
+        pos = len(ctx) - offset
+        if self.context > len(ctx):
+            return [ctx[-1] if ctx else 0], [-1]
+        # hash(seq) = sum (tok + 1) * BASE^(distance from the end): extend on the right by h*BASE + t.
+        h = 0
+        for t in ctx[len(ctx) - self.context :]:
+            h = (h * _BASE + t + 1) & _MASK
+        cont: list[int] = []
+        for t in truth[pos : pos + min(num_nodes - 1, self.max_len)]:
+            h = (h * _BASE + t + 1) & _MASK
+            if h not in self.seen:
+                break
+            cont.append(t)
+        return [ctx[-1] if ctx else 0, *cont], list(range(-1, len(cont)))
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        ctx = self.ctx[rid]
+        start = len(ctx)
+        ctx.extend(tokens)
+        self._add(ctx, start)
+
+    def finish(self, rid: int) -> None:
+        del self.ctx[rid]
+        self.truth.pop(rid, None)

@@ -9,6 +9,7 @@ from typing import Any
 def _rows(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     rows = [("ours", result["ours"])]
     rows += [(k, v) for k, v in result["peers"].items()]
+    rows += [(k, v) for k, v in result.get("bounds", {}).items()]
     return rows
 
 
@@ -50,6 +51,12 @@ def print_table(result: dict[str, Any]) -> None:
     for name, r in _rows(result):
         if r.get("status", "ok") != "ok":
             con.print(f"  {name}: {r['status']} ({r.get('reason', '')})")
+    if result.get("bounds"):
+        con.print(
+            "bound_* rows are oracle ceilings, not drafters: each step they draft the longest prefix of the "
+            "logged continuation that occurs in the text the index can see (bound_copy_after_1: right after "
+            "an occurrence of the last token)."
+        )
     con.print(
         "tokens/verify step = tokens emitted per target forward (accepted + 1); speedup @c assumes verifying "
         f"{cfg['draft_tokens']} nodes costs c decode steps (cost model in the JSON)."

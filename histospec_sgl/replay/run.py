@@ -17,7 +17,15 @@ from histospec_sgl.replay.data import (
     load_rollouts,
     preset_path,
 )
-from histospec_sgl.replay.methods import Method, Ours, PromptLookup, SGLangNgram, SGLangTrie, missing_peers
+from histospec_sgl.replay.methods import (
+    CopyBound,
+    Method,
+    Ours,
+    PromptLookup,
+    SGLangNgram,
+    SGLangTrie,
+    missing_peers,
+)
 from histospec_sgl.replay.scenarios import Case, Selection, build_cases
 from histospec_sgl.replay.simulate import run_method
 
@@ -25,6 +33,8 @@ PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
 #: Peers that need extra software (SGLang's own C++ corpus: run from .venv-sglang).
 OPTIONAL_PEERS = ("sglang_ngram_global",)
 DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
+#: Oracle ceilings (``--bounds``): what copying from the visible text could give at best.
+BOUNDS = {"bound_copy_any": 0, "bound_copy_after_1": 1}
 
 
 @dataclass
@@ -44,6 +54,7 @@ class ReplayOptions:
     history_policies: int | None = None
     min_step: int | None = None
     peers: Sequence[str] = PEERS
+    bounds: Sequence[str] = ()
     draft_config: dict[str, Any] = field(default_factory=dict)
     verify_costs: Sequence[float] = DEFAULT_VERIFY_COSTS
     batch_size: int = 64
@@ -79,6 +90,10 @@ def make_methods(o: ReplayOptions) -> list[Method]:
             methods.append(SGLangNgram())
         else:
             raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS + OPTIONAL_PEERS)}")
+    for b in o.bounds:
+        if b not in BOUNDS:
+            raise ReplayDataError(f"unknown bound {b!r}; choose from {', '.join(BOUNDS)}")
+        methods.append(CopyBound(context=BOUNDS[b], max_len=o.draft_tokens - 1))
     return methods
 
 
@@ -138,6 +153,9 @@ def run_replay(o: ReplayOptions, command: str | None = None) -> dict[str, Any]:
         if bar is not None:
             bar.close()
     ours = results.pop("ours")
+    bounds = {k: results.pop(k) for k in list(results) if k in BOUNDS}
+    for v in bounds.values():
+        v["ours_share"] = ours["tokens_per_verify_step"] / v["tokens_per_verify_step"]
     peers: dict[str, Any] = {k: {"status": "ok", **v} for k, v in results.items()}
     for k, v in missing_peers().items():
         peers.setdefault(k, v)
@@ -160,6 +178,7 @@ def run_replay(o: ReplayOptions, command: str | None = None) -> dict[str, Any]:
         },
         "ours": ours,
         "peers": peers,
+        "bounds": bounds,
         "best_peer": best,
         "ours_vs_best_peer": (
             ours["tokens_per_verify_step"] / measured[best]["tokens_per_verify_step"] if best else None

@@ -101,6 +101,7 @@ def run_method(
     tally = Tally(num_nodes)
     rid_base = 0
     clock = time.perf_counter_ns
+    reveal = getattr(method, "reveal", None)  # bounds (not drafters) are told the logged response
     for case in cases:
         method.reset(case.online_visible)
         for h in case.history:
@@ -112,6 +113,8 @@ def run_method(
             rid = rid_base + i
             truth = row.response_ids or []
             method.begin(rid, row.prompt_ids)  # type: ignore[arg-type]
+            if reveal is not None:
+                reveal(rid, truth)
             if not truth:
                 method.finish(rid)
                 continue
