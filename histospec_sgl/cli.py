@@ -180,6 +180,11 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
+def _names(text: str) -> list[str]:
+    """A comma list of names; "none" or empty for none."""
+    return [] if text.strip() in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _replay(args: argparse.Namespace) -> int:
     from histospec_sgl.replay.data import FieldMap, ReplayDataError
     from histospec_sgl.replay.report import print_table, write_plots
@@ -199,8 +204,6 @@ def _replay(args: argparse.Namespace) -> int:
             policy=args.policy_field,
             token_ids=args.token_ids,
         )
-    peers = [] if args.peers in ("", "none") else [p.strip() for p in args.peers.split(",") if p.strip()]
-    bounds = [] if args.bounds in ("", "none") else [b.strip() for b in args.bounds.split(",") if b.strip()]
     opts = ReplayOptions(
         preset=args.preset,
         input=Path(args.input) if args.input else None,
@@ -216,8 +219,8 @@ def _replay(args: argparse.Namespace) -> int:
         history_size=args.history_size,
         history_policies=args.history_policies,
         min_step=args.min_step,
-        peers=peers,
-        bounds=bounds,
+        peers=args.peers,
+        bounds=args.bounds,
         draft_config=args.draft_config or {},
         verify_costs=args.verify_cost,
         batch_size=args.batch_size,
@@ -271,9 +274,10 @@ def _add_replay(sub: Any) -> None:
     sc.add_argument("--history-size", type=int, help="cap on history responses per case (0 = all)")
     sc.add_argument("--history-policies", type=int, help="cross-policy: other policies in the history (0 = all)")
     sc.add_argument("--min-step", type=int, help="only steps/iterations >= this")
-    sc.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)} (the last needs sglang), or none")
+    sc.add_argument("--peers", type=_names, default=",".join(PEERS), help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)} (the last needs sglang), or none")
     sc.add_argument(
         "--bounds",
+        type=_names,
         default="none",
         help=f"oracle ceilings to add, comma list of {', '.join(BOUNDS)}, or none (default): the longest "
         "prefix of the logged continuation found in the visible text (after the last token)",
