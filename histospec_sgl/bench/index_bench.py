@@ -14,6 +14,10 @@ Metrics (keys of ``--json``):
 - ``threads`` and ``batch_draft_ms_per_step_threaded``, ``batch_chain_ms_per_step_threaded``,
   ``update_ms_per_step_threaded`` (with ``--threads N``, N > 1): the same steps with the index's
   batch calls split across N threads (``HistoryIndex(threads=N)``). The targets are for one thread.
+- ``anon_huge_bytes`` (per workload, after ingest) and ``machine.transparent_hugepages``: how much of
+  the process's memory the kernel backs with 2 MiB pages, and its THP mode. Batch draft times depend
+  on it: the index's per-group arrays are 0.3-2 MB each, so with the usual allocator almost none of
+  them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, session 12).
 - ``accepted_per_position_k16``: replaying 64 prompts x 2 epoch-2 responses, a k=16 greedy chain is
   drafted at every position; mean tokens matching the logged continuation.
 - ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
@@ -46,6 +50,27 @@ BS = 256
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``), if readable."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return next((w[1:-1] for w in f.read().split() if w.startswith("[")), None)
+    except OSError:
+        return None
+
+
+def _anon_huge_bytes() -> int | None:
+    """This process's anonymous memory backed by transparent huge pages, if readable."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def ingest(w: Workload, index_kwargs: dict[str, Any]) -> tuple[HistoryIndex, float, float]:
@@ -209,6 +234,7 @@ def run(
             "index_bytes_per_token": ix.stats()["bytes"] / ntok,
             "tokens_indexed": ntok,
             "stats": ix.stats(),
+            "anon_huge_bytes": _anon_huge_bytes(),
         }
         del ix
         ix, dt2, _ = ingest(w, kw)
@@ -286,6 +312,7 @@ def run(
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "threads": threads,
+        "transparent_hugepages": _thp_mode(),
     }
     result["draft_config"] = HistoryIndex(**kw).draft_config()
     return result

@@ -1,0 +1,29 @@
+"""Helpers of ``histospec-sgl bench index`` that describe the machine a run was measured on."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from histospec_sgl.bench import index_bench
+
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not os.path.exists(THP), reason=f"{THP} does not exist (not Linux, or no THP support)")
+def test_thp_mode_is_the_bracketed_word_of_the_kernel_setting():
+    with open(THP) as f:
+        words = f.read().split()
+    assert index_bench._thp_mode() in {w.strip("[]") for w in words}
+    assert index_bench._thp_mode() in {"always", "madvise", "never"}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux's /proc/self/smaps_rollup")
+def test_anon_huge_bytes_is_the_kernels_anonhugepages_line_in_bytes():
+    with open("/proc/self/smaps_rollup") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+    got = index_bench._anon_huge_bytes()
+    assert isinstance(got, int) and got >= 0
+    # Both reads see the same mappings unless the kernel collapsed pages in between.
+    assert abs(got - kib * 1024) <= 64 << 20
