@@ -8,7 +8,7 @@ import pytest
 
 from histospec_sgl.bench import index_bench
 
-THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+THP = index_bench.THP_ENABLED
 
 
 @pytest.mark.skipif(not os.path.exists(THP), reason=f"{THP} does not exist (not Linux, or no THP support)")

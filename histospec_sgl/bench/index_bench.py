@@ -45,6 +45,8 @@ from histospec_sgl.bench.workload import SPECS, Workload, generate
 D = 16
 K = 16
 BS = 256
+# The kernel's transparent-huge-page setting; the bracketed word is the mode in force.
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def _rss() -> int:
@@ -55,7 +57,7 @@ def _rss() -> int:
 def _thp_mode() -> str | None:
     """The kernel's transparent-huge-page mode (``always``, ``madvise`` or ``never``), if readable."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(THP_ENABLED) as f:
             return next((w[1:-1] for w in f.read().split() if w.startswith("[")), None)
     except OSError:
         return None
