@@ -95,6 +95,8 @@ pub struct Sam {
     pub clock: u32,
     /// Edge ids of each state with at least [`HUB_DEGREE`] transitions, in creation order.
     hubs: FixedMap<u32, Vec<u32>>,
+    /// Bytes held by `hubs` (kept up to date, as [`Sam::bytes`] is asked after every append).
+    hub_bytes: usize,
 }
 
 /// One entry of the transition table: `from --tok-->` is edge `edge`; `edge == NONE` when empty.
@@ -165,6 +167,7 @@ impl Sam {
             hashed: 0,
             clock: 0,
             hubs: FixedMap::default(),
+            hub_bytes: 0,
         }
     }
 
@@ -173,11 +176,7 @@ impl Sam {
         self.states.capacity() * std::mem::size_of::<State>()
             + self.edges.capacity() * std::mem::size_of::<Edge>()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
-            + self
-                .hubs
-                .values()
-                .map(|h| h.capacity() * 4 + 16)
-                .sum::<usize>()
+            + self.hub_bytes
     }
 
     /// Number of transitions of `s`.
@@ -245,9 +244,14 @@ impl Sam {
                 .map(|(e, _)| e)
                 .collect();
             ids.reverse();
+            // The list, and about what the map spends on an entry.
+            self.hub_bytes += ids.capacity() * 4 + 32;
             self.hubs.insert(from, ids);
         } else if deg > HUB_DEGREE {
-            self.hubs.entry(from).or_default().push(id);
+            let ids = self.hubs.entry(from).or_default();
+            let cap = ids.capacity();
+            ids.push(id);
+            self.hub_bytes += (ids.capacity() - cap) * 4;
         }
         if deg < HASHED_DEGREE {
             return;
@@ -576,6 +580,9 @@ mod tests {
         assert_eq!(sam.degree(sam.walk(&[7]).unwrap()), 60);
         assert_eq!(sam.degree(sam.walk(&[3, 7]).unwrap()), 20);
         assert!(hubs >= 4, "{hubs}");
+        // The running byte count matches the lists.
+        let held: usize = sam.hubs.values().map(|h| h.capacity() * 4 + 32).sum();
+        assert_eq!(sam.hub_bytes, held);
     }
 
     #[test]
