@@ -23,8 +23,6 @@
 /// Sentinel for "no state" / "no edge".
 pub const NONE: u32 = u32::MAX;
 
-use crate::store::FixedMap;
-
 /// States with at least this many transitions are looked up through the hash table.
 pub const HASHED_DEGREE: u32 = 4;
 
@@ -32,8 +30,14 @@ pub const HASHED_DEGREE: u32 = 4;
 /// so that enumerating their children (which drafting does for every kid it scores) issues
 /// independent loads instead of chasing the linked list one cache miss after another. Short
 /// contexts after a break in a match are such states: a few dozen of them per 256-request draft
-/// step held 40% of the children read.
+/// step held 40% of the children read. A hub's edges leave the linked list; its `head` is then the
+/// index of its list, and its `deg` carries [`HUB`]. Bulk appends ([`Sam::extend_deferred`]) leave
+/// new hubs linked (moving each new edge into an array costs ingest two cache misses) and
+/// [`Sam::recount`] moves them; online appends move a state when it reaches this degree.
 pub const HUB_DEGREE: u32 = 16;
+
+/// Flag in [`State::deg`]: the state's edges are in a hub list (see [`HUB_DEGREE`]).
+const HUB: u32 = 1 << 31;
 
 /// Asks the CPU to start loading `slice[i]` into cache (a hint; no effect out of range or off x86-64).
 #[inline(always)]
@@ -55,7 +59,8 @@ pub struct State {
     pub len: u32,
     /// Suffix link; `NONE` only for the root (state 0).
     pub link: u32,
-    /// First outgoing edge in the arena, `NONE` when the state has no continuation.
+    /// First outgoing edge in the arena, `NONE` when the state has no continuation; for a hub
+    /// (`deg` has [`HUB`]) the index of its hub list instead.
     pub head: u32,
     /// Weighted number of end positions (occurrences) of the class's substrings.
     pub cnt: f32,
@@ -65,8 +70,8 @@ pub struct State {
     pub own: f32,
     /// Clock of the latest such position.
     pub own_recent: u32,
-    /// Number of outgoing transitions.
-    pub deg: u32,
+    /// Number of outgoing transitions, with the flag [`HUB`] when they are in a hub list.
+    deg: u32,
 }
 
 /// One transition `from --tok--> to`, a node of `from`'s child list.
@@ -93,10 +98,13 @@ pub struct Sam {
     hashed: usize,
     /// Logical clock, advanced by one per appended token.
     pub clock: u32,
-    /// Edge ids of each state with at least [`HUB_DEGREE`] transitions, in creation order.
-    hubs: FixedMap<u32, Vec<u32>>,
+    /// Edge ids of each state with at least [`HUB_DEGREE`] transitions, in creation order; a hub
+    /// state's `head` indexes this.
+    hubs: Vec<Vec<u32>>,
     /// Bytes held by `hubs` (kept up to date, as [`Sam::bytes`] is asked after every append).
     hub_bytes: usize,
+    /// Bulk appends since the last recount: states reaching [`HUB_DEGREE`] stay linked till then.
+    bulk: bool,
 }
 
 /// One entry of the transition table: `from --tok-->` is edge `edge`; `edge == NONE` when empty.
@@ -113,15 +121,21 @@ const EMPTY: Slot = Slot {
     edge: NONE,
 };
 
-/// `(edge id, edge)` along `s`'s transition list, most recently created first. Takes the two arrays
-/// rather than the automaton so that callers may write to its other fields meanwhile.
+/// `(edge id, edge)` along the linked transition list of `s` (not a hub), most recently created
+/// first. Takes the two arrays rather than the automaton so that callers may write to its other
+/// fields meanwhile.
 #[inline]
 fn edge_list<'a>(
     states: &'a [State],
     edges: &'a [Edge],
     s: u32,
 ) -> impl Iterator<Item = (u32, &'a Edge)> + 'a {
-    let mut e = states[s as usize].head;
+    linked(edges, states[s as usize].head)
+}
+
+/// `(edge id, edge)` along a linked list of edges from `e`.
+#[inline]
+fn linked(edges: &[Edge], mut e: u32) -> impl Iterator<Item = (u32, &Edge)> + '_ {
     std::iter::from_fn(move || {
         (e != NONE).then(|| {
             let id = e;
@@ -166,8 +180,9 @@ impl Sam {
             slots: vec![EMPTY; 16],
             hashed: 0,
             clock: 0,
-            hubs: FixedMap::default(),
+            hubs: Vec::new(),
             hub_bytes: 0,
+            bulk: false,
         }
     }
 
@@ -182,7 +197,7 @@ impl Sam {
     /// Number of transitions of `s`.
     #[inline]
     pub fn degree(&self, s: u32) -> u32 {
-        self.states[s as usize].deg
+        self.states[s as usize].deg & !HUB
     }
 
     /// Number of states (the root included).
@@ -193,7 +208,7 @@ impl Sam {
     /// The edge index of `from --tok-->`, if any.
     #[inline]
     pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
-        if self.states[from as usize].deg < HASHED_DEGREE {
+        if self.states[from as usize].deg & !HUB < HASHED_DEGREE {
             return edge_list(&self.states, &self.edges, from)
                 .find(|(_, edge)| edge.tok == tok)
                 .map(|(e, _)| e);
@@ -227,31 +242,46 @@ impl Sam {
         slots[i] = Slot { from, tok, edge };
     }
 
+    /// The edge ids of `s`, most recently created first.
+    fn edge_ids(&self, s: u32) -> impl Iterator<Item = u32> + '_ {
+        let st = &self.states[s as usize];
+        let (hub, head): (&[u32], u32) = if st.deg & HUB != 0 {
+            (&self.hubs[st.head as usize], NONE)
+        } else {
+            (&[], st.head)
+        };
+        hub.iter()
+            .rev()
+            .copied()
+            .chain(linked(&self.edges, head).map(|(e, _)| e))
+    }
+
     fn add_edge(&mut self, from: u32, tok: u32, to: u32) {
         let id = self.edges.len() as u32;
         let st = &mut self.states[from as usize];
-        let head = st.head;
-        st.head = id;
         st.deg += 1;
-        let deg = st.deg;
-        self.edges.push(Edge {
-            tok,
-            to,
-            next: head,
-        });
-        if deg == HUB_DEGREE {
-            let mut ids: Vec<u32> = edge_list(&self.states, &self.edges, from)
-                .map(|(e, _)| e)
-                .collect();
-            ids.reverse();
-            // The list, and about what the map spends on an entry.
-            self.hub_bytes += ids.capacity() * 4 + 32;
-            self.hubs.insert(from, ids);
-        } else if deg > HUB_DEGREE {
-            let ids = self.hubs.entry(from).or_default();
+        let deg = st.deg & !HUB;
+        if st.deg & HUB != 0 {
+            let ids = &mut self.hubs[st.head as usize];
             let cap = ids.capacity();
             ids.push(id);
             self.hub_bytes += (ids.capacity() - cap) * 4;
+            self.edges.push(Edge {
+                tok,
+                to,
+                next: NONE,
+            });
+        } else {
+            let head = st.head;
+            st.head = id;
+            self.edges.push(Edge {
+                tok,
+                to,
+                next: head,
+            });
+        }
+        if deg == HUB_DEGREE && !self.bulk {
+            self.make_hub(from);
         }
         if deg < HASHED_DEGREE {
             return;
@@ -265,10 +295,27 @@ impl Sam {
         if (self.hashed + joining) * 4 > self.slots.len() * 3 {
             self.grow_slots(self.hashed + joining);
         }
-        for (e, edge) in edge_list(&self.states, &self.edges, from).take(joining) {
-            Self::insert_slot(&mut self.slots, from, edge.tok, e);
+        if joining == 1 {
+            Self::insert_slot(&mut self.slots, from, tok, id);
+        } else {
+            for (e, edge) in edge_list(&self.states, &self.edges, from).take(joining) {
+                Self::insert_slot(&mut self.slots, from, edge.tok, e);
+            }
         }
         self.hashed += joining;
+    }
+
+    /// Moves the linked edges of `s` into a hub list, oldest first.
+    fn make_hub(&mut self, s: u32) {
+        let mut ids: Vec<u32> = edge_list(&self.states, &self.edges, s)
+            .map(|(e, _)| e)
+            .collect();
+        ids.reverse();
+        self.hub_bytes += ids.capacity() * 4 + std::mem::size_of::<Vec<u32>>();
+        let st = &mut self.states[s as usize];
+        st.head = self.hubs.len() as u32;
+        st.deg |= HUB;
+        self.hubs.push(ids);
     }
 
     /// Rebuilds the table with room for `need` entries at a load of at most 3/4.
@@ -279,9 +326,9 @@ impl Sam {
         }
         let mut slots = vec![EMPTY; size];
         for (from, st) in self.states.iter().enumerate() {
-            if st.deg >= HASHED_DEGREE {
-                for (e, edge) in edge_list(&self.states, &self.edges, from as u32) {
-                    Self::insert_slot(&mut slots, from as u32, edge.tok, e);
+            if st.deg & !HUB >= HASHED_DEGREE {
+                for e in self.edge_ids(from as u32) {
+                    Self::insert_slot(&mut slots, from as u32, self.edges[e as usize].tok, e);
                 }
             }
         }
@@ -301,11 +348,20 @@ impl Sam {
             own_recent: 0,
             deg: 0,
         });
-        let mut e = src.head;
-        while e != NONE {
-            let edge = self.edges[e as usize];
-            self.add_edge(id, edge.tok, edge.to);
-            e = edge.next;
+        // The clone gets the same transitions, added most recent first.
+        if src.deg & HUB != 0 {
+            let hub = src.head as usize;
+            for i in (0..self.hubs[hub].len()).rev() {
+                let edge = self.edges[self.hubs[hub][i] as usize];
+                self.add_edge(id, edge.tok, edge.to);
+            }
+        } else {
+            let mut e = src.head;
+            while e != NONE {
+                let edge = self.edges[e as usize];
+                self.add_edge(id, edge.tok, edge.to);
+                e = edge.next;
+            }
         }
         id
     }
@@ -328,7 +384,7 @@ impl Sam {
     /// Requires `cnt`/`recent` to be current (no deferred appends since the last recount).
     /// Amortized O(1) automaton work plus the length of the new state's suffix-link path.
     pub fn extend(&mut self, last: u32, c: u32, w: f32) -> u32 {
-        let new = self.extend_deferred(last, c, w);
+        let new = self.append(last, c, w);
         let clock = self.clock;
         let mut v = new;
         while v != NONE {
@@ -343,6 +399,12 @@ impl Sam {
     /// Like [`Sam::extend`] but records the occurrence only at the new state (`own`): `cnt` and
     /// `recent` are stale until [`Sam::recount`]. Bulk loads use this and recount once.
     pub fn extend_deferred(&mut self, last: u32, c: u32, w: f32) -> u32 {
+        self.bulk = true;
+        self.append(last, c, w)
+    }
+
+    /// The new position of [`Sam::extend`], its weight recorded only at the new state.
+    fn append(&mut self, last: u32, c: u32, w: f32) -> u32 {
         let new = self.extend_structure(last, c);
         self.clock = self.clock.wrapping_add(1).max(1);
         let s = &mut self.states[new as usize];
@@ -352,8 +414,16 @@ impl Sam {
     }
 
     /// Recomputes `cnt` and `recent` of every state from `own`/`own_recent` (sums and maxima over
-    /// the suffix-link tree), in O(states) with a counting sort by `len`.
+    /// the suffix-link tree), in O(states) with a counting sort by `len`, and moves the states that
+    /// reached [`HUB_DEGREE`] meanwhile into hub lists.
     pub fn recount(&mut self) {
+        self.bulk = false;
+        for s in 0..self.states.len() {
+            let deg = self.states[s].deg;
+            if deg & HUB == 0 && deg >= HUB_DEGREE {
+                self.make_hub(s as u32);
+            }
+        }
         let max_len = self.states.iter().map(|s| s.len).max().unwrap_or(0) as usize;
         let mut start = vec![0u32; max_len + 2];
         for s in &self.states {
@@ -440,15 +510,18 @@ impl Sam {
     /// Iterates the outgoing edges `(token, target)` of `s` (most recently created first).
     pub fn children(&self, s: u32) -> ChildIter<'_> {
         let st = &self.states[s as usize];
-        let hub = if st.deg >= HUB_DEGREE {
-            self.hubs.get(&s).map_or(&[][..], |h| &h[..])
+        if st.deg & HUB != 0 {
+            ChildIter {
+                edges: &self.edges,
+                e: NONE,
+                hub: &self.hubs[st.head as usize],
+            }
         } else {
-            &[]
-        };
-        ChildIter {
-            edges: &self.edges,
-            e: if hub.is_empty() { st.head } else { NONE },
-            hub,
+            ChildIter {
+                edges: &self.edges,
+                e: st.head,
+                hub: &[],
+            }
         }
     }
 
@@ -559,6 +632,41 @@ mod tests {
         }
     }
 
+    /// Checks every state's children against lookups and edge ids; returns how many are hubs.
+    fn check_children(sam: &Sam, alphabet: &[u32]) -> usize {
+        let mut hubs = 0;
+        for s in 0..sam.num_states() as u32 {
+            let kids: Vec<(u32, u32)> = sam.children(s).collect();
+            // Exactly the transitions that lookups find, each token once.
+            let mut expect: Vec<(u32, u32)> = alphabet
+                .iter()
+                .filter_map(|&t| sam.next_state(s, t).map(|to| (t, to)))
+                .collect();
+            let mut got = kids.clone();
+            got.sort_unstable();
+            expect.sort_unstable();
+            assert_eq!(got, expect, "state {s}");
+            assert_eq!(kids.len() as u32, sam.degree(s));
+            // Most recently created first, as the ids say.
+            let ids: Vec<u32> = sam.edge_ids(s).collect();
+            assert!(ids.windows(2).all(|w| w[0] > w[1]), "state {s}");
+            let by_id: Vec<(u32, u32)> = ids
+                .iter()
+                .map(|&e| (sam.edges[e as usize].tok, sam.edges[e as usize].to))
+                .collect();
+            assert_eq!(kids, by_id, "state {s}");
+            hubs += usize::from(sam.states[s as usize].deg & HUB != 0);
+        }
+        // The running byte count matches the lists.
+        let held: usize = sam
+            .hubs
+            .iter()
+            .map(|h| h.capacity() * 4 + std::mem::size_of::<Vec<u32>>())
+            .sum();
+        assert_eq!(sam.hub_bytes, held);
+        hubs
+    }
+
     #[test]
     fn hub_lists_enumerate_like_the_edge_lists() {
         // In the first string 7 always follows 5, so [5, 7] and [7] share a state with 40
@@ -566,23 +674,37 @@ mod tests {
         // by cloning); [3, 7] then gets 20 children of its own.
         let first: Vec<u32> = (100..140).flat_map(|t| [5, 7, t]).collect();
         let second: Vec<u32> = (140..160).flat_map(|t| [3, 7, t]).collect();
+        let alphabet: Vec<u32> = (3..8).chain(100..160).collect();
         let (sam, _) = build(&[&first, &second]);
-        let mut hubs = 0;
-        for s in 0..sam.num_states() as u32 {
-            let listed: Vec<(u32, u32)> = edge_list(&sam.states, &sam.edges, s)
-                .map(|(_, e)| (e.tok, e.to))
-                .collect();
-            assert_eq!(sam.children(s).collect::<Vec<_>>(), listed, "state {s}");
-            assert_eq!(listed.len() as u32, sam.degree(s));
-            hubs += usize::from(sam.degree(s) >= HUB_DEGREE);
-        }
+        // Online appends make hubs as states reach the degree: the root, [7], [5, 7], [3, 7].
+        assert_eq!(check_children(&sam, &alphabet), 4);
         assert_eq!(sam.degree(sam.walk(&[5, 7]).unwrap()), 40);
         assert_eq!(sam.degree(sam.walk(&[7]).unwrap()), 60);
         assert_eq!(sam.degree(sam.walk(&[3, 7]).unwrap()), 20);
-        assert!(hubs >= 4, "{hubs}");
-        // The running byte count matches the lists.
-        let held: usize = sam.hubs.values().map(|h| h.capacity() * 4 + 32).sum();
-        assert_eq!(sam.hub_bytes, held);
+        // Bulk appends leave them linked until the recount, and give the same automaton.
+        let mut bulk = Sam::new();
+        for s in [&first, &second] {
+            let mut last = 0;
+            for &t in s.iter() {
+                last = bulk.extend_deferred(last, t, 1.0);
+            }
+        }
+        assert_eq!(check_children(&bulk, &alphabet), 0);
+        bulk.recount();
+        assert_eq!(check_children(&bulk, &alphabet), 4);
+        for s in 0..sam.num_states() {
+            assert_eq!(sam.states[s].cnt, bulk.states[s].cnt, "state {s}");
+        }
+        // Online appends after the recount go into the hub lists.
+        let mut last = bulk.walk(&[3, 7]).unwrap();
+        for t in [200, 3, 7, 201] {
+            last = bulk.extend(last, t, 1.0);
+        }
+        assert_eq!(bulk.degree(bulk.walk(&[3, 7]).unwrap()), 22);
+        assert_eq!(
+            check_children(&bulk, &[alphabet.clone(), vec![200, 201]].concat()),
+            4
+        );
     }
 
     #[test]
