@@ -15,10 +15,12 @@
 //! recency are maintained online by walking the suffix-link path of the new position.
 //!
 //! Transitions live in one edge arena per automaton, threaded into a singly linked list per state
-//! (for enumeration while drafting). States with at least [`HASHED_DEGREE`] transitions also have
-//! them indexed by an open-addressing table keyed by `(state, token)` (for O(1) lookup while
-//! extending and matching); states with fewer are searched along their short list, which is most
-//! states of a history of similar responses and saves the table's memory and cache misses.
+//! (for enumeration while drafting); states with at least [`HUB_DEGREE`] transitions list their
+//! edge ids in one array instead (a hub list), so that enumerating them does not chase pointers.
+//! States with at least [`HASHED_DEGREE`] transitions also have them indexed by an open-addressing
+//! table keyed by `(state, token)` (for O(1) lookup while extending and matching); states with fewer
+//! are searched along their short list, which is most states of a history of similar responses and
+//! saves the table's memory and cache misses.
 
 /// Sentinel for "no state" / "no edge".
 pub const NONE: u32 = u32::MAX;
@@ -31,7 +33,7 @@ pub const HASHED_DEGREE: u32 = 4;
 /// independent loads instead of chasing the linked list one cache miss after another. Short
 /// contexts after a break in a match are such states: a few dozen of them per 256-request draft
 /// step held 40% of the children read. A hub's edges leave the linked list; its `head` is then the
-/// index of its list, and its `deg` carries [`HUB`]. Bulk appends ([`Sam::extend_deferred`]) leave
+/// index of its list, and its `deg` carries a flag saying so. Bulk appends ([`Sam::extend_deferred`]) leave
 /// new hubs linked (moving each new edge into an array costs ingest two cache misses) and
 /// [`Sam::recount`] moves them; online appends move a state when it reaches this degree.
 pub const HUB_DEGREE: u32 = 16;
@@ -60,7 +62,7 @@ pub struct State {
     /// Suffix link; `NONE` only for the root (state 0).
     pub link: u32,
     /// First outgoing edge in the arena, `NONE` when the state has no continuation; for a hub
-    /// (`deg` has [`HUB`]) the index of its hub list instead.
+    /// (see [`HUB_DEGREE`]) the index of its hub list instead.
     pub head: u32,
     /// Weighted number of end positions (occurrences) of the class's substrings.
     pub cnt: f32,
