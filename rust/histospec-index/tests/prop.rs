@@ -46,6 +46,48 @@ proptest! {
         }
     }
 
+    /// Wide alphabets give states with many transitions (hub lists): counts stay exact and each
+    /// state's children are exactly the tokens that follow its strings, whether the hubs were made
+    /// by online appends or by a bulk load's recount, and after online appends into them.
+    #[test]
+    fn wide_alphabets_counts_and_children(strings in prop::collection::vec(prop::collection::vec(0u32..40, 1..80), 1..6),
+                                          extra in prop::collection::vec(0u32..40, 1..40),
+                                          pats in prop::collection::vec(prop::collection::vec(0u32..40, 0..3), 1..24),
+                                          bulk in any::<bool>()) {
+        let mut sam = Sam::new();
+        for s in &strings {
+            let mut last = 0;
+            for &t in s {
+                last = if bulk { sam.extend_deferred(last, t, 1.0) } else { sam.extend(last, t, 1.0) };
+            }
+        }
+        if bulk { sam.recount(); }
+        let mut last = 0;
+        for &t in &extra {
+            last = sam.extend(last, t, 1.0);
+        }
+        let mut all = strings.clone();
+        all.push(extra.clone());
+        for p in &pats {
+            let n = naive::occurrences(&all, p);
+            let Some(st) = sam.walk(p) else {
+                prop_assert_eq!(n, 0, "pattern {:?} missing", p);
+                continue;
+            };
+            if !p.is_empty() {
+                prop_assert_eq!(sam.states[st as usize].cnt as usize, n, "pattern {:?}", p);
+            }
+            let mut kids: Vec<u32> = sam.children(st).map(|(t, _)| t).collect();
+            kids.sort_unstable();
+            let expect: Vec<u32> = (0..40).filter(|&t| {
+                let mut q = p.clone();
+                q.push(t);
+                naive::contains(&all, &q)
+            }).collect();
+            prop_assert_eq!(kids, expect, "children of {:?}", p);
+        }
+    }
+
     /// The anchor is the longest suffix of the context that occurs with a continuation (in the
     /// history or earlier in the context itself), and every draft edge occurs in the strings.
     #[test]
