@@ -208,7 +208,8 @@ impl Ord for Cand {
 struct Kid {
     tok: u32,
     to: u32,
-    /// First edge of `to` (prefetched when the kid is offered: it is read if the kid is expanded).
+    /// First edge of `to` ([`State::first_edge`](crate::sam::State::first_edge), prefetched when the kid is offered: it is read if
+    /// the kid is expanded).
     head: u32,
     cnt: f32,
     recent: u32,
@@ -425,7 +426,7 @@ impl Growth {
         self.depth.push(0);
         let sam = job.sam;
         for &(a, _) in &job.anchors[..job.n_anchors] {
-            prefetch(&sam.edges, sam.states[a as usize].head as usize);
+            prefetch(&sam.edges, sam.states[a as usize].first_edge() as usize);
         }
         self.pending = Some(Pending {
             sources: job.anchors,
@@ -512,7 +513,7 @@ impl Growth {
                     // `c.state`'s transitions were prefetched when it was offered; a fallback
                     // state's were not.
                     if s != c.state {
-                        prefetch(&sam.edges, sam.states[s as usize].head as usize);
+                        prefetch(&sam.edges, sam.states[s as usize].first_edge() as usize);
                     }
                 }
                 self.pending = Some(Pending {
@@ -643,7 +644,7 @@ impl Growth {
             self.kids.push(Kid {
                 tok,
                 to,
-                head: st.head,
+                head: st.first_edge(),
                 cnt: st.cnt,
                 recent: st.recent,
                 p: 0.0,

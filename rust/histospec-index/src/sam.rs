@@ -72,8 +72,34 @@ pub struct State {
     pub own: f32,
     /// Clock of the latest such position.
     pub own_recent: u32,
-    /// Number of outgoing transitions, with the flag [`HUB`] when they are in a hub list.
+    /// Number of outgoing transitions ([`State::degree`]), with the flag [`HUB`] when they are in
+    /// a hub list.
     deg: u32,
+}
+
+impl State {
+    /// Number of outgoing transitions.
+    #[inline]
+    pub fn degree(&self) -> u32 {
+        self.deg & !HUB
+    }
+
+    /// The edge to prefetch before enumerating the transitions: the first linked edge, `NONE`
+    /// (nothing) for a hub, whose edges are not on one line anyway.
+    #[inline]
+    pub fn first_edge(&self) -> u32 {
+        if self.is_hub() {
+            NONE
+        } else {
+            self.head
+        }
+    }
+
+    /// Whether the transitions are in a hub list (`head` indexes it).
+    #[inline]
+    fn is_hub(&self) -> bool {
+        self.deg & HUB != 0
+    }
 }
 
 /// One transition `from --tok--> to`, a node of `from`'s child list.
@@ -199,7 +225,7 @@ impl Sam {
     /// Number of transitions of `s`.
     #[inline]
     pub fn degree(&self, s: u32) -> u32 {
-        self.states[s as usize].deg & !HUB
+        self.states[s as usize].degree()
     }
 
     /// Number of states (the root included).
@@ -210,7 +236,7 @@ impl Sam {
     /// The edge index of `from --tok-->`, if any.
     #[inline]
     pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
-        if self.states[from as usize].deg & !HUB < HASHED_DEGREE {
+        if self.states[from as usize].degree() < HASHED_DEGREE {
             return edge_list(&self.states, &self.edges, from)
                 .find(|(_, edge)| edge.tok == tok)
                 .map(|(e, _)| e);
@@ -244,14 +270,21 @@ impl Sam {
         slots[i] = Slot { from, tok, edge };
     }
 
-    /// The edge ids of `s`, most recently created first.
-    fn edge_ids(&self, s: u32) -> impl Iterator<Item = u32> + '_ {
+    /// Where the transitions of `s` are: its hub list (oldest first; empty when not a hub) and
+    /// the first edge of its linked list (`NONE` for a hub).
+    #[inline]
+    fn lists(&self, s: u32) -> (&[u32], u32) {
         let st = &self.states[s as usize];
-        let (hub, head): (&[u32], u32) = if st.deg & HUB != 0 {
+        if st.is_hub() {
             (&self.hubs[st.head as usize], NONE)
         } else {
             (&[], st.head)
-        };
+        }
+    }
+
+    /// The edge ids of `s`, most recently created first.
+    fn edge_ids(&self, s: u32) -> impl Iterator<Item = u32> + '_ {
+        let (hub, head) = self.lists(s);
         hub.iter()
             .rev()
             .copied()
@@ -262,8 +295,8 @@ impl Sam {
         let id = self.edges.len() as u32;
         let st = &mut self.states[from as usize];
         st.deg += 1;
-        let deg = st.deg & !HUB;
-        if st.deg & HUB != 0 {
+        let deg = st.degree();
+        if st.is_hub() {
             let ids = &mut self.hubs[st.head as usize];
             let cap = ids.capacity();
             ids.push(id);
@@ -328,7 +361,7 @@ impl Sam {
         }
         let mut slots = vec![EMPTY; size];
         for (from, st) in self.states.iter().enumerate() {
-            if st.deg & !HUB >= HASHED_DEGREE {
+            if st.degree() >= HASHED_DEGREE {
                 for e in self.edge_ids(from as u32) {
                     Self::insert_slot(&mut slots, from as u32, self.edges[e as usize].tok, e);
                 }
@@ -350,8 +383,9 @@ impl Sam {
             own_recent: 0,
             deg: 0,
         });
-        // The clone gets the same transitions, added most recent first.
-        if src.deg & HUB != 0 {
+        // The clone gets the same transitions, added most recent first (walked by index rather
+        // than with `edge_ids`, which would borrow the lists while `add_edge` grows them).
+        if src.is_hub() {
             let hub = src.head as usize;
             for i in (0..self.hubs[hub].len()).rev() {
                 let edge = self.edges[self.hubs[hub][i] as usize];
@@ -421,8 +455,8 @@ impl Sam {
     pub fn recount(&mut self) {
         self.bulk = false;
         for s in 0..self.states.len() {
-            let deg = self.states[s].deg;
-            if deg & HUB == 0 && deg >= HUB_DEGREE {
+            let st = &self.states[s];
+            if !st.is_hub() && st.degree() >= HUB_DEGREE {
                 self.make_hub(s as u32);
             }
         }
@@ -511,19 +545,11 @@ impl Sam {
 
     /// Iterates the outgoing edges `(token, target)` of `s` (most recently created first).
     pub fn children(&self, s: u32) -> ChildIter<'_> {
-        let st = &self.states[s as usize];
-        if st.deg & HUB != 0 {
-            ChildIter {
-                edges: &self.edges,
-                e: NONE,
-                hub: &self.hubs[st.head as usize],
-            }
-        } else {
-            ChildIter {
-                edges: &self.edges,
-                e: st.head,
-                hub: &[],
-            }
+        let (hub, e) = self.lists(s);
+        ChildIter {
+            edges: &self.edges,
+            e,
+            hub,
         }
     }
 
@@ -657,7 +683,7 @@ mod tests {
                 .map(|&e| (sam.edges[e as usize].tok, sam.edges[e as usize].to))
                 .collect();
             assert_eq!(kids, by_id, "state {s}");
-            hubs += usize::from(sam.states[s as usize].deg & HUB != 0);
+            hubs += usize::from(sam.states[s as usize].is_hub());
         }
         // The running byte count matches the lists.
         let held: usize = sam
