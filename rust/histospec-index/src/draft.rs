@@ -208,9 +208,6 @@ impl Ord for Cand {
 struct Kid {
     tok: u32,
     to: u32,
-    /// First edge of `to` ([`State::first_edge`](crate::sam::State::first_edge), prefetched when the kid is offered: it is read if
-    /// the kid is expanded).
-    head: u32,
     cnt: f32,
     recent: u32,
     p: f32,
@@ -426,7 +423,7 @@ impl Growth {
         self.depth.push(0);
         let sam = job.sam;
         for &(a, _) in &job.anchors[..job.n_anchors] {
-            prefetch(&sam.edges, sam.states[a as usize].first_edge() as usize);
+            sam.prefetch_expansion(a);
         }
         self.pending = Some(Pending {
             sources: job.anchors,
@@ -493,7 +490,7 @@ impl Growth {
             self.depth.push(self.depth[c.parent as usize] + 1);
             let st = if c.state == NONE {
                 None
-            } else if sam.states[c.state as usize].head != NONE {
+            } else if sam.states[c.state as usize].has_children() {
                 Some(c.state)
             } else {
                 sam.longest_with_children(sam.states[c.state as usize].link, cfg.min_match)
@@ -513,7 +510,7 @@ impl Growth {
                     // `c.state`'s transitions were prefetched when it was offered; a fallback
                     // state's were not.
                     if s != c.state {
-                        prefetch(&sam.edges, sam.states[s as usize].first_edge() as usize);
+                        sam.prefetch_expansion(s);
                     }
                 }
                 self.pending = Some(Pending {
@@ -597,7 +594,6 @@ impl Growth {
                     None => self.kids.push(Kid {
                         tok: e.tok,
                         to: NONE,
-                        head: NONE,
                         cnt: 0.0,
                         recent: 0,
                         p: lam,
@@ -621,7 +617,9 @@ impl Growth {
             if score < cfg.min_prob {
                 break;
             }
-            prefetch(&sam.edges, k.head as usize);
+            if k.to != NONE {
+                sam.prefetch_expansion(k.to);
+            }
             self.heap.push(Cand {
                 score,
                 seq: self.seq,
@@ -644,7 +642,6 @@ impl Growth {
             self.kids.push(Kid {
                 tok,
                 to,
-                head: st.first_edge(),
                 cnt: st.cnt,
                 recent: st.recent,
                 p: 0.0,

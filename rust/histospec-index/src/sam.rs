@@ -14,9 +14,13 @@
 //! grow interleaved, which is how in-flight sibling samples see each other. Occurrence weights and
 //! recency are maintained online by walking the suffix-link path of the new position.
 //!
-//! Transitions live in one edge arena per automaton, threaded into a singly linked list per state
-//! (for enumeration while drafting); states with at least [`HUB_DEGREE`] transitions list their
-//! edge ids in one array instead (a hub list), so that enumerating them does not chase pointers.
+//! A state's first transition is stored in the state itself (most states of a history of similar
+//! responses have exactly one, so following a match, drafting along it and looking up a token cost
+//! one cache line per state). Its other transitions live in one edge arena per automaton, threaded
+//! into a singly linked list per state (for enumeration while drafting); states with at least
+//! [`HUB_DEGREE`] transitions list their edges in one array instead (a hub list), so that
+//! enumerating them does not chase pointers. An *edge reference* names either kind: an arena
+//! index, or [`INLINE`] with the id of the state that holds it.
 //! States with at least [`HASHED_DEGREE`] transitions also have them indexed by an open-addressing
 //! table keyed by `(state, token)` (for O(1) lookup while extending and matching); states with fewer
 //! are searched along their short list, which is most states of a history of similar responses and
@@ -41,6 +45,10 @@ pub const HUB_DEGREE: u32 = 16;
 /// Flag in [`State::deg`]: the state's edges are in a hub list (see [`HUB_DEGREE`]).
 const HUB: u32 = 1 << 31;
 
+/// Flag of an edge reference: the edge is the first transition of the state `r & !INLINE`, stored
+/// in the state. Without it, a reference is an index into [`Sam::edges`].
+pub const INLINE: u32 = 1 << 31;
+
 /// Asks the CPU to start loading `slice[i]` into cache (a hint; no effect out of range or off x86-64).
 #[inline(always)]
 pub fn prefetch<T>(slice: &[T], i: usize) {
@@ -61,20 +69,20 @@ pub struct State {
     pub len: u32,
     /// Suffix link; `NONE` only for the root (state 0).
     pub link: u32,
-    /// First outgoing edge in the arena, `NONE` when the state has no continuation; for a hub
-    /// (see [`HUB_DEGREE`]) the index of its hub list instead.
-    pub head: u32,
+    /// Most recent transition in the arena other than the first, `NONE` when there is none; for
+    /// a hub (see [`HUB_DEGREE`]) the index of its hub list instead.
+    head: u32,
     /// Weighted number of end positions (occurrences) of the class's substrings.
     pub cnt: f32,
     /// Clock value of the most recent occurrence (0 = never, e.g. the root before any append).
     pub recent: u32,
-    /// Weight of the positions whose longest string ends exactly here (the leaves of `cnt`).
-    pub own: f32,
-    /// Clock of the latest such position.
-    pub own_recent: u32,
     /// Number of outgoing transitions ([`State::degree`]), with the flag [`HUB`] when they are in
     /// a hub list.
     deg: u32,
+    /// Token of the first (oldest) transition; meaningful when the degree is at least 1.
+    tok0: u32,
+    /// Target of the first transition.
+    to0: u32,
 }
 
 impl State {
@@ -84,14 +92,40 @@ impl State {
         self.deg & !HUB
     }
 
-    /// The edge to prefetch before enumerating the transitions: the first linked edge, `NONE`
-    /// (nothing) for a hub, whose edges are not on one line anyway.
+    /// Whether the state has a transition.
     #[inline]
-    pub fn first_edge(&self) -> u32 {
+    pub fn has_children(&self) -> bool {
+        self.deg != 0
+    }
+
+    /// The arena edge to prefetch before enumerating the transitions: the first linked edge,
+    /// `NONE` (nothing) for a state with one transition (it is in the state) and for a hub, whose
+    /// edges are not on one line anyway.
+    #[inline]
+    fn first_edge(&self) -> u32 {
         if self.is_hub() {
             NONE
         } else {
             self.head
+        }
+    }
+
+    /// The first transition `(token, target)`, stored in the state; `None` without transitions.
+    #[inline]
+    pub fn first_child(&self) -> Option<(u32, u32)> {
+        self.has_children().then_some((self.tok0, self.to0))
+    }
+
+    fn new(len: u32, link: u32, cnt: f32, recent: u32) -> State {
+        State {
+            len,
+            link,
+            head: NONE,
+            cnt,
+            recent,
+            deg: 0,
+            tok0: 0,
+            to0: NONE,
         }
     }
 
@@ -102,7 +136,7 @@ impl State {
     }
 }
 
-/// One transition `from --tok--> to`, a node of `from`'s child list.
+/// One transition `from --tok--> to` in the arena, a node of `from`'s child list.
 #[derive(Clone, Copy, Debug)]
 pub struct Edge {
     /// Token labelling the transition.
@@ -118,8 +152,12 @@ pub struct Edge {
 pub struct Sam {
     /// All states; index = state id.
     pub states: Vec<State>,
-    /// All transitions; never removed, only redirected (`to` changes when a state is cloned).
+    /// Every transition but the states' first ones (which are in the states); never removed,
+    /// only redirected (`to` changes when a state is cloned).
     pub edges: Vec<Edge>,
+    /// Per state: the weight of the positions whose longest string ends exactly there (the
+    /// leaves of `cnt`) and the clock of the latest one; [`Sam::recount`] sums them.
+    own: Vec<(f32, u32)>,
     /// Open-addressing index over the edges of states with at least [`HASHED_DEGREE`] transitions.
     slots: Vec<Slot>,
     /// Number of occupied `slots`.
@@ -131,11 +169,14 @@ pub struct Sam {
     hubs: Vec<Vec<u32>>,
     /// Bytes held by `hubs` (kept up to date, as [`Sam::bytes`] is asked after every append).
     hub_bytes: usize,
+    /// Number of transitions (inline and in the arena).
+    num_edges: usize,
     /// Bulk appends since the last recount: states reaching [`HUB_DEGREE`] stay linked till then.
     bulk: bool,
 }
 
-/// One entry of the transition table: `from --tok-->` is edge `edge`; `edge == NONE` when empty.
+/// One entry of the transition table: `from --tok-->` is the edge reference `edge`; `edge == NONE`
+/// when empty.
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     from: u32,
@@ -148,18 +189,6 @@ const EMPTY: Slot = Slot {
     tok: 0,
     edge: NONE,
 };
-
-/// `(edge id, edge)` along the linked transition list of `s` (not a hub), most recently created
-/// first. Takes the two arrays rather than the automaton so that callers may write to its other
-/// fields meanwhile.
-#[inline]
-fn edge_list<'a>(
-    states: &'a [State],
-    edges: &'a [Edge],
-    s: u32,
-) -> impl Iterator<Item = (u32, &'a Edge)> + 'a {
-    linked(edges, states[s as usize].head)
-}
 
 /// `(edge id, edge)` along a linked list of edges from `e`.
 #[inline]
@@ -194,24 +223,26 @@ impl Sam {
     /// An automaton holding only the root.
     pub fn new() -> Self {
         Sam {
-            states: vec![State {
-                len: 0,
-                link: NONE,
-                head: NONE,
-                cnt: 0.0,
-                recent: 0,
-                own: 0.0,
-                own_recent: 0,
-                deg: 0,
-            }],
+            states: vec![State::new(0, NONE, 0.0, 0)],
             edges: Vec::new(),
+            own: vec![(0.0, 0)],
             slots: vec![EMPTY; 16],
             hashed: 0,
             clock: 0,
             hubs: Vec::new(),
             hub_bytes: 0,
+            num_edges: 0,
             bulk: false,
         }
+    }
+
+    /// Adds a state without transitions; its id.
+    fn push_state(&mut self, len: u32, link: u32, cnt: f32, recent: u32) -> u32 {
+        let id = self.states.len() as u32;
+        debug_assert!(id < INLINE, "state ids must leave the INLINE bit free");
+        self.states.push(State::new(len, link, cnt, recent));
+        self.own.push((0.0, 0));
+        id
     }
 
     /// Bytes held by the automaton's buffers (capacity, not just length).
@@ -219,6 +250,7 @@ impl Sam {
         self.states.capacity() * std::mem::size_of::<State>()
             + self.edges.capacity() * std::mem::size_of::<Edge>()
             + self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.own.capacity() * std::mem::size_of::<(f32, u32)>()
             + self.hub_bytes
     }
 
@@ -233,11 +265,41 @@ impl Sam {
         self.states.len()
     }
 
-    /// The edge index of `from --tok-->`, if any.
+    /// Number of transitions.
+    pub fn num_edges(&self) -> usize {
+        self.num_edges
+    }
+
+    /// `(token, target)` of the edge reference `r`.
+    #[inline]
+    fn edge(&self, r: u32) -> (u32, u32) {
+        if r & INLINE != 0 {
+            let st = &self.states[(r & !INLINE) as usize];
+            (st.tok0, st.to0)
+        } else {
+            let e = &self.edges[r as usize];
+            (e.tok, e.to)
+        }
+    }
+
+    /// Points the edge reference `r` at `to`.
+    fn set_target(&mut self, r: u32, to: u32) {
+        if r & INLINE != 0 {
+            self.states[(r & !INLINE) as usize].to0 = to;
+        } else {
+            self.edges[r as usize].to = to;
+        }
+    }
+
+    /// The edge reference of `from --tok-->`, if any.
     #[inline]
     pub fn find(&self, from: u32, tok: u32) -> Option<u32> {
-        if self.states[from as usize].degree() < HASHED_DEGREE {
-            return edge_list(&self.states, &self.edges, from)
+        let st = &self.states[from as usize];
+        if st.degree() < HASHED_DEGREE {
+            if st.has_children() && st.tok0 == tok {
+                return Some(INLINE | from);
+            }
+            return linked(&self.edges, st.head)
                 .find(|(_, edge)| edge.tok == tok)
                 .map(|(e, _)| e);
         }
@@ -258,7 +320,7 @@ impl Sam {
     /// The target of `from --tok-->`, if any.
     #[inline]
     pub fn next_state(&self, from: u32, tok: u32) -> Option<u32> {
-        self.find(from, tok).map(|e| self.edges[e as usize].to)
+        self.find(from, tok).map(|r| self.edge(r).1)
     }
 
     fn insert_slot(slots: &mut [Slot], from: u32, tok: u32, edge: u32) {
@@ -270,33 +332,51 @@ impl Sam {
         slots[i] = Slot { from, tok, edge };
     }
 
-    /// Where the transitions of `s` are: its hub list (oldest first; empty when not a hub) and
-    /// the first edge of its linked list (`NONE` for a hub).
+    /// Where the transitions of `s` are: its hub list (oldest first; empty when not a hub), the
+    /// first edge of its linked list (`NONE` for a hub) and its inline edge's reference (`NONE`
+    /// for a hub, whose list holds it, and for a state without transitions). The linked list, then
+    /// the inline edge, is most recent first.
     #[inline]
-    fn lists(&self, s: u32) -> (&[u32], u32) {
+    fn lists(&self, s: u32) -> (&[u32], u32, u32) {
         let st = &self.states[s as usize];
         if st.is_hub() {
-            (&self.hubs[st.head as usize], NONE)
+            (&self.hubs[st.head as usize], NONE, NONE)
+        } else if st.has_children() {
+            (&[], st.head, INLINE | s)
         } else {
-            (&[], st.head)
+            (&[], NONE, NONE)
         }
     }
 
-    /// The edge ids of `s`, most recently created first.
-    fn edge_ids(&self, s: u32) -> impl Iterator<Item = u32> + '_ {
-        let (hub, head) = self.lists(s);
+    /// The edge references of `s`, most recently created first.
+    fn edge_refs(&self, s: u32) -> impl Iterator<Item = u32> + '_ {
+        let (hub, head, inline) = self.lists(s);
         hub.iter()
             .rev()
             .copied()
             .chain(linked(&self.edges, head).map(|(e, _)| e))
+            .chain((inline != NONE).then_some(inline))
     }
 
     fn add_edge(&mut self, from: u32, tok: u32, to: u32) {
-        let id = self.edges.len() as u32;
+        self.num_edges += 1;
         let st = &mut self.states[from as usize];
         st.deg += 1;
         let deg = st.degree();
-        if st.is_hub() {
+        let id = if deg == 1 {
+            // The first transition goes into the state (a hub has more than one).
+            st.tok0 = tok;
+            st.to0 = to;
+            INLINE | from
+        } else {
+            debug_assert!(
+                self.edges.len() < INLINE as usize,
+                "edge ids must leave INLINE free"
+            );
+            self.edges.len() as u32
+        };
+        if deg == 1 {
+        } else if st.is_hub() {
             let ids = &mut self.hubs[st.head as usize];
             let cap = ids.capacity();
             ids.push(id);
@@ -333,18 +413,21 @@ impl Sam {
         if joining == 1 {
             Self::insert_slot(&mut self.slots, from, tok, id);
         } else {
-            for (e, edge) in edge_list(&self.states, &self.edges, from).take(joining) {
-                Self::insert_slot(&mut self.slots, from, edge.tok, e);
+            let mut refs = [NONE; HASHED_DEGREE as usize];
+            for (r, e) in refs.iter_mut().zip(self.edge_refs(from)) {
+                *r = e;
+            }
+            for r in refs {
+                let tok = self.edge(r).0;
+                Self::insert_slot(&mut self.slots, from, tok, r);
             }
         }
         self.hashed += joining;
     }
 
-    /// Moves the linked edges of `s` into a hub list, oldest first.
+    /// Moves the edges of `s` (linked and inline) into a hub list, oldest first.
     fn make_hub(&mut self, s: u32) {
-        let mut ids: Vec<u32> = edge_list(&self.states, &self.edges, s)
-            .map(|(e, _)| e)
-            .collect();
+        let mut ids: Vec<u32> = self.edge_refs(s).collect();
         ids.reverse();
         self.hub_bytes += ids.capacity() * 4 + std::mem::size_of::<Vec<u32>>();
         let st = &mut self.states[s as usize];
@@ -362,8 +445,8 @@ impl Sam {
         let mut slots = vec![EMPTY; size];
         for (from, st) in self.states.iter().enumerate() {
             if st.degree() >= HASHED_DEGREE {
-                for e in self.edge_ids(from as u32) {
-                    Self::insert_slot(&mut slots, from as u32, self.edges[e as usize].tok, e);
+                for r in self.edge_refs(from as u32) {
+                    Self::insert_slot(&mut slots, from as u32, self.edge(r).0, r);
                 }
             }
         }
@@ -372,24 +455,14 @@ impl Sam {
 
     fn clone_state(&mut self, q: u32, len: u32) -> u32 {
         let src = self.states[q as usize];
-        let id = self.states.len() as u32;
-        self.states.push(State {
-            len,
-            link: src.link,
-            head: NONE,
-            cnt: src.cnt,
-            recent: src.recent,
-            own: 0.0,
-            own_recent: 0,
-            deg: 0,
-        });
+        let id = self.push_state(len, src.link, src.cnt, src.recent);
         // The clone gets the same transitions, added most recent first (walked by index rather
-        // than with `edge_ids`, which would borrow the lists while `add_edge` grows them).
+        // than with `edge_refs`, which would borrow the lists while `add_edge` grows them).
         if src.is_hub() {
             let hub = src.head as usize;
             for i in (0..self.hubs[hub].len()).rev() {
-                let edge = self.edges[self.hubs[hub][i] as usize];
-                self.add_edge(id, edge.tok, edge.to);
+                let (tok, to) = self.edge(self.hubs[hub][i]);
+                self.add_edge(id, tok, to);
             }
         } else {
             let mut e = src.head;
@@ -397,6 +470,9 @@ impl Sam {
                 let edge = self.edges[e as usize];
                 self.add_edge(id, edge.tok, edge.to);
                 e = edge.next;
+            }
+            if let Some((tok, to)) = src.first_child() {
+                self.add_edge(id, tok, to);
             }
         }
         id
@@ -406,8 +482,8 @@ impl Sam {
     fn redirect(&mut self, mut p: u32, c: u32, q: u32, clone: u32) {
         while p != NONE {
             match self.find(p, c) {
-                Some(e) if self.edges[e as usize].to == q => {
-                    self.edges[e as usize].to = clone;
+                Some(r) if self.edge(r).1 == q => {
+                    self.set_target(r, clone);
                     p = self.states[p as usize].link;
                 }
                 _ => break,
@@ -443,9 +519,9 @@ impl Sam {
     fn append(&mut self, last: u32, c: u32, w: f32) -> u32 {
         let new = self.extend_structure(last, c);
         self.clock = self.clock.wrapping_add(1).max(1);
-        let s = &mut self.states[new as usize];
-        s.own += w;
-        s.own_recent = self.clock;
+        let own = &mut self.own[new as usize];
+        own.0 += w;
+        own.1 = self.clock;
         new
     }
 
@@ -469,9 +545,9 @@ impl Sam {
             start[i] += start[i - 1];
         }
         let mut order = vec![0u32; self.states.len()];
-        for (i, s) in self.states.iter_mut().enumerate() {
-            s.cnt = s.own;
-            s.recent = s.own_recent;
+        for (i, (s, &(own, own_recent))) in self.states.iter_mut().zip(&self.own).enumerate() {
+            s.cnt = own;
+            s.recent = own_recent;
             let b = &mut start[s.len as usize];
             order[*b as usize] = i as u32;
             *b += 1;
@@ -488,9 +564,9 @@ impl Sam {
 
     fn extend_structure(&mut self, last: u32, c: u32) -> u32 {
         let last_len = self.states[last as usize].len;
-        if let Some(e) = self.find(last, c) {
+        if let Some(r) = self.find(last, c) {
             // Generalized case: the extended string already occurs.
-            let q = self.edges[e as usize].to;
+            let q = self.edge(r).1;
             if self.states[q as usize].len == last_len + 1 {
                 return q;
             }
@@ -499,22 +575,12 @@ impl Sam {
             self.redirect(last, c, q, clone);
             return clone;
         }
-        let cur = self.states.len() as u32;
-        self.states.push(State {
-            len: last_len + 1,
-            link: 0,
-            head: NONE,
-            cnt: 0.0,
-            recent: 0,
-            own: 0.0,
-            own_recent: 0,
-            deg: 0,
-        });
+        let cur = self.push_state(last_len + 1, 0, 0.0, 0);
         let mut p = last;
         let mut target = NONE;
         while p != NONE {
-            if let Some(e) = self.find(p, c) {
-                target = self.edges[e as usize].to;
+            if let Some(r) = self.find(p, c) {
+                target = self.edge(r).1;
                 break;
             }
             self.add_edge(p, c, cur);
@@ -545,11 +611,12 @@ impl Sam {
 
     /// Iterates the outgoing edges `(token, target)` of `s` (most recently created first).
     pub fn children(&self, s: u32) -> ChildIter<'_> {
-        let (hub, e) = self.lists(s);
+        let (hub, e, inline) = self.lists(s);
         ChildIter {
-            edges: &self.edges,
+            sam: self,
             e,
             hub,
+            inline: (inline != NONE).then(|| self.edge(inline)),
         }
     }
 
@@ -557,13 +624,22 @@ impl Sam {
     /// `None` when `s` has none. A state with one transition is answered without reading its
     /// target.
     pub fn most_frequent_child(&self, s: u32) -> Option<(u32, u32)> {
-        if self.degree(s) == 1 {
-            return self.children(s).next();
+        let st = &self.states[s as usize];
+        if st.degree() == 1 {
+            return st.first_child();
         }
         self.children(s).max_by(|x, y| {
             let (cx, cy) = (self.states[x.1 as usize].cnt, self.states[y.1 as usize].cnt);
             cx.total_cmp(&cy).then(y.0.cmp(&x.0))
         })
+    }
+
+    /// Starts loading the first linked edge of `s`, which enumerating its children reads first
+    /// (nothing when its only transition is in the state, or for a hub). Prefetching the only
+    /// child's state here as well, before the node is even chosen, was slower in paired runs.
+    #[inline]
+    pub fn prefetch_expansion(&self, s: u32) {
+        prefetch(&self.edges, self.states[s as usize].first_edge() as usize);
     }
 
     /// The first state on the suffix-link path of `s` (itself included) that has a continuation and
@@ -574,7 +650,7 @@ impl Sam {
             if st.len < min_len {
                 return None;
             }
-            if st.head != NONE {
+            if st.has_children() {
                 return Some(s);
             }
             s = st.link;
@@ -583,28 +659,29 @@ impl Sam {
     }
 }
 
-/// Iterator over `(token, target)` of one state's transitions.
+/// Iterator over `(token, target)` of one state's transitions, most recent first.
 pub struct ChildIter<'a> {
-    edges: &'a [Edge],
+    sam: &'a Sam,
     /// Next edge of the linked list (`NONE`: done, or a hub).
     e: u32,
-    /// A hub's edge ids not yet visited, iterated from the back (most recent first).
+    /// A hub's edge references not yet visited, iterated from the back (most recent first).
     hub: &'a [u32],
+    /// The state's inline (first) transition, last of a state that is not a hub.
+    inline: Option<(u32, u32)>,
 }
 
 impl Iterator for ChildIter<'_> {
     type Item = (u32, u32);
     #[inline]
     fn next(&mut self) -> Option<(u32, u32)> {
-        if let Some((&id, rest)) = self.hub.split_last() {
+        if let Some((&r, rest)) = self.hub.split_last() {
             self.hub = rest;
-            let edge = &self.edges[id as usize];
-            return Some((edge.tok, edge.to));
+            return Some(self.sam.edge(r));
         }
         if self.e == NONE {
-            return None;
+            return self.inline.take();
         }
-        let edge = &self.edges[self.e as usize];
+        let edge = &self.sam.edges[self.e as usize];
         self.e = edge.next;
         Some((edge.tok, edge.to))
     }
@@ -675,14 +752,19 @@ mod tests {
             expect.sort_unstable();
             assert_eq!(got, expect, "state {s}");
             assert_eq!(kids.len() as u32, sam.degree(s));
-            // Most recently created first, as the ids say.
-            let ids: Vec<u32> = sam.edge_ids(s).collect();
-            assert!(ids.windows(2).all(|w| w[0] > w[1]), "state {s}");
-            let by_id: Vec<(u32, u32)> = ids
-                .iter()
-                .map(|&e| (sam.edges[e as usize].tok, sam.edges[e as usize].to))
-                .collect();
-            assert_eq!(kids, by_id, "state {s}");
+            // Most recently created first, as the references say: the arena ids descending, then
+            // the state's own (first) edge.
+            let refs: Vec<u32> = sam.edge_refs(s).collect();
+            let (inline, arena) = refs
+                .split_last()
+                .map_or((None, &refs[..]), |(l, a)| (Some(l), a));
+            assert!(arena.windows(2).all(|w| w[0] > w[1]), "state {s}");
+            assert!(arena.iter().all(|&r| r & INLINE == 0), "state {s}");
+            if let Some(&r) = inline {
+                assert_eq!(r, INLINE | s, "state {s}");
+            }
+            let by_ref: Vec<(u32, u32)> = refs.iter().map(|&r| sam.edge(r)).collect();
+            assert_eq!(kids, by_ref, "state {s}");
             hubs += usize::from(sam.states[s as usize].is_hub());
         }
         // The running byte count matches the lists.

@@ -835,7 +835,7 @@ impl HistoryIndex {
             s.tokens += g.responses.iter().map(|r| r.tokens.len()).sum::<usize>();
             s.prompt_tokens += g.prompts.iter().map(|p| p.len()).sum::<usize>();
             s.states += g.sam.num_states();
-            s.edges += g.sam.edges.len();
+            s.edges += g.sam.num_edges();
         }
         s.tokens += self
             .requests
@@ -952,7 +952,7 @@ impl HistoryIndex {
                     anchors[n] = (a1, share / 2.0);
                     n += 1;
                     if let Some((_, s)) = sam.most_frequent_child(a1) {
-                        if sam.states[s as usize].head != NONE {
+                        if sam.states[s as usize].has_children() {
                             anchors[n] = (s, share / 2.0);
                             n += 1;
                         }
