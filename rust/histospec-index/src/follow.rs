@@ -14,6 +14,8 @@
 //! known of the string so far). Bulk-loaded strings occupy consecutive clocks, so following one
 //! reads memory sequentially. Cost: 8 bytes per indexed token.
 
+use std::cmp::Ordering;
+
 use crate::sam::{prefetch, Sam, NONE};
 
 /// One logged token: the token and the clock of the next token of the same string.
@@ -218,20 +220,25 @@ impl Follow {
 }
 
 /// Whether `tok` is the automaton's most frequent next token after the state `last` (ties go to
-/// the smaller token). Reads only `tok`'s child when it holds the majority of the occurrences.
+/// the smaller token), as [`Sam::most_frequent_child`] would say. Reads only `tok`'s child when
+/// it holds the majority of the occurrences, and stops at the first child that beats it.
 fn is_favourite(sam: &Sam, last: u32, tok: u32) -> bool {
     let Some(a) = sam.longest_with_children(last, 1) else {
         return false;
     };
-    if sam.degree(a) > 1 {
-        let Some(c) = sam.next_state(a, tok) else {
-            return false;
-        };
-        if 2.0 * sam.states[c as usize].cnt > sam.states[a as usize].cnt {
-            return true;
-        }
+    let Some(c) = sam.next_state(a, tok) else {
+        return false;
+    };
+    let n = sam.states[c as usize].cnt;
+    if 2.0 * n > sam.states[a as usize].cnt {
+        return true;
     }
-    sam.most_frequent_child(a).is_some_and(|(t, _)| t == tok)
+    !sam.children(a)
+        .any(|(t, s)| match sam.states[s as usize].cnt.total_cmp(&n) {
+            Ordering::Greater => true,
+            Ordering::Equal => t < tok,
+            Ordering::Less => false,
+        })
 }
 
 /// Where a pointer starts: the latest occurrence of the most frequent continuation of the
@@ -249,6 +256,38 @@ fn anchor(sam: &Sam, last: u32, min_len: u32) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn favourite_agrees_with_the_most_frequent_child() {
+        // Small and wide alphabets (the wide one makes hubs), repeated substrings so that counts
+        // tie and differ; weights of two versions so that they are not integers.
+        let mut x = 12345u64;
+        let mut rnd = |m: u64| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 33) % m
+        };
+        for alphabet in [3u32, 40] {
+            let mut sam = Sam::new();
+            for s in 0..12 {
+                let w = if s % 2 == 0 { 1.0 } else { 0.5 };
+                let mut last = 0;
+                for _ in 0..300 {
+                    last = sam.extend(last, rnd(alphabet as u64) as u32, w);
+                }
+            }
+            for s in 0..sam.num_states() as u32 {
+                let fav = sam
+                    .longest_with_children(s, 1)
+                    .and_then(|a| sam.most_frequent_child(a));
+                for t in 0..alphabet {
+                    let expect = fav.is_some_and(|(f, _)| f == t);
+                    assert_eq!(is_favourite(&sam, s, t), expect, "state {s} token {t}");
+                }
+            }
+        }
+    }
 
     /// Appends `t` to the string whose last state is `last` and whose last clock is `prev`, in
     /// both the automaton and the log (what `Group::push` does in the index).
