@@ -369,32 +369,21 @@ impl Sam {
             st.to0 = to;
             INLINE | from
         } else {
-            debug_assert!(
-                self.edges.len() < INLINE as usize,
-                "edge ids must leave INLINE free"
-            );
-            self.edges.len() as u32
+            let id = self.edges.len() as u32;
+            debug_assert!(id < INLINE, "edge ids must leave INLINE free");
+            // A hub lists the new edge; otherwise it becomes the head of the linked list.
+            let next = if st.is_hub() {
+                let ids = &mut self.hubs[st.head as usize];
+                let cap = ids.capacity();
+                ids.push(id);
+                self.hub_bytes += (ids.capacity() - cap) * 4;
+                NONE
+            } else {
+                std::mem::replace(&mut st.head, id)
+            };
+            self.edges.push(Edge { tok, to, next });
+            id
         };
-        if deg == 1 {
-        } else if st.is_hub() {
-            let ids = &mut self.hubs[st.head as usize];
-            let cap = ids.capacity();
-            ids.push(id);
-            self.hub_bytes += (ids.capacity() - cap) * 4;
-            self.edges.push(Edge {
-                tok,
-                to,
-                next: NONE,
-            });
-        } else {
-            let head = st.head;
-            st.head = id;
-            self.edges.push(Edge {
-                tok,
-                to,
-                next: head,
-            });
-        }
         if deg == HUB_DEGREE && !self.bulk {
             self.make_hub(from);
         }
