@@ -19,7 +19,13 @@ from histospec_sgl.errors import (
 )
 
 if TYPE_CHECKING:
-    from histospec_sgl._core import SNAPSHOT_FORMAT_VERSION, HistoryIndex, __version__, prompt_key
+    from histospec_sgl._core import (
+        SNAPSHOT_FORMAT_VERSION,
+        HistoryIndex,
+        __version__,
+        huge_pages,
+        prompt_key,
+    )
     from histospec_sgl.index import Draft, draft
 
 # The native module loads on first use: SGLang imports this package (its plugin entry point) in
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "HistoryIndex": "histospec_sgl._core",
     "prompt_key": "histospec_sgl._core",
+    "huge_pages": "histospec_sgl._core",
     "SNAPSHOT_FORMAT_VERSION": "histospec_sgl._core",
     "__version__": "histospec_sgl._core",
     "Draft": "histospec_sgl.index",
@@ -49,6 +56,7 @@ __all__ = [
     "Draft",
     "draft",
     "prompt_key",
+    "huge_pages",
     "errors",
     "HistospecError",
     "InvalidTokenError",

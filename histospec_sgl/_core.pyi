@@ -16,6 +16,15 @@ _Rids = Sequence[int] | npt.NDArray[np.int64]
 def prompt_key(prompt_ids: _Tokens) -> int:
     """XXH3-64 of the prompt's token ids as little-endian int32 bytes (the group key)."""
 
+def huge_pages(on: bool | None = None) -> bool:
+    """Whether the index's large buffers go on transparent huge pages in this process.
+
+    Decided once per process: by ``on`` if it is given before the first large buffer (64 KiB) is
+    allocated, otherwise by ``HISTOSPEC_HUGE_PAGES=1`` in the environment at that moment (off by
+    default). Returns the decision in force, which may differ from ``on`` when it came too late.
+    See the README's "Huge pages" bullet for the trade-off.
+    """
+
 class HistoryIndex:
     """Per-prompt history of earlier responses that drafts speculative-decoding trees.
 

@@ -92,6 +92,7 @@ def test_config_defaults_and_values():
     assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
         32, 512 << 20, "frequency", 64, 0.5)
     assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
+    assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
     assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
     assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)
     assert HistoryIndex(**HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()).threads == 3
@@ -108,6 +109,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_DRAFT_POLICY": "random"}, "recency, frequency"),
     ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
     ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
+    ({"HISTOSPEC_HUGE_PAGES": "yes"}, "HISTOSPEC_HUGE_PAGES"),
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
     ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),

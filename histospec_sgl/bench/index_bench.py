@@ -18,6 +18,8 @@ Metrics (keys of ``--json``):
   the process's memory the kernel backs with 2 MiB pages, and its THP mode. Batch draft times depend
   on it: the index's per-group arrays are 0.3-2 MB each, so with the usual allocator almost none of
   them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, session 12).
+  ``machine.huge_pages``: whether the index put its buffers on huge pages itself
+  (``HISTOSPEC_HUGE_PAGES=1``; bench/RESULTS.md, session 15).
 - ``accepted_per_position_k16``: replaying 64 prompts x 2 epoch-2 responses, a k=16 greedy chain is
   drafted at every position; mean tokens matching the logged continuation.
 - ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
@@ -39,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl import HistoryIndex
+from histospec_sgl import HistoryIndex, huge_pages
 from histospec_sgl.bench.workload import SPECS, Workload, generate
 
 D = 16
@@ -315,6 +317,7 @@ def run(
         "python": platform.python_version(),
         "threads": threads,
         "transparent_hugepages": _thp_mode(),
+        "huge_pages": huge_pages(),
     }
     result["draft_config"] = HistoryIndex(**kw).draft_config()
     return result

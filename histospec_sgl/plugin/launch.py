@@ -34,6 +34,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "--history-probe-every": ("HISTOSPEC_PROBE_EVERY", "N"),
     "--history-narrow-verify": ("HISTOSPEC_NARROW_VERIFY", "N"),
     "--history-threads": ("HISTOSPEC_THREADS", "N"),
+    "--history-huge-pages": ("HISTOSPEC_HUGE_PAGES", "0|1"),
     "--history-log-every": ("HISTOSPEC_LOG_EVERY", "N"),
 }
 

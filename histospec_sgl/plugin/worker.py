@@ -40,6 +40,7 @@ import numpy as np
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
+from histospec_sgl._core import huge_pages
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.config import HistoryConfig
 from histospec_sgl.plugin.drafter import BatchDrafter, fill_root_only, group_of
@@ -121,7 +122,8 @@ class HistoryWorker(NGRAMWorker):
         logger.info(
             "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s%s)", self.tp_rank,
             self.draft_token_num, "here" if self.drafter else "from rank 0", self.enable_overlap,
-            f", index threads {self.drafter.index.threads}" if self.drafter else "",
+            f", index threads {self.drafter.index.threads}, huge pages {'on' if huge_pages() else 'off'}"
+            if self.drafter else "",
         )
 
     # -- SGLang's hooks ------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 pub mod draft;
 pub mod error;
 pub mod follow;
+pub mod huge;
 pub mod par;
 pub mod peer_trie;
 pub mod replay;
