@@ -15,8 +15,8 @@
 //! Only whole 2 MiB pages inside a mapping become huge, so a mapping's partial last page costs
 //! nothing extra. Where the kernel says no (`never`, or not Linux) the mappings are ordinary memory.
 //!
-//! Why opt-in: on the 2-core benchmark VM, huge pages cut the 256-request tree draft by about 40%,
-//! the update by 37% and made ingest into memory the process already holds 50% faster, but the
+//! Why opt-in: on the 2-core benchmark VM, huge pages cut the 256-request tree draft by 20-40%,
+//! the update by 23-37% and made ingest into memory the process already holds 20-50% faster, but the
 //! first touch of each fresh huge page costs milliseconds there (the host backs it 4 KiB at a
 //! time), so ingest into fresh memory fell from 5.0 to 1.8 M tokens/s (`bench/RESULTS.md`,
 //! session 15). A long-running engine mostly reuses memory; a short job mostly touches new memory.
