@@ -210,6 +210,27 @@ def test_siblings_in_flight_draft_from_each_other():
     assert hs.draft(ix, 2, 4, chain=True).tokens.tolist() == [30, 31, 32, 33]
 
 
+def test_recovery_continues_the_match_the_last_token_broke():
+    # History: 10 11 12 13 14 15 16. The request inserted 99 after 13. With recovery, the root
+    # offers 14 ("99 was inserted": continue after 13) and 15 ("99 replaced 14"), and never 99
+    # again (after 13 it follows only in the request's own string). Without, nothing matches "99".
+    drafts = {}
+    for recover in (0.0, 0.5):
+        ix = HistoryIndex(**{**FREQUENCY, "recover": recover})
+        ix.add_response(None, [1], [10, 11, 12, 13, 14, 15, 16], 0)
+        ix.begin_request(1, None, [1])
+        ix.extend_request(1, [10, 11, 12, 13, 99])
+        drafts[recover] = ix.draft(1, 8)
+    assert drafts[0.0][0] == [99]
+    tokens, parents, _ = drafts[0.5]
+    assert tokens[0] == 99
+    assert sorted(t for t, p in zip(tokens, parents) if p == 0) == [14, 15]
+    assert 99 not in tokens[1:]
+    # Each hypothesis goes on along the history: 14 -> 15 -> 16 and 15 -> 16.
+    kids = {(tokens[p], t) for t, p in zip(tokens, parents) if p > 0}
+    assert {(14, 15), (15, 16)} <= kids
+
+
 def test_self_repetition_counts():
     ix = HistoryIndex()
     ix.begin_request(1, None, [1])

@@ -646,6 +646,23 @@ impl Sam {
         }
         None
     }
+
+    /// The first state on the suffix-link path of `s` (itself included) that represents a suffix
+    /// of length at least `min_len` and has a transition on a token other than `t`; `None` when
+    /// there is none.
+    pub fn longest_with_other_child(&self, mut s: u32, t: u32, min_len: u32) -> Option<u32> {
+        while s != NONE {
+            let st = &self.states[s as usize];
+            if st.len < min_len {
+                return None;
+            }
+            if st.degree() >= 2 || (st.degree() == 1 && st.tok0 != t) {
+                return Some(s);
+            }
+            s = st.link;
+        }
+        None
+    }
 }
 
 /// Iterator over `(token, target)` of one state's transitions, most recent first.

@@ -939,19 +939,32 @@ impl HistoryIndex {
             anchors[0] = (a, 1.0);
             n = 1;
         }
-        // Recovery: the last token broke a longer match (l1 >= l0). The response may go on as if
-        // that token had been inserted (continue the old match) or had replaced the predicted one
-        // (continue after the old match's most frequent next token).
+        // Recovery: the last token `t` broke a longer match (l1 >= l0). The response may go on as
+        // if `t` had been inserted (continue the old match) or had replaced the token history
+        // predicted (continue after the old match's most frequent other next token). The old
+        // match is the longest suffix before `t` that history continued with something else:
+        // the request's own string is in the automaton, so `prev` itself always continues with `t`.
+        let mut insertion = None;
         if cfg.recover > 0.0 && req.prev != NONE {
-            if let Some(a1) = sam.longest_with_children(req.prev, cfg.min_match.max(3)) {
+            let t = root_tok;
+            if let Some(a1) = sam.longest_with_other_child(req.prev, t, cfg.min_match.max(3)) {
                 if sam.states[a1 as usize].len >= l0 {
                     let share = if n == 1 { cfg.recover } else { 1.0 };
                     if n == 1 {
                         anchors[0].1 = 1.0 - share;
                     }
                     anchors[n] = (a1, share / 2.0);
+                    insertion = Some(n);
                     n += 1;
-                    if let Some((_, s)) = sam.most_frequent_child(a1) {
+                    let best = sam
+                        .children(a1)
+                        .filter(|&(tok, _)| tok != t)
+                        .max_by(|x, y| {
+                            let (cx, cy) =
+                                (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
+                            cx.total_cmp(&cy).then(y.0.cmp(&x.0))
+                        });
+                    if let Some((_, s)) = best {
                         if sam.states[s as usize].has_children() {
                             anchors[n] = (s, share / 2.0);
                             n += 1;
@@ -968,7 +981,11 @@ impl HistoryIndex {
             weight,
             then,
         });
-        Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new)
+        let job = Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new);
+        match insertion {
+            Some(i) => job.avoiding(i, root_tok),
+            None => job,
+        }
     }
 
     /// Every request of a batch with its group (the first unknown id is an error). The lookups
