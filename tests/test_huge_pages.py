@@ -90,3 +90,46 @@ def test_huge_pages_can_be_asked_for_in_code_before_the_first_index():
     asked = _run(None, "ask")
     assert asked["on"] and asked["too_late"]
     assert asked["advised_kb"] * 1024 >= asked["index_bytes"] // 2, asked
+
+
+FORKER = r"""
+import os, sys, threading
+import numpy as np
+import histospec_sgl as hs
+
+assert hs.huge_pages(True)
+stop = threading.Event()
+
+def churn():
+    # Builds and drops indexes: pool blocks are taken and given back all the time.
+    rng = np.random.default_rng(1)
+    while not stop.is_set():
+        ix = hs.HistoryIndex()
+        ix.add_response(0, [1], rng.integers(1, 300, 30000).tolist(), 0)
+        del ix
+
+t = threading.Thread(target=churn)
+t.start()
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        # The child allocates from the pools at once; a lock held across fork would hang it here.
+        ix = hs.HistoryIndex()
+        ix.add_response(0, [1], list(range(1, 20000)), 0)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0, status
+stop.set()
+t.join()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are a Linux feature")
+def test_fork_while_another_thread_allocates_never_hangs_the_child():
+    # The pools' lock is held across fork by the fork handlers, so a child never starts with it
+    # taken by a thread it does not have.
+    out = subprocess.run(
+        [sys.executable, "-c", FORKER, "150"], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
