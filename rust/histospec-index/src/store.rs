@@ -947,28 +947,28 @@ impl HistoryIndex {
         let mut insertion = None;
         if cfg.recover > 0.0 && req.prev != NONE {
             let t = root_tok;
-            if let Some(a1) = sam.longest_with_other_child(req.prev, t, cfg.min_match.max(3)) {
-                if sam.states[a1 as usize].len >= l0 {
-                    let share = if n == 1 { cfg.recover } else { 1.0 };
-                    if n == 1 {
-                        anchors[0].1 = 1.0 - share;
-                    }
-                    anchors[n] = (a1, share / 2.0);
-                    insertion = Some(n);
-                    n += 1;
-                    let best = sam
-                        .children(a1)
-                        .filter(|&(tok, _)| tok != t)
-                        .max_by(|x, y| {
-                            let (cx, cy) =
-                                (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
-                            cx.total_cmp(&cy).then(y.0.cmp(&x.0))
-                        });
-                    if let Some((_, s)) = best {
-                        if sam.states[s as usize].has_children() {
-                            anchors[n] = (s, share / 2.0);
-                            n += 1;
-                        }
+            // Only a match at least as long as the current one counts as broken, so the walk
+            // stops there: usually after `prev` and its link, both read by the last step.
+            let min_len = cfg.min_match.max(3).max(l0);
+            if let Some(a1) = sam.longest_with_other_child(req.prev, t, min_len) {
+                let share = if n == 1 { cfg.recover } else { 1.0 };
+                if n == 1 {
+                    anchors[0].1 = 1.0 - share;
+                }
+                anchors[n] = (a1, share / 2.0);
+                insertion = Some(n);
+                n += 1;
+                let best = sam
+                    .children(a1)
+                    .filter(|&(tok, _)| tok != t)
+                    .max_by(|x, y| {
+                        let (cx, cy) = (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
+                        cx.total_cmp(&cy).then(y.0.cmp(&x.0))
+                    });
+                if let Some((_, s)) = best {
+                    if sam.states[s as usize].has_children() {
+                        anchors[n] = (s, share / 2.0);
+                        n += 1;
                     }
                 }
             }
