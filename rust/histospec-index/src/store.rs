@@ -958,14 +958,7 @@ impl HistoryIndex {
                 anchors[n] = (a1, share / 2.0);
                 insertion = Some(n);
                 n += 1;
-                let best = sam
-                    .children(a1)
-                    .filter(|&(tok, _)| tok != t)
-                    .max_by(|x, y| {
-                        let (cx, cy) = (sam.states[x.1 as usize].cnt, sam.states[y.1 as usize].cnt);
-                        cx.total_cmp(&cy).then(y.0.cmp(&x.0))
-                    });
-                if let Some((_, s)) = best {
+                if let Some((_, s)) = sam.most_frequent_child_except(a1, t) {
                     if sam.states[s as usize].has_children() {
                         anchors[n] = (s, share / 2.0);
                         n += 1;
