@@ -23,6 +23,7 @@
 //! The binaries that hold the index declare the allocator as their `#[global_allocator]`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 /// Size of a transparent huge page on x86-64 and most aarch64 kernels.
@@ -90,7 +91,7 @@ extern "C" fn lock_before_fork() {
 static MODE: AtomicU8 = AtomicU8::new(0);
 
 /// The environment variable that turns huge pages on (`1`).
-pub const ENV: &str = "HISTOSPEC_HUGE_PAGES";
+pub const ENV: &CStr = c"HISTOSPEC_HUGE_PAGES";
 
 /// Whether large blocks go on huge pages in this process; decides from [`ENV`] on first use.
 pub fn enabled() -> bool {
@@ -127,12 +128,12 @@ pub fn set_enabled(on: bool) -> bool {
     }
 }
 
-/// `HISTOSPEC_HUGE_PAGES=1`, read without allocating (this runs inside the allocator).
+/// [`ENV`]`=1`, read without allocating (this runs inside the allocator).
 fn env_says_yes() -> bool {
     #[cfg(target_os = "linux")]
     {
         // SAFETY: a NUL-terminated name; the value is read before anything can change it.
-        let v = unsafe { libc::getenv(c"HISTOSPEC_HUGE_PAGES".as_ptr()) };
+        let v = unsafe { libc::getenv(ENV.as_ptr()) };
         // SAFETY: a non-null result is a NUL-terminated string, so its first two bytes exist.
         !v.is_null() && unsafe { *v == b'1' as libc::c_char && *v.add(1) == 0 }
     }
@@ -250,7 +251,7 @@ mod os {
     /// Unmaps a block of `size` bytes made by [`map`].
     ///
     /// # Safety
-    /// `ptr` must come from `map(size)` (or a successful [`grow_in_place`] to `size`) and not be
+    /// `ptr` must come from `map(size)` (or a successful [`resize_in_place`] to `size`) and not be
     /// used afterwards.
     pub unsafe fn unmap(ptr: *mut u8, size: usize) {
         // SAFETY: the caller passes a live mapping of `pages(size)` bytes.
