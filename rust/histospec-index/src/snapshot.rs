@@ -13,6 +13,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{CoreError, Result};
+use crate::sam::NONE;
 use crate::store::{HistoryIndex, IndexConfig};
 
 const MAGIC: &[u8; 8] = b"HSPX\r\n\x1a\n";
@@ -76,24 +77,44 @@ impl Reader<'_> {
 }
 
 impl HistoryIndex {
-    /// Serializes the history (not the in-flight requests) to bytes.
+    /// Serializes the history (not the in-flight requests) to bytes: the groups that keep a
+    /// response, each with the prompts its responses name. A group known only from requests in
+    /// flight, and prompts seen only in requests, are not history, so loading the bytes and
+    /// serializing again gives the same bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut w = Writer(Vec::new());
         w.u64(self.version());
-        let mut order: Vec<(u64, u64)> =
-            self.groups.iter().map(|(&k, g)| (g.last_used, k)).collect();
+        let mut order: Vec<(u64, u64)> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.responses.is_empty())
+            .map(|(&k, g)| (g.last_used, k))
+            .collect();
         order.sort_unstable();
         w.u64(order.len() as u64);
+        let mut remap = Vec::new();
         for (_, key) in order {
             let g = &self.groups[&key];
             w.u64(key);
-            w.u32(g.prompts.len() as u32);
-            for p in &g.prompts {
-                w.toks(p);
+            // The prompts the responses name, numbered in order of first use: the order in
+            // which loading the responses stores them again.
+            remap.clear();
+            remap.resize(g.prompts.len(), NONE);
+            let mut named = Vec::new();
+            for r in &g.responses {
+                let slot = &mut remap[r.prompt as usize];
+                if *slot == NONE {
+                    *slot = named.len() as u32;
+                    named.push(r.prompt);
+                }
+            }
+            w.u32(named.len() as u32);
+            for &p in &named {
+                w.toks(&g.prompts[p as usize]);
             }
             w.u32(g.responses.len() as u32);
             for r in &g.responses {
-                w.u32(r.prompt);
+                w.u32(remap[r.prompt as usize]);
                 w.u64(r.version);
                 w.toks(&r.tokens);
             }

@@ -179,6 +179,18 @@ proptest! {
         let mut c = HistoryIndex::from_bytes(&a.to_bytes(), IndexConfig::default()).unwrap();
         prop_assert_eq!(c.stats().tokens, a.stats().tokens);
         prop_assert_eq!(&draft(&mut c), &da);
+        // A loaded snapshot saves to the same bytes: requests in flight are not history (neither
+        // a group known only from one, 4, nor a prompt seen only in one, [7, 7] in 3, is saved),
+        // and prompts are saved in the order loading the responses stores them (5's response
+        // with prompt [7, 7] finished after one with [1] was added).
+        a.begin_request(12, 5, &[7, 7], None).unwrap();
+        a.add_response(5, &[1], &to_i32(&gen), 0).unwrap();
+        a.finish_request(12, true).unwrap();
+        a.begin_request(10, 4, &to_i32(&prompt), None).unwrap();
+        a.begin_request(11, 3, &[7, 7], None).unwrap();
+        let saved = a.to_bytes();
+        let loaded = HistoryIndex::from_bytes(&saved, IndexConfig::default()).unwrap();
+        prop_assert_eq!(&loaded.to_bytes(), &saved);
     }
 
     /// A batch call grows its requests interleaved (several at once, steps alternating); every
