@@ -8,17 +8,19 @@ responses each group keeps (retention: the last ``KEEP``), and every draft must 
 (root = last context token, parents first, no duplicate siblings, probabilities that only fall
 along a path, every edge below the root a bigram of the group's text). Errors must be the
 documented Python exceptions; a Rust panic would surface as ``pyo3_runtime.PanicException``,
-which is not an ``Exception`` and fails the run.
+which is not an ``Exception`` and fails the run. A second machine runs the same calls under a
+memory budget, where idle groups may be evicted but never one with a request in flight.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
+from typing import ClassVar
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -79,9 +81,13 @@ def check_layout(tok: np.ndarray, mask: np.ndarray, d: int) -> list[int]:
 
 
 class IndexMachine(RuleBasedStateMachine):
+    PLAIN: ClassVar[dict[str, int]] = {"vocab_size": V, "max_responses": KEEP}
+    OPTIONS: ClassVar[dict[str, int]] = PLAIN
+
     def __init__(self) -> None:
         super().__init__()
-        self.ix = HistoryIndex(vocab_size=V, max_responses=KEEP)
+        self.ix = HistoryIndex(**self.OPTIONS)
+        self.evictions = 0  # the index's eviction count the model has accounted for
         # rid: (group, prompt, generated tokens, version)
         self.inflight: dict[int, tuple[int, list[int], list[int], int]] = {}
         self.kept: dict[int, list[tuple[list[int], list[int], int]]] = defaultdict(list)
@@ -258,11 +264,12 @@ class IndexMachine(RuleBasedStateMachine):
         self.ix.clear()
         self.kept.clear()
         self.inflight.clear()
+        self.evictions = self.ix.stats()["evictions"]
 
     @rule(load=st.booleans())
     def snapshot_round_trip(self, load):
         data = self.ix.to_bytes()
-        other = HistoryIndex(vocab_size=V, max_responses=KEEP)
+        other = HistoryIndex(**self.PLAIN)
         other.load_bytes(data)
         assert other.to_bytes() == data
         for g in self.ix.group_keys():
@@ -271,6 +278,7 @@ class IndexMachine(RuleBasedStateMachine):
             # Loading replaces the history; requests in flight do not survive it.
             self.ix.load_bytes(data)
             self.inflight.clear()
+            self.evictions = 0  # a loaded index counts afresh
 
     @rule(data=st.data())
     def corrupt_snapshot_is_rejected_and_changes_nothing(self, data):
@@ -288,6 +296,18 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def agrees_with_the_model(self):
         s = self.ix.stats()
+        # Groups the memory budget evicted: only idle ones, each counted.
+        live = {g for g, r in self.kept.items() if r} | {v[0] for v in self.inflight.values()}
+        gone = live - set(self.ix.group_keys())
+        assert not gone & {v[0] for v in self.inflight.values()}, (
+            "a group with requests in flight was evicted"
+        )
+        assert s["evictions"] - self.evictions == len(gone)
+        self.evictions = s["evictions"]
+        for g in gone:
+            self.kept.pop(g)
+        if gone:
+            event("a group was evicted")
         assert s["requests"] == len(self.inflight)
         for rid in range(10):
             assert self.ix.has_request(rid) == (rid in self.inflight)
@@ -308,3 +328,14 @@ TestIndexStateful.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class BudgetMachine(IndexMachine):
+    """The same calls under a memory budget of a few small groups: idle groups are evicted, least
+    recently used first; a group with requests in flight never is."""
+
+    OPTIONS: ClassVar[dict[str, int]] = {**IndexMachine.PLAIN, "max_bytes": 3000}
+
+
+TestIndexStatefulBudget = BudgetMachine.TestCase
+TestIndexStatefulBudget.settings = TestIndexStateful.settings
