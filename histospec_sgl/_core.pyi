@@ -35,10 +35,12 @@ class HistoryIndex:
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
         min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short,
-        follow, follow_resync:
+        follow, follow_resync, hub_follow:
             the draft policy; ``follow`` (0 = off) and ``follow_resync`` are the prior weights of
             source following (the request drafts the next tokens of the earlier response it is
-            rewriting, with a weight learned from its own hits)
+            rewriting, with a weight learned from its own hits); a root whose match has 16 or
+            more continuations drafts only that source's path when its weight is at least
+            ``hub_follow`` (1 = never)
             (see ``rust/histospec-index/src/draft.rs`` and the README).
         threads: threads that batch calls (``draft_batch``, ``draft_chain_batch``,
             ``extend_batch``) may use, the caller's included (1..64). A batch of at least 32
@@ -67,6 +69,7 @@ class HistoryIndex:
         escape_short: float = 2.0,
         follow: float = 0.5,
         follow_resync: float = 0.1,
+        hub_follow: float = 0.1,
         threads: int = 1,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
@@ -161,6 +164,7 @@ class HistoryIndex:
         escape_short: float | None = None,
         follow: float | None = None,
         follow_resync: float | None = None,
+        hub_follow: float | None = None,
     ) -> None:
         """Changes some draft-policy knobs."""
 

@@ -231,6 +231,29 @@ def test_recovery_continues_the_match_the_last_token_broke():
     assert {(14, 15), (15, 16)} <= kids
 
 
+def test_hub_root_defers_to_a_trusted_source():
+    # Token 5 has 16 continuations in the history (a hub). The request copies 30..37 of the second
+    # response, then writes 5 where the source has 38: its longest match is just "5". With
+    # hub_follow at its default, the root drafts only the source's path (5 replaced 38: 39, 40, ...);
+    # with hub_follow=1 it also offers the hub's continuations.
+    spread = [x for t in range(10, 26) for x in (5, t)]
+    drafts = {}
+    for hub_follow in (0.1, 1.0):
+        ix = HistoryIndex(hub_follow=hub_follow)
+        ix.add_response(9, [1], spread, 0)
+        ix.add_response(9, [1], list(range(30, 50)), 0)
+        ix.begin_request(1, 9, [1])
+        ix.extend_request(1, [*range(30, 38), 5])
+        drafts[hub_follow] = ix.draft(1, 6)
+    assert drafts[0.1][:2] == ([5, 39, 40, 41, 42, 43], [-1, 0, 1, 2, 3, 4])
+    tokens, parents, _ = drafts[1.0]
+    root_kids = {t for t, p in zip(tokens, parents) if p == 0}
+    assert 39 in root_kids and len(root_kids & set(range(10, 26))) >= 3
+    assert HistoryIndex().draft_config()["hub_follow"] == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="hub_follow"):
+        HistoryIndex(hub_follow=1.5)
+
+
 def test_self_repetition_counts():
     ix = HistoryIndex()
     ix.begin_request(1, None, [1])

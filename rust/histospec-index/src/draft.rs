@@ -30,6 +30,12 @@
 //!    Nodes only the pointer predicts carry no automaton state and continue along the pointer.
 //!    On W1 this took k=16 acceptance from 10.3 to 11.2 and d=16 tokens per step from 6.2 to 7.0;
 //!    on the real rollouts +1-2% (a fixed λ of 0.9 cost them 15%, which is why it is learned).
+//!    A root anchored at a hub (a match with at least [`crate::sam::HUB_DEGREE`] continuations: a short
+//!    context, usually because the last token broke a longer match) drafts the pointer's path
+//!    alone when the pointer's weight is at least `hub_follow` (0.1): the hub's continuations
+//!    share the budget thinly, and reading each of them is most of such a root's cost. On W1 this
+//!    took d=16 tokens per step from 6.82 to 6.94 and the one-thread tree step to 0.7x; on the
+//!    real rollouts it changed tokens per step by -0.14% to -0.01% (bench/RESULTS.md, session 16).
 //! 5. *Fallback.* A node whose state has no continuation (its match reached the end of a stored
 //!    string) continues from the longest suffix that has one, if that suffix is at least
 //!    `min_match` long.
@@ -81,6 +87,11 @@ pub struct DraftConfig {
     /// The same prior for the first prediction after the pointer fell out of step (its guess at
     /// where the source resumes).
     pub follow_resync: f32,
+    /// A root anchored at a hub (a context with at least [`crate::sam::HUB_DEGREE`] continuations: a short
+    /// match, after the last token broke a longer one) drafts the source pointer's path alone when
+    /// the pointer's weight is at least this, instead of spreading the budget over the hub's many
+    /// continuations (and reading each of them). 1 = never.
+    pub hub_follow: f32,
 }
 
 impl Default for DraftConfig {
@@ -97,6 +108,7 @@ impl Default for DraftConfig {
             escape_short: 2.0,
             follow: 0.5,
             follow_resync: 0.1,
+            hub_follow: 0.1,
         }
     }
 }
@@ -141,6 +153,12 @@ impl DraftConfig {
             return Err(format!(
                 "follow_resync must be in [0, 1), got {}",
                 self.follow_resync
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.hub_follow) {
+            return Err(format!(
+                "hub_follow must be in [0, 1], got {}",
+                self.hub_follow
             ));
         }
         if self.blend > 16 {

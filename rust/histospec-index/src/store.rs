@@ -9,7 +9,7 @@ use crate::draft::{
 use crate::error::{CoreError, Result};
 use crate::follow::{Follow, Log};
 use crate::par::{split, split_mut, split_opt, Par, MAX_THREADS};
-use crate::sam::{prefetch, Sam, NONE};
+use crate::sam::{prefetch, Sam, HUB_DEGREE, NONE};
 
 thread_local! {
     // Scratch space for the parts of a batch that run on pool threads (and on the caller, when a
@@ -974,6 +974,17 @@ impl HistoryIndex {
             weight,
             then,
         });
+        // A hub root (a short match with many continuations) defers to a trusted source pointer.
+        if let Some(p) = pointer {
+            if n == 1
+                && cfg.hub_follow < 1.0
+                && p.pred != NONE
+                && p.weight >= cfg.hub_follow
+                && sam.degree(anchors[0].0) >= HUB_DEGREE
+            {
+                n = 0;
+            }
+        }
         let job = Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new);
         match insertion {
             Some(i) => job.avoiding(i, root_tok),

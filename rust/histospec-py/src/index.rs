@@ -114,6 +114,7 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     out.set_item("escape_short", d.escape_short)?;
     out.set_item("follow", d.follow)?;
     out.set_item("follow_resync", d.follow_resync)?;
+    out.set_item("hub_follow", d.hub_follow)?;
     Ok(out)
 }
 
@@ -150,7 +151,8 @@ impl PyHistoryIndex {
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
                         min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
-                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1, threads=1))]
+                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1, hub_follow=0.1,
+                        threads=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -169,6 +171,7 @@ impl PyHistoryIndex {
         escape_short: f32,
         follow: f32,
         follow_resync: f32,
+        hub_follow: f32,
         threads: usize,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
@@ -183,6 +186,7 @@ impl PyHistoryIndex {
             escape_short,
             follow,
             follow_resync,
+            hub_follow,
         };
         let cfg = make_config(
             vocab_size,
@@ -445,7 +449,7 @@ impl PyHistoryIndex {
     }
 
     /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None))]
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None, hub_follow=None))]
     #[allow(clippy::too_many_arguments)]
     fn set_draft_config(
         &self,
@@ -460,6 +464,7 @@ impl PyHistoryIndex {
         escape_short: Option<f32>,
         follow: Option<f32>,
         follow_resync: Option<f32>,
+        hub_follow: Option<f32>,
     ) -> PyResult<()> {
         let mut g = self.write()?;
         let mut d = g.config().draft.clone();
@@ -474,6 +479,7 @@ impl PyHistoryIndex {
         d.escape_short = escape_short.unwrap_or(d.escape_short);
         d.follow = follow.unwrap_or(d.follow);
         d.follow_resync = follow_resync.unwrap_or(d.follow_resync);
+        d.hub_follow = hub_follow.unwrap_or(d.hub_follow);
         g.set_draft_config(d).map_err(to_py)
     }
 
