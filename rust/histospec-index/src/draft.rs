@@ -34,7 +34,7 @@
 //!    context, usually because the last token broke a longer match) drafts the pointer's path
 //!    alone when the pointer's weight is at least `hub_follow` (0.1): the hub's continuations
 //!    share the budget thinly, and reading each of them is most of such a root's cost. On W1 this
-//!    took d=16 tokens per step from 6.82 to 6.94 and the one-thread tree step to 0.7x; on the
+//!    took d=16 tokens per step from 6.82 to 6.94 and the one-thread tree step to ~0.75x; on the
 //!    real rollouts it changed tokens per step by -0.14% to -0.01% (bench/RESULTS.md, session 16).
 //! 5. *Fallback.* A node whose state has no continuation (its match reached the end of a stored
 //!    string) continues from the longest suffix that has one, if that suffix is at least
