@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+from _contract import check_contract
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -63,23 +64,6 @@ def check_draft(
             assert (tokens[p], tokens[i]) in bigrams, f"edge {tokens[p]}->{tokens[i]} is in no text"
 
 
-def check_layout(tok: np.ndarray, mask: np.ndarray, d: int) -> list[int]:
-    """Parents from an ancestor mask (ancestor-or-self rows, parents first); no duplicate siblings."""
-    m = mask.reshape(d, d).astype(bool)
-    parents = [-1]
-    assert m[0, 0] and not m[0, 1:].any()
-    for i in range(1, d):
-        row = m[i]
-        assert row[i] and not row[i + 1 :].any()
-        p = max(j for j in range(i) if row[j])
-        assert (row[:i] == m[p, :i]).all() and not m[p, i]
-        parents.append(p)
-    for i in range(1, d):
-        for j in range(i + 1, d):
-            assert not (parents[i] == parents[j] and tok[i] == tok[j]), "duplicate siblings"
-    return parents
-
-
 class IndexMachine(RuleBasedStateMachine):
     PLAIN: ClassVar[dict[str, int]] = {"vocab_size": V, "max_responses": KEEP}
     OPTIONS: ClassVar[dict[str, int]] = PLAIN
@@ -99,6 +83,10 @@ class IndexMachine(RuleBasedStateMachine):
         seqs += [p + o for (gg, p, o, _) in self.inflight.values() if gg == g]
         bigrams = {(s[i], s[i + 1]) for s in seqs for i in range(len(s) - 1)}
         return bigrams, {t for s in seqs for t in s}
+
+    def context(self, rid: int) -> list[int]:
+        _, prompt, out, _ = self.inflight[rid]
+        return prompt + out
 
     def some_requests(self, data: st.DataObject, most: int) -> list[int]:
         return data.draw(
@@ -201,9 +189,10 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(data=st.data(), d=st.integers(1, 12), chain=st.booleans())
     def draft(self, data, d, chain):
         rid = data.draw(st.sampled_from(sorted(self.inflight)))
-        g, prompt, out, _ = self.inflight[rid]
         tokens, parents, probs = self.ix.draft(rid, d, chain)
-        check_draft(tokens, parents, probs, prompt + out, *self.group_text(g), budget=d)
+        check_draft(
+            tokens, parents, probs, self.context(rid), *self.group_text(self.inflight[rid][0]), budget=d
+        )
         if chain:
             assert parents == list(range(-1, len(tokens) - 1))
 
@@ -219,6 +208,7 @@ class IndexMachine(RuleBasedStateMachine):
         nonempty, nodes = self.ix.draft_batch(
             rids, d, tok, mask, probs, counts, interleave=data.draw(st.booleans())
         )
+        layout = check_contract(tok, mask, [self.context(r)[-1] for r in rids], d)
         total = 0
         for i, rid in enumerate(rids):
             t, p, pr = self.ix.draft(rid, d)
@@ -226,7 +216,7 @@ class IndexMachine(RuleBasedStateMachine):
             row = slice(i * d, (i + 1) * d)
             assert tok[row][:n].tolist() == t
             assert np.allclose(probs[row][:n], pr) and (probs[row][n:] == 0).all()
-            assert check_layout(tok[row], mask[i * d * d : (i + 1) * d * d], d)[:n] == p
+            assert layout[i][:n] == p
             assert counts[i] == n - 1
             total += n - 1
         assert nodes == total and nonempty == int((counts > 0).sum())
