@@ -92,7 +92,7 @@ impl HistoryIndex {
             .collect();
         order.sort_unstable();
         w.u64(order.len() as u64);
-        let mut remap = Vec::new();
+        let (mut remap, mut named) = (Vec::new(), Vec::new());
         for (_, key) in order {
             let g = &self.groups[&key];
             w.u64(key);
@@ -100,7 +100,7 @@ impl HistoryIndex {
             // which loading the responses stores them again.
             remap.clear();
             remap.resize(g.prompts.len(), NONE);
-            let mut named = Vec::new();
+            named.clear();
             for r in &g.responses {
                 let slot = &mut remap[r.prompt as usize];
                 if *slot == NONE {
