@@ -21,7 +21,9 @@
 //! 3. *Growth.* Best-first: the frontier is a max-heap of path probabilities (product of the
 //!    estimates along the path); the best candidate becomes a node until the budget is used or the
 //!    best candidate falls below `min_prob`. Each node offers at most `max_children` children.
-//!    A chain is the same process with one child per node.
+//!    A chain is the same process with one child per node; it is grown without the heap (which
+//!    would never hold more than one candidate), and a state with one transition is scored
+//!    without enumerating it.
 //! 4. *Source following* (`follow > 0`, see [`crate::follow`]). The request keeps a pointer into
 //!    the earlier string it is rewriting; the pointer's next token is mixed into each estimate
 //!    along its path with a weight learned per request: `(1-λ)·estimate + λ·[token = source's]`,
@@ -45,7 +47,9 @@
 //! 7. *Batches.* A batch call grows [`LANES`] requests at a time and alternates between them: each
 //!    node expansion first prefetches the transitions' target states, then yields to the next
 //!    request, and scores the children when it comes round again, so the cache misses of several
-//!    requests overlap. The drafts are exactly those drafted one at a time.
+//!    requests overlap. A chain yields only when its next state is not next to the last one in
+//!    memory (a response's states are created in order, so a long match mostly reads neighbours).
+//!    The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
 use std::collections::BinaryHeap;
@@ -489,12 +493,11 @@ impl Growth {
     /// Runs the pending expansion, then takes the best candidates as nodes until one has
     /// something to expand (false: call again) or the draft is complete (true: `out` holds it).
     fn advance(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
+        if job.chain {
+            return self.advance_chain(job, cfg);
+        }
         let sam = job.sam;
-        let per_node = if job.chain {
-            1
-        } else {
-            cfg.max_children as usize
-        };
+        let per_node = cfg.max_children as usize;
         if let Some(p) = self.pending.take() {
             let ptr = match (p.ptr, job.pointer) {
                 (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
@@ -564,6 +567,121 @@ impl Growth {
         true
     }
 
+    /// [`Growth::advance`] for a chain: the same nodes as a tree growth offering one child per
+    /// node, without the frontier heap (it never holds more than one candidate) or the BFS
+    /// reordering (a chain is in BFS order). It yields only before an expansion whose reads are
+    /// not next to the last ones ([`Sam::near`]).
+    fn advance_chain(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
+        let sam = job.sam;
+        while let Some(p) = self.pending.take() {
+            if self.nodes.len() >= job.budget {
+                break;
+            }
+            let ptr = match (p.ptr, job.pointer) {
+                (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
+                _ => None,
+            };
+            let Some(k) = self.best_kid(sam, &p, job.w_new, cfg, ptr) else {
+                break;
+            };
+            let score = p.pprob * k.p;
+            if score < cfg.min_prob || score <= 0.0 {
+                break;
+            }
+            let id = self.nodes.len() as u32;
+            self.nodes.push(Node {
+                tok: k.tok,
+                parent: p.parent,
+                prob: score,
+            });
+            let st = if k.to == NONE {
+                None
+            } else if sam.states[k.to as usize].has_children() {
+                Some(k.to)
+            } else {
+                sam.longest_with_children(sam.states[k.to as usize].link, cfg.min_match)
+            };
+            let ptr = match job.pointer {
+                Some(pt) if k.ptr != NONE => {
+                    let n = pt.log.next(k.ptr);
+                    (n != NONE).then_some((n, pt.then))
+                }
+                _ => None,
+            };
+            if st.is_none() && ptr.is_none() {
+                break;
+            }
+            let mut sources = [(NONE, 0.0); MAX_ANCHORS];
+            if let Some(s) = st {
+                sources[0] = (s, 1.0);
+            }
+            self.pending = Some(Pending {
+                sources,
+                avoid: [NONE; MAX_ANCHORS],
+                n: usize::from(st.is_some()),
+                parent: id,
+                pprob: score,
+                ptr,
+            });
+            if !st.is_some_and(|s| sam.near(s, k.to)) {
+                if let Some(s) = st {
+                    sam.prefetch_expansion(s);
+                }
+                return false;
+            }
+        }
+        self.out.clear();
+        self.out.extend_from_slice(&self.nodes);
+        true
+    }
+
+    /// The child a chain node takes: the first of [`Growth::offer`]'s order for the pending
+    /// expansion `p`, computed directly for the common case of one source with one transition.
+    fn best_kid(
+        &mut self,
+        sam: &Sam,
+        p: &Pending,
+        w_new: f32,
+        cfg: &DraftConfig,
+        ptr: Option<(&Log, u32, f32)>,
+    ) -> Option<Kid> {
+        let single = p.n == 1 && p.avoid[0] == NONE && cfg.blend == 0 && p.sources[0].1 == 1.0;
+        let s = p.sources[0].0;
+        if !single || sam.degree(s) != 1 {
+            self.collect_kids(sam, &p.sources[..p.n], &p.avoid, w_new, cfg, ptr);
+            return self.kids.iter().copied().min_by(by_p);
+        }
+        let mut kid = one_child_estimate(sam, s, w_new, cfg).map(|k| k.0);
+        if let Some((log, clock, lam)) = ptr {
+            if let Some(e) = log.get(clock) {
+                let alt = Kid {
+                    tok: e.tok,
+                    to: NONE,
+                    cnt: 0.0,
+                    recent: 0,
+                    p: lam,
+                    ptr: clock,
+                };
+                kid = Some(match kid {
+                    Some(mut k) => {
+                        k.p *= 1.0 - lam;
+                        if k.tok == e.tok {
+                            k.p += lam;
+                            k.ptr = clock;
+                            k
+                        } else if by_p(&alt, &k) == Ordering::Less {
+                            alt
+                        } else {
+                            k
+                        }
+                    }
+                    None => alt,
+                });
+            }
+        }
+        kid
+    }
+
     /// Offers the children of the weighted `sources` (merged by token; source `i` never offers
     /// `avoid[i]`) as candidates under `parent`, mixed with the pointer's prediction `ptr` (log,
     /// clock of the predicted token, weight).
@@ -576,6 +694,47 @@ impl Growth {
         parent: u32,
         pprob: f32,
         per_node: usize,
+        w_new: f32,
+        cfg: &DraftConfig,
+        ptr: Option<(&Log, u32, f32)>,
+    ) {
+        self.collect_kids(sam, sources, avoid, w_new, cfg, ptr);
+        if self.kids.is_empty() {
+            return;
+        }
+        let m = per_node.min(self.kids.len());
+        if m < self.kids.len() {
+            self.kids.select_nth_unstable_by(m - 1, by_p);
+            self.kids.truncate(m);
+        }
+        sort_small(&mut self.kids, by_p);
+        for k in &self.kids {
+            let score = pprob * k.p;
+            if score < cfg.min_prob {
+                break;
+            }
+            if k.to != NONE {
+                sam.prefetch_expansion(k.to);
+            }
+            self.heap.push(Cand {
+                score,
+                seq: self.seq,
+                parent,
+                tok: k.tok,
+                state: k.to,
+                ptr: k.ptr,
+            });
+            self.seq += 1;
+        }
+    }
+
+    /// The candidates [`Growth::offer`] chooses from, in `kids`: the children of the weighted
+    /// `sources` with their estimates, merged by token, mixed with the pointer's prediction.
+    fn collect_kids(
+        &mut self,
+        sam: &Sam,
+        sources: &[(u32, f32)],
+        avoid: &[u32; MAX_ANCHORS],
         w_new: f32,
         cfg: &DraftConfig,
         ptr: Option<(&Log, u32, f32)>,
@@ -652,39 +811,18 @@ impl Growth {
                 }
             }
         }
-        if self.kids.is_empty() {
-            return;
-        }
-        let m = per_node.min(self.kids.len());
-        let by_p = |x: &Kid, y: &Kid| y.p.total_cmp(&x.p).then(x.tok.cmp(&y.tok));
-        if m < self.kids.len() {
-            self.kids.select_nth_unstable_by(m - 1, by_p);
-            self.kids.truncate(m);
-        }
-        sort_small(&mut self.kids, by_p);
-        for k in &self.kids {
-            let score = pprob * k.p;
-            if score < cfg.min_prob {
-                break;
-            }
-            if k.to != NONE {
-                sam.prefetch_expansion(k.to);
-            }
-            self.heap.push(Cand {
-                score,
-                seq: self.seq,
-                parent,
-                tok: k.tok,
-                state: k.to,
-                ptr: k.ptr,
-            });
-            self.seq += 1;
-        }
     }
 
     /// Appends the children of `s` to `kids[from..]` with their estimated probabilities, and
     /// returns the escape probability (the mass left for continuations not seen behind `s`).
     fn estimate(&mut self, sam: &Sam, s: u32, w_new: f32, cfg: &DraftConfig, from: usize) -> f32 {
+        if sam.degree(s) == 1 {
+            let Some(k) = one_child_estimate(sam, s, w_new, cfg) else {
+                return 1.0;
+            };
+            self.kids.push(k.0);
+            return k.1;
+        }
         let mut total = 0.0f32;
         for (tok, to) in sam.children(s) {
             let st = &sam.states[to as usize];
@@ -775,6 +913,43 @@ impl Growth {
             self.out.push(node);
         }
     }
+}
+
+/// [`Growth::estimate`] for a state `s` with one transition, without enumerating: the child
+/// with its estimate (all of the recency share goes to it) and the escape probability; `None`
+/// when the child has no weight.
+#[inline]
+fn one_child_estimate(sam: &Sam, s: u32, w_new: f32, cfg: &DraftConfig) -> Option<(Kid, f32)> {
+    let st = &sam.states[s as usize];
+    let (tok, to) = st.first_child()?;
+    let child = &sam.states[to as usize];
+    let cnt = child.cnt;
+    if cnt <= 0.0 {
+        return None;
+    }
+    let len = st.len.max(1) as f32;
+    let esc = (cfg.escape + cfg.escape_short / len) * w_new;
+    let denom = cnt + esc;
+    let a = cfg.recency;
+    let mut p = (1.0 - a) * cnt / denom;
+    if a > 0.0 {
+        p += a * (cnt / denom) * (1.0 - cfg.recency_decay);
+    }
+    let kid = Kid {
+        tok,
+        to,
+        cnt,
+        recent: child.recent,
+        p,
+        ptr: NONE,
+    };
+    Some((kid, esc / denom))
+}
+
+/// The order in which a node offers its children: most probable first, ties to the smaller token.
+#[inline]
+fn by_p(x: &Kid, y: &Kid) -> Ordering {
+    y.p.total_cmp(&x.p).then(x.tok.cmp(&y.tok))
 }
 
 /// Sorts `v` by the total order `cmp`: insertion sort for the few children most nodes have, the

@@ -243,6 +243,43 @@ proptest! {
         }
     }
 
+    /// A chain grows on its own path (no frontier heap, one child computed directly where a
+    /// state has one transition); it must be exactly the tree grown with one child per node,
+    /// probabilities included, under every part of the draft policy.
+    #[test]
+    fn chain_is_the_one_child_tree(
+        history in strings_strategy(),
+        prompt in prop::collection::vec(0u32..4, 1..6),
+        gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..12), 1..6),
+        follow in prop::sample::select(vec![0.0f32, 0.5]),
+        recover in prop::sample::select(vec![0.0f32, 0.4]),
+        blend in 0u32..2,
+        recency in prop::sample::select(vec![0.0f32, 0.3]),
+        min_prob in prop::sample::select(vec![0.0f32, 0.2]),
+        hub_follow in prop::sample::select(vec![0.0f32, 1.0]),
+        k in 1usize..12,
+    ) {
+        let draft = DraftConfig { follow, recover, blend, recency, min_prob, hub_follow, ..DraftConfig::default() };
+        let cfg = IndexConfig { draft: draft.clone(), ..Default::default() };
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        for (v, h) in history.iter().enumerate() {
+            ix.add_response(0, &to_i32(&prompt), &to_i32(h), v as u64).unwrap();
+        }
+        for (i, g) in gens.iter().enumerate() {
+            ix.begin_request(i as u64, 0, &to_i32(&prompt), None).unwrap();
+            ix.extend_request(i as u64, &to_i32(g)).unwrap();
+        }
+        let mut dr = Drafter::default();
+        let chains: Vec<_> = (0..gens.len() as u64)
+            .map(|r| ix.draft_nodes(r, k + 1, true, &mut dr).unwrap())
+            .collect();
+        ix.set_draft_config(DraftConfig { max_children: 1, ..draft }).unwrap();
+        for (r, chain) in chains.iter().enumerate() {
+            let tree = ix.draft_nodes(r as u64, k + 1, false, &mut dr).unwrap();
+            prop_assert_eq!(chain, &tree);
+        }
+    }
+
     /// Batch calls split across threads give exactly what one thread gives: the same drafts, and
     /// after parallel appends (requests of one group and a request listed twice included) the
     /// same automata, pointers, LRU order and snapshot.
