@@ -47,8 +47,9 @@
 //! 7. *Batches.* A batch call grows [`LANES`] requests at a time and alternates between them: each
 //!    node expansion first prefetches the transitions' target states, then yields to the next
 //!    request, and scores the children when it comes round again, so the cache misses of several
-//!    requests overlap. A chain yields only when its next state is not next to the last one in
-//!    memory (a response's states are created in order, so a long match mostly reads neighbours).
+//!    requests overlap. A chain yields only before a state with several transitions: a state's
+//!    one child and the pointer's next token mostly sit next to what was just read (a response's
+//!    states and log entries are created in order).
 //!    The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
@@ -569,8 +570,8 @@ impl Growth {
 
     /// [`Growth::advance`] for a chain: the same nodes as a tree growth offering one child per
     /// node, without the frontier heap (it never holds more than one candidate) or the BFS
-    /// reordering (a chain is in BFS order). It yields only before an expansion whose reads are
-    /// not next to the last ones ([`Sam::near`]).
+    /// reordering (a chain is in BFS order). It yields only before expanding a state with several
+    /// transitions.
     fn advance_chain(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
         let sam = job.sam;
         while let Some(p) = self.pending.take() {
@@ -623,10 +624,11 @@ impl Growth {
                 pprob: score,
                 ptr,
             });
-            if !st.is_some_and(|s| sam.near(s, k.to)) {
-                if let Some(s) = st {
-                    sam.prefetch_expansion(s);
-                }
+            // Yield (to the other lanes, while the children load) only before a state with several
+            // transitions: a state's one child, and the pointer's next entry, mostly sit next to
+            // what was just read (a response's states and log entries are created in order).
+            if let Some(s) = st.filter(|&s| sam.degree(s) > 1) {
+                sam.prefetch_expansion(s);
                 return false;
             }
         }

@@ -49,9 +49,6 @@ const HUB: u32 = 1 << 31;
 /// in the state. Without it, a reference is an index into [`Sam::edges`].
 pub const INLINE: u32 = 1 << 31;
 
-/// How many states apart [`Sam::near`] counts as close (64 states of 32 bytes: 2 KiB).
-const NEAR: u32 = 64;
-
 /// Asks the CPU to start loading `slice[i]` into cache (a hint; no effect out of range or off x86-64).
 #[inline(always)]
 pub fn prefetch<T>(slice: &[T], i: usize) {
@@ -261,16 +258,6 @@ impl Sam {
     #[inline]
     pub fn degree(&self, s: u32) -> u32 {
         self.states[s as usize].degree()
-    }
-
-    /// Whether expanding `s`, reached from `prev`, reads only states close to `prev` in memory:
-    /// `s` has one transition, and `s` and its target are within [`NEAR`] states of `prev`, so
-    /// the reads likely hit the pages and cache lines just read (a response's states are
-    /// created in order). A growth that runs on without yielding loses nothing there.
-    #[inline]
-    pub fn near(&self, s: u32, prev: u32) -> bool {
-        let st = &self.states[s as usize];
-        st.deg == 1 && s.abs_diff(prev) <= NEAR && st.to0.abs_diff(s) <= NEAR
     }
 
     /// Number of states (the root included).
