@@ -528,6 +528,10 @@ impl Growth {
                 prob: c.score,
             });
             self.depth.push(self.depth[c.parent as usize] + 1);
+            if self.nodes.len() >= job.budget {
+                // The budget is spent: what this node would offer can never become a node.
+                break;
+            }
             let st = if c.state == NONE {
                 None
             } else if sam.states[c.state as usize].has_children() {
@@ -595,6 +599,9 @@ impl Growth {
                 parent: p.parent,
                 prob: score,
             });
+            if self.nodes.len() >= job.budget {
+                break;
+            }
             let st = if k.to == NONE {
                 None
             } else if sam.states[k.to as usize].has_children() {

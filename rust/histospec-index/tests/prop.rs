@@ -257,7 +257,7 @@ proptest! {
         recency in prop::sample::select(vec![0.0f32, 0.3]),
         min_prob in prop::sample::select(vec![0.0f32, 0.2]),
         hub_follow in prop::sample::select(vec![0.0f32, 1.0]),
-        k in 1usize..12,
+        budget in 1usize..13,
     ) {
         let draft = DraftConfig { follow, recover, blend, recency, min_prob, hub_follow, ..DraftConfig::default() };
         let cfg = IndexConfig { draft: draft.clone(), ..Default::default() };
@@ -271,11 +271,12 @@ proptest! {
         }
         let mut dr = Drafter::default();
         let chains: Vec<_> = (0..gens.len() as u64)
-            .map(|r| ix.draft_nodes(r, k + 1, true, &mut dr).unwrap())
+            .map(|r| ix.draft_nodes(r, budget, true, &mut dr).unwrap())
             .collect();
         ix.set_draft_config(DraftConfig { max_children: 1, ..draft }).unwrap();
         for (r, chain) in chains.iter().enumerate() {
-            let tree = ix.draft_nodes(r as u64, k + 1, false, &mut dr).unwrap();
+            let tree = ix.draft_nodes(r as u64, budget, false, &mut dr).unwrap();
+            prop_assert!(chain.len() <= budget);
             prop_assert_eq!(chain, &tree);
         }
     }
