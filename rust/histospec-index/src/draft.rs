@@ -319,6 +319,52 @@ struct Pending {
     ptr: Option<(u32, f32)>,
 }
 
+impl Pending {
+    /// The expansion of node `parent` (probability `pprob`), taken from a candidate with
+    /// automaton state `state` and pointer clock `ptr`: its state, or when that has no
+    /// continuation the longest suffix that has one, and the pointer's path going on with the
+    /// source's next token. `None` when neither has anything to offer.
+    fn under(
+        job: &Job,
+        cfg: &DraftConfig,
+        parent: u32,
+        pprob: f32,
+        state: u32,
+        ptr: u32,
+    ) -> Option<Self> {
+        let sam = job.sam;
+        let st = if state == NONE {
+            None
+        } else if sam.states[state as usize].has_children() {
+            Some(state)
+        } else {
+            sam.longest_with_children(sam.states[state as usize].link, cfg.min_match)
+        };
+        let ptr = match job.pointer {
+            Some(p) if ptr != NONE => {
+                let n = p.log.next(ptr);
+                (n != NONE).then_some((n, p.then))
+            }
+            _ => None,
+        };
+        if st.is_none() && ptr.is_none() {
+            return None;
+        }
+        let mut sources = [(NONE, 0.0); MAX_ANCHORS];
+        if let Some(s) = st {
+            sources[0] = (s, 1.0);
+        }
+        Some(Pending {
+            sources,
+            avoid: [NONE; MAX_ANCHORS],
+            n: usize::from(st.is_some()),
+            parent,
+            pprob,
+            ptr,
+        })
+    }
+}
+
 /// Scratch space and progress of one growing draft.
 #[derive(Default)]
 struct Growth {
@@ -532,39 +578,13 @@ impl Growth {
                 // The budget is spent: what this node would offer can never become a node.
                 break;
             }
-            let st = if c.state == NONE {
-                None
-            } else if sam.states[c.state as usize].has_children() {
-                Some(c.state)
-            } else {
-                sam.longest_with_children(sam.states[c.state as usize].link, cfg.min_match)
-            };
-            // The pointer's path goes on with the source's next token.
-            let ptr = match job.pointer {
-                Some(p) if c.ptr != NONE => {
-                    let n = p.log.next(c.ptr);
-                    (n != NONE).then_some((n, p.then))
+            if let Some(p) = Pending::under(job, cfg, id, c.score, c.state, c.ptr) {
+                // `c.state`'s transitions were prefetched when it was offered; a fallback
+                // state's were not.
+                if p.n == 1 && p.sources[0].0 != c.state {
+                    sam.prefetch_expansion(p.sources[0].0);
                 }
-                _ => None,
-            };
-            if st.is_some() || ptr.is_some() {
-                let mut sources = [(NONE, 0.0); MAX_ANCHORS];
-                if let Some(s) = st {
-                    sources[0] = (s, 1.0);
-                    // `c.state`'s transitions were prefetched when it was offered; a fallback
-                    // state's were not.
-                    if s != c.state {
-                        sam.prefetch_expansion(s);
-                    }
-                }
-                self.pending = Some(Pending {
-                    sources,
-                    avoid: [NONE; MAX_ANCHORS],
-                    n: usize::from(st.is_some()),
-                    parent: id,
-                    pprob: c.score,
-                    ptr,
-                });
+                self.pending = Some(p);
                 return false;
             }
         }
@@ -602,35 +622,11 @@ impl Growth {
             if self.nodes.len() >= job.budget {
                 break;
             }
-            let st = if k.to == NONE {
-                None
-            } else if sam.states[k.to as usize].has_children() {
-                Some(k.to)
-            } else {
-                sam.longest_with_children(sam.states[k.to as usize].link, cfg.min_match)
-            };
-            let ptr = match job.pointer {
-                Some(pt) if k.ptr != NONE => {
-                    let n = pt.log.next(k.ptr);
-                    (n != NONE).then_some((n, pt.then))
-                }
-                _ => None,
-            };
-            if st.is_none() && ptr.is_none() {
+            let Some(next) = Pending::under(job, cfg, id, score, k.to, k.ptr) else {
                 break;
-            }
-            let mut sources = [(NONE, 0.0); MAX_ANCHORS];
-            if let Some(s) = st {
-                sources[0] = (s, 1.0);
-            }
-            self.pending = Some(Pending {
-                sources,
-                avoid: [NONE; MAX_ANCHORS],
-                n: usize::from(st.is_some()),
-                parent: id,
-                pprob: score,
-                ptr,
-            });
+            };
+            let st = (next.n == 1).then_some(next.sources[0].0);
+            self.pending = Some(next);
             // Yield (to the other lanes, while the children load) only before a state with several
             // transitions: a state's one child, and the pointer's next entry, mostly sit next to
             // what was just read (a response's states and log entries are created in order).
