@@ -238,6 +238,21 @@ struct Kid {
     ptr: u32,
 }
 
+impl Kid {
+    /// A child only the pointer predicts: token `tok` at clock `clock` of the source, with the
+    /// pointer's weight `lam` as its estimate.
+    fn pointer(tok: u32, clock: u32, lam: f32) -> Self {
+        Kid {
+            tok,
+            to: NONE,
+            cnt: 0.0,
+            recent: 0,
+            p: lam,
+            ptr: clock,
+        }
+    }
+}
+
 /// Most root anchors one growth starts from (the match and two recovery hypotheses).
 pub const MAX_ANCHORS: usize = 3;
 
@@ -659,14 +674,7 @@ impl Growth {
         let mut kid = one_child_estimate(sam, s, w_new, cfg).map(|k| k.0);
         if let Some((log, clock, lam)) = ptr {
             if let Some(e) = log.get(clock) {
-                let alt = Kid {
-                    tok: e.tok,
-                    to: NONE,
-                    cnt: 0.0,
-                    recent: 0,
-                    p: lam,
-                    ptr: clock,
-                };
+                let alt = Kid::pointer(e.tok, clock, lam);
                 kid = Some(match kid {
                     Some(mut k) => {
                         k.p *= 1.0 - lam;
@@ -805,14 +813,7 @@ impl Growth {
                         k.p += lam;
                         k.ptr = clock;
                     }
-                    None => self.kids.push(Kid {
-                        tok: e.tok,
-                        to: NONE,
-                        cnt: 0.0,
-                        recent: 0,
-                        p: lam,
-                        ptr: clock,
-                    }),
+                    None => self.kids.push(Kid::pointer(e.tok, clock, lam)),
                 }
             }
         }
