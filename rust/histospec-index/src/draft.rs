@@ -560,7 +560,12 @@ impl Growth {
         }
         let sam = job.sam;
         let per_node = cfg.max_children as usize;
-        if let Some(p) = self.pending.take() {
+        // (With a budget of one node, the root's expansion could not become a node either.)
+        if let Some(p) = self
+            .pending
+            .take()
+            .filter(|_| self.nodes.len() < job.budget)
+        {
             let ptr = match (p.ptr, job.pointer) {
                 (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
                 _ => None,
