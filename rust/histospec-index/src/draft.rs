@@ -335,6 +335,14 @@ struct Pending {
 }
 
 impl Pending {
+    /// The pointer's prediction this expansion mixes in: (log, clock, weight).
+    fn pointer<'a>(&self, job: &Job<'a>) -> Option<(&'a Log, u32, f32)> {
+        match (self.ptr, job.pointer) {
+            (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
+            _ => None,
+        }
+    }
+
     /// The expansion of node `parent` (probability `pprob`), taken from a candidate with
     /// automaton state `state` and pointer clock `ptr`: its state, or when that has no
     /// continuation the longest suffix that has one, and the pointer's path going on with the
@@ -566,10 +574,6 @@ impl Growth {
             .take()
             .filter(|_| self.nodes.len() < job.budget)
         {
-            let ptr = match (p.ptr, job.pointer) {
-                (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
-                _ => None,
-            };
             self.offer(
                 sam,
                 &p.sources[..p.n],
@@ -579,7 +583,7 @@ impl Growth {
                 per_node,
                 job.w_new,
                 cfg,
-                ptr,
+                p.pointer(job),
             );
         }
         while self.nodes.len() < job.budget {
@@ -622,11 +626,16 @@ impl Growth {
             if self.nodes.len() >= job.budget {
                 break;
             }
-            let ptr = match (p.ptr, job.pointer) {
-                (Some((clock, lam)), Some(pt)) => Some((pt.log, clock, lam)),
-                _ => None,
-            };
-            let Some(k) = self.best_kid(sam, &p, job.w_new, cfg, ptr) else {
+            // The first of `offer`'s order.
+            self.collect_kids(
+                sam,
+                &p.sources[..p.n],
+                &p.avoid,
+                job.w_new,
+                cfg,
+                p.pointer(job),
+            );
+            let Some(k) = self.kids.iter().copied().min_by(by_p) else {
                 break;
             };
             let score = p.pprob * k.p;
@@ -658,46 +667,6 @@ impl Growth {
         self.out.clear();
         self.out.extend_from_slice(&self.nodes);
         true
-    }
-
-    /// The child a chain node takes: the first of [`Growth::offer`]'s order for the pending
-    /// expansion `p`, computed directly for the common case of one source with one transition.
-    fn best_kid(
-        &mut self,
-        sam: &Sam,
-        p: &Pending,
-        w_new: f32,
-        cfg: &DraftConfig,
-        ptr: Option<(&Log, u32, f32)>,
-    ) -> Option<Kid> {
-        let single = p.n == 1 && p.avoid[0] == NONE && cfg.blend == 0 && p.sources[0].1 == 1.0;
-        let s = p.sources[0].0;
-        if !single || sam.degree(s) != 1 {
-            self.collect_kids(sam, &p.sources[..p.n], &p.avoid, w_new, cfg, ptr);
-            return self.kids.iter().copied().min_by(by_p);
-        }
-        let mut kid = one_child_estimate(sam, s, w_new, cfg).map(|k| k.0);
-        if let Some((log, clock, lam)) = ptr {
-            if let Some(e) = log.get(clock) {
-                let alt = Kid::pointer(e.tok, clock, lam);
-                kid = Some(match kid {
-                    Some(mut k) => {
-                        k.p *= 1.0 - lam;
-                        if k.tok == e.tok {
-                            k.p += lam;
-                            k.ptr = clock;
-                            k
-                        } else if by_p(&alt, &k) == Ordering::Less {
-                            alt
-                        } else {
-                            k
-                        }
-                    }
-                    None => alt,
-                });
-            }
-        }
-        kid
     }
 
     /// Offers the children of the weighted `sources` (merged by token; source `i` never offers
