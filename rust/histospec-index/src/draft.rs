@@ -955,22 +955,40 @@ fn sort_small<T: Copy>(v: &mut [T], cmp: impl Fn(&T, &T) -> Ordering) {
 pub trait MaskElem: Copy + Send {
     const ZERO: Self;
     const ONE: Self;
+    /// `ONE` for bit 1, `ZERO` for bit 0 (`bit` is 0 or 1), without a branch.
+    fn from_bit(bit: u64) -> Self;
 }
 impl MaskElem for i64 {
     const ZERO: i64 = 0;
     const ONE: i64 = 1;
+    #[inline(always)]
+    fn from_bit(bit: u64) -> i64 {
+        bit as i64
+    }
 }
 impl MaskElem for i32 {
     const ZERO: i32 = 0;
     const ONE: i32 = 1;
+    #[inline(always)]
+    fn from_bit(bit: u64) -> i32 {
+        bit as i32
+    }
 }
 impl MaskElem for u8 {
     const ZERO: u8 = 0;
     const ONE: u8 = 1;
+    #[inline(always)]
+    fn from_bit(bit: u64) -> u8 {
+        bit as u8
+    }
 }
 impl MaskElem for bool {
     const ZERO: bool = false;
     const ONE: bool = true;
+    #[inline(always)]
+    fn from_bit(bit: u64) -> bool {
+        bit != 0
+    }
 }
 
 /// Writes `nodes` (BFS order, at most `d`) padded to exactly `d` nodes into one request's slices:
@@ -984,8 +1002,10 @@ pub fn write_tree<M: MaskElem>(
     mut probs: Option<&mut [f32]>,
 ) -> usize {
     let n = nodes.len().min(d);
-    // Every row is written whole (a parent's row, or zeros for the root), so the buffer needs no
-    // clearing first: half the memory traffic of a 256-request batch's int64 masks.
+    // Every row is written whole, so the buffer needs no clearing first: half the memory traffic
+    // of a 256-request batch's int64 masks. Up to 64 nodes, each node's ancestor set is a bit
+    // mask and its row is written from the bits; beyond, a row is its parent's row copied.
+    let mut anc = [0u64; 64];
     for i in 0..d {
         let (tok, parent, prob) = if i < n {
             let nd = nodes[i];
@@ -997,6 +1017,14 @@ pub fn write_tree<M: MaskElem>(
         tokens[i] = tok;
         if let Some(p) = probs.as_deref_mut() {
             p[i] = prob;
+        }
+        if d <= 64 {
+            let bits = if parent == NONE { 0 } else { anc[parent as usize] } | 1 << i;
+            anc[i] = bits;
+            for (j, m) in mask[i * d..(i + 1) * d].iter_mut().enumerate() {
+                *m = M::from_bit((bits >> j) & 1);
+            }
+            continue;
         }
         if parent != NONE {
             let (before, row) = mask.split_at_mut(i * d);
@@ -1103,6 +1131,48 @@ mod tests {
             .to_vec();
         assert_eq!(nodes.iter().map(|n| n.tok).collect::<Vec<_>>(), vec![3, 4]);
         assert!((nodes[1].prob - 2.0 / 4.0).abs() < 1e-6);
+    }
+
+    /// Rows are ancestor-or-self sets, pads included, on both sides of the 64-node bit-mask
+    /// path, for every mask element type.
+    #[test]
+    fn mask_rows_are_ancestor_sets_at_every_width() {
+        fn check<M: MaskElem + PartialEq + std::fmt::Debug>(d: usize) {
+            // A real tree of n nodes (node i's parent is i / 3, BFS order), the rest padding.
+            let n = (d * 2 / 3).max(1);
+            let nodes: Vec<Node> = (0..n)
+                .map(|i| Node {
+                    tok: i as u32 + 1,
+                    parent: if i == 0 { NONE } else { (i / 3) as u32 },
+                    prob: 1.0,
+                })
+                .collect();
+            let parent = |i: usize| match i {
+                0 => None,
+                i if i < n => Some(i / 3),
+                i => Some(i - 1),
+            };
+            let mut toks = vec![-1i64; d];
+            // Garbage first: every entry must be written.
+            let mut mask = vec![M::ONE; d * d];
+            assert_eq!(write_tree(&nodes, d, &mut toks, &mut mask, None), n);
+            for i in 0..d {
+                let mut want = vec![M::ZERO; d];
+                let mut a = Some(i);
+                while let Some(j) = a {
+                    want[j] = M::ONE;
+                    a = parent(j);
+                }
+                assert_eq!(&mask[i * d..(i + 1) * d], &want[..], "d={d} row {i}");
+                assert_eq!(toks[i], if i < n { i as i64 + 1 } else { 0 });
+            }
+        }
+        for d in [1, 2, 16, 63, 64, 65, 100] {
+            check::<i64>(d);
+            check::<i32>(d);
+            check::<u8>(d);
+            check::<bool>(d);
+        }
     }
 
     #[test]
