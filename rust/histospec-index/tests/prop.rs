@@ -356,6 +356,78 @@ proptest! {
         prop_assert_eq!(one.to_bytes(), many.to_bytes());
     }
 
+    /// Renumbering states by length bands (and edges by state) keeps the automaton: the same
+    /// counts, lengths and children for every pattern, and online appends afterwards stay exact.
+    #[test]
+    fn relayout_keeps_the_automaton(strings in strings_strategy(), more in prop::collection::vec(0u32..4, 0..16),
+                                    pats in prop::collection::vec(prop::collection::vec(0u32..4, 1..6), 1..16),
+                                    width in 1u32..5) {
+        let mut sam = Sam::new();
+        let mut last = 0;
+        for s in &strings {
+            last = 0;
+            for &t in s { last = sam.extend_deferred(last, t, 1.0); }
+        }
+        sam.recount();
+        let answer = |sam: &Sam, p: &[u32]| sam.walk(p).map(|s| {
+            let st = &sam.states[s as usize];
+            let mut kids: Vec<u32> = sam.children(s).map(|(t, _)| t).collect();
+            kids.sort_unstable();
+            (st.cnt, st.len, kids)
+        });
+        let before: Vec<_> = pats.iter().map(|p| answer(&sam, p)).collect();
+        let new_id = sam.relayout_in_bands(width);
+        prop_assert_eq!(new_id[0], 0);
+        prop_assert!((1..sam.num_states()).all(|s| sam.states[s - 1].len / width <= sam.states[s].len / width));
+        for (p, b) in pats.iter().zip(&before) {
+            prop_assert_eq!(&answer(&sam, p), b, "pattern {:?}", p);
+        }
+        // The last string goes on from its remapped state; counts stay exact.
+        last = new_id[last as usize];
+        for &t in &more { last = sam.extend(last, t, 1.0); }
+        let mut all = strings.clone();
+        all.last_mut().unwrap().extend_from_slice(&more);
+        for p in &pats {
+            let got = sam.walk(p).map_or(0.0, |s| sam.states[s as usize].cnt);
+            prop_assert_eq!(got as usize, naive::occurrences(&all, p), "pattern {:?}", p);
+        }
+    }
+
+    /// A rebuild while a request is in flight (retention dropping a response) renumbers the
+    /// group's states; the request's drafts are then those of a fresh index holding the same
+    /// history and context. Responses are long enough for several length bands.
+    #[test]
+    fn rebuild_in_flight_drafts_like_a_fresh_index(history in prop::collection::vec(prop::collection::vec(0u32..3, 100..300), 2..5),
+                                                   gen in prop::collection::vec(0u32..3, 1..200), d in 2usize..20) {
+        let draft = DraftConfig { follow: 0.0, ..Default::default() };
+        let keep = history.len() - 1;
+        let cfg = IndexConfig { max_responses: keep, draft: draft.clone(), ..Default::default() };
+        let prompt = vec![7i32, 8];
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        ix.add_response(3, &prompt, &to_i32(&history[0]), 0).unwrap();
+        ix.begin_request(1, 3, &prompt, None).unwrap();
+        ix.extend_request(1, &to_i32(&gen)).unwrap();
+        for h in &history[1..] {
+            ix.add_response(3, &prompt, &to_i32(h), 0).unwrap();
+        }
+        prop_assert_eq!(ix.stats().rebuilds, 1);
+        let fresh_cfg = IndexConfig { draft, ..Default::default() };
+        let mut fresh = HistoryIndex::new(fresh_cfg).unwrap();
+        for h in &history[1..] {
+            fresh.add_response(3, &prompt, &to_i32(h), 0).unwrap();
+        }
+        fresh.begin_request(1, 3, &prompt, None).unwrap();
+        fresh.extend_request(1, &to_i32(&gen)).unwrap();
+        let mut dr = Drafter::default();
+        let a = ix.draft_nodes(1, d, false, &mut dr).unwrap();
+        let b = fresh.draft_nodes(1, d, false, &mut dr).unwrap();
+        prop_assert_eq!(a, b);
+        // And the request keeps drafting correctly as it goes on.
+        ix.extend_request(1, &[1, 2, 0]).unwrap();
+        fresh.extend_request(1, &[1, 2, 0]).unwrap();
+        prop_assert_eq!(ix.draft_nodes(1, d, false, &mut dr).unwrap(), fresh.draft_nodes(1, d, false, &mut dr).unwrap());
+    }
+
     /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.
     #[test]
     fn retention_limits_hold(history in prop::collection::vec(prop::collection::vec(0u32..6, 1..12), 1..10), n in 1usize..4) {
