@@ -971,8 +971,8 @@ mod tests {
         let new_id = bulk.relayout();
         let compacted = bulk.edges.len() as u32;
         assert_eq!(check_children(&bulk, &alphabet, compacted), 4);
-        for (s, &n) in new_id.iter().enumerate() {
-            let b = &bulk.states[n as usize];
+        for s in 0..sam.num_states() {
+            let b = &bulk.states[new_id[s] as usize];
             assert_eq!(
                 (sam.states[s].cnt, sam.states[s].len),
                 (b.cnt, b.len),
