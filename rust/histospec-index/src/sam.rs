@@ -42,9 +42,6 @@ pub const HASHED_DEGREE: u32 = 4;
 /// [`Sam::recount`] moves them; online appends move a state when it reaches this degree.
 pub const HUB_DEGREE: u32 = 16;
 
-/// Width, in string lengths, of the bands [`Sam::relayout`] orders states by.
-pub const LAYOUT_BAND: u32 = 128;
-
 /// Flag in [`State::deg`]: the state's edges are in a hub list (see [`HUB_DEGREE`]).
 const HUB: u32 = 1 << 31;
 
@@ -528,6 +525,7 @@ impl Sam {
                 self.make_hub(s as u32);
             }
         }
+        self.compact_edges();
         let max_len = self.states.iter().map(|s| s.len).max().unwrap_or(0) as usize;
         let mut start = vec![0u32; max_len + 2];
         for s in &self.states {
@@ -554,81 +552,6 @@ impl Sam {
         }
     }
 
-    /// Lays the automaton out for drafting after a bulk load (call after [`Sam::recount`]):
-    /// renumbers the states by `(len / LAYOUT_BAND, id)` and then the edges
-    /// ([`Sam::compact_edges`]). Returns the new id of every old state id; ids held outside the
-    /// automaton must be mapped through it.
-    ///
-    /// Why: a history of similar responses is built string by string, so a string's own states
-    /// are consecutive, but the continuations of one context (the same place in different
-    /// responses) are megabytes apart, and a tree draft reads every one of them, mostly missing the
-    /// TLB. Grouping states into bands of similar length keeps both: within a band a response's
-    /// states stay in creation order (a chain reads consecutive states), and the same place in
-    /// other responses, at a similar length, sits in the same band a few pages away.
-    pub fn relayout(&mut self) -> Vec<u32> {
-        self.relayout_in_bands(LAYOUT_BAND)
-    }
-
-    /// [`Sam::relayout`] with bands `width` lengths wide (at least 1).
-    pub fn relayout_in_bands(&mut self, width: u32) -> Vec<u32> {
-        let n = self.states.len();
-        let width = width.max(1);
-        let band = |st: &State| (st.len / width) as usize;
-        let bands = self.states.iter().map(band).max().unwrap_or(0) + 1;
-        let mut start = vec![0u32; bands + 1];
-        for st in &self.states {
-            start[band(st) + 1] += 1;
-        }
-        for i in 1..start.len() {
-            start[i] += start[i - 1];
-        }
-        let mut new_id = vec![0u32; n];
-        for (old, st) in self.states.iter().enumerate() {
-            let b = &mut start[band(st)];
-            new_id[old] = *b;
-            *b += 1;
-        }
-        let map = |s: u32| if s == NONE { NONE } else { new_id[s as usize] };
-        let map_ref = |r: u32| {
-            if r != NONE && r & INLINE != 0 {
-                INLINE | new_id[(r & !INLINE) as usize]
-            } else {
-                r
-            }
-        };
-        let mut states = Vec::with_capacity(self.states.capacity());
-        states.resize(n, State::new(0, NONE, 0.0, 0));
-        let mut own = Vec::with_capacity(self.own.capacity());
-        own.resize(n, (0.0, 0));
-        for (old, st) in self.states.iter().enumerate() {
-            let new = new_id[old] as usize;
-            states[new] = State {
-                link: map(st.link),
-                to0: map(st.to0),
-                ..*st
-            };
-            own[new] = self.own[old];
-        }
-        self.states = states;
-        self.own = own;
-        for e in &mut self.edges {
-            e.to = map(e.to);
-        }
-        for list in &mut self.hubs {
-            for r in list.iter_mut() {
-                *r = map_ref(*r);
-            }
-        }
-        // Slots are placed by hashing (state, token): re-place them all.
-        let mut slots = vec![EMPTY; self.slots.len()];
-        for slot in self.slots.iter().filter(|s| s.edge != NONE) {
-            Self::insert_slot(&mut slots, map(slot.from), slot.tok, map_ref(slot.edge));
-        }
-        self.slots = slots;
-        self.compact_edges();
-        new_id
-    }
-
     /// Renumbers the arena so that every state's edges are consecutive, in the order they are
     /// enumerated (a hub's in its list's order, others along their linked list), and states'
     /// edges follow each other in state order. Bulk appends create a state's transitions at
@@ -636,7 +559,7 @@ impl Sam {
     /// cache miss (and often one TLB miss) per edge. Afterwards the edges of a state share one or
     /// two cache lines. Enumeration order, and so every draft, is unchanged; online appends after
     /// this add their edges at the end as before.
-    pub fn compact_edges(&mut self) {
+    fn compact_edges(&mut self) {
         let n = self.edges.len();
         if n == 0 {
             return;
@@ -962,27 +885,11 @@ mod tests {
         }
         assert_eq!(check_children(&bulk, &alphabet, 0), 0);
         bulk.recount();
-        assert_eq!(check_children(&bulk, &alphabet, 0), 4);
-        for s in 0..sam.num_states() {
-            assert_eq!(sam.states[s].cnt, bulk.states[s].cnt, "state {s}");
-        }
-        // The layout renumbers states and edges; the same strings lead to the same counts and
-        // children, and each state's edges are consecutive.
-        let new_id = bulk.relayout();
         let compacted = bulk.edges.len() as u32;
         assert_eq!(check_children(&bulk, &alphabet, compacted), 4);
         for s in 0..sam.num_states() {
-            let b = &bulk.states[new_id[s] as usize];
-            assert_eq!(
-                (sam.states[s].cnt, sam.states[s].len),
-                (b.cnt, b.len),
-                "state {s}"
-            );
+            assert_eq!(sam.states[s].cnt, bulk.states[s].cnt, "state {s}");
         }
-        assert!((1..bulk.num_states()).all(|s| {
-            let (a, b) = (&bulk.states[s - 1], &bulk.states[s]);
-            a.len / LAYOUT_BAND <= b.len / LAYOUT_BAND
-        }));
         // Online appends after the recount go into the hub lists.
         let mut last = bulk.walk(&[3, 7]).unwrap();
         for t in [200, 3, 7, 201] {

@@ -210,22 +210,12 @@ impl Group {
         (last, clock)
     }
 
-    /// Brings occurrence counts up to date after bulk appends and lays the automaton out for
-    /// drafting ([`Sam::relayout`]). Returns the new id of every old state id when the states
-    /// were renumbered: state ids held outside the group (in-flight requests) must be mapped.
-    fn ensure_clean(&mut self) -> Option<Vec<u32>> {
-        if !self.dirty {
-            return None;
+    /// Brings occurrence counts up to date after bulk appends.
+    fn ensure_clean(&mut self) {
+        if self.dirty {
+            self.sam.recount();
+            self.dirty = false;
         }
-        self.sam.recount();
-        let new_id = self.sam.relayout();
-        for l in &mut self.prompt_last {
-            if *l != NONE {
-                *l = new_id[*l as usize];
-            }
-        }
-        self.dirty = false;
-        Some(new_id)
     }
 }
 
@@ -454,13 +444,9 @@ impl HistoryIndex {
         g.max_version = g.max_version.max(version);
         let pi = g.prompt_index(&prompt);
         let weight = g.weight(version, gamma);
-        let relaid = g.ensure_clean();
+        g.ensure_clean();
         let (last, _) = g.insert(pi, &[], weight, false);
         g.active += 1;
-        if let Some(new_id) = relaid {
-            // (A group with requests in flight is never dirty, so there are none; kept general.)
-            self.map_request_states(group, &new_id);
-        }
         self.seq += 1;
         let seq = self.seq;
         self.requests.insert(
@@ -774,7 +760,7 @@ impl HistoryIndex {
             g.insert(r.prompt, &r.tokens, w, true);
         }
         g.responses = resp;
-        for &(_, rid) in &active {
+        for (_, rid) in active {
             let req = self.requests.get_mut(&rid).expect("listed request");
             req.weight = g.weight(req.version, gamma);
             // Clocks changed: the pointer starts over from the automaton's next match.
@@ -793,21 +779,9 @@ impl HistoryIndex {
             }
         }
         if g.active > 0 {
-            if let Some(new_id) = g.ensure_clean() {
-                self.map_request_states(key, &new_id);
-            }
+            g.ensure_clean();
         }
         self.rebuilds += 1;
-    }
-
-    /// Maps the automaton states held by the in-flight requests of group `key` through `new_id`
-    /// (after [`Sam::relayout`] renumbered the group's states).
-    fn map_request_states(&mut self, key: u64, new_id: &[u32]) {
-        let map = |s: u32| if s == NONE { NONE } else { new_id[s as usize] };
-        for req in self.requests.values_mut().filter(|r| r.group == key) {
-            req.last = map(req.last);
-            req.prev = map(req.prev);
-        }
     }
 
     /// Keeps version weights inside f32 range: rebuilds with a newer base when needed.
