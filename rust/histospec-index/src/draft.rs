@@ -1019,7 +1019,11 @@ pub fn write_tree<M: MaskElem>(
             p[i] = prob;
         }
         if d <= 64 {
-            let bits = if parent == NONE { 0 } else { anc[parent as usize] } | 1 << i;
+            let bits = if parent == NONE {
+                0
+            } else {
+                anc[parent as usize]
+            } | 1 << i;
             anc[i] = bits;
             for (j, m) in mask[i * d..(i + 1) * d].iter_mut().enumerate() {
                 *m = M::from_bit((bits >> j) & 1);

@@ -356,6 +356,37 @@ proptest! {
         prop_assert_eq!(one.to_bytes(), many.to_bytes());
     }
 
+    /// A rebuild while a request is in flight (retention dropping a response) recounts and lays
+    /// out the group's automaton again; the request's drafts are then those of a fresh index
+    /// holding the same history and context, also as the request goes on.
+    #[test]
+    fn rebuild_in_flight_drafts_like_a_fresh_index(history in prop::collection::vec(prop::collection::vec(0u32..3, 20..120), 2..5),
+                                                   gen in prop::collection::vec(0u32..3, 1..60), d in 2usize..20) {
+        let draft = DraftConfig { follow: 0.0, ..Default::default() };
+        let keep = history.len() - 1;
+        let cfg = IndexConfig { max_responses: keep, draft: draft.clone(), ..Default::default() };
+        let prompt = vec![7i32, 8];
+        let mut ix = HistoryIndex::new(cfg).unwrap();
+        ix.add_response(3, &prompt, &to_i32(&history[0]), 0).unwrap();
+        ix.begin_request(1, 3, &prompt, None).unwrap();
+        ix.extend_request(1, &to_i32(&gen)).unwrap();
+        for h in &history[1..] {
+            ix.add_response(3, &prompt, &to_i32(h), 0).unwrap();
+        }
+        prop_assert_eq!(ix.stats().rebuilds, 1);
+        let mut fresh = HistoryIndex::new(IndexConfig { draft, ..Default::default() }).unwrap();
+        for h in &history[1..] {
+            fresh.add_response(3, &prompt, &to_i32(h), 0).unwrap();
+        }
+        fresh.begin_request(1, 3, &prompt, None).unwrap();
+        fresh.extend_request(1, &to_i32(&gen)).unwrap();
+        let mut dr = Drafter::default();
+        prop_assert_eq!(ix.draft_nodes(1, d, false, &mut dr).unwrap(), fresh.draft_nodes(1, d, false, &mut dr).unwrap());
+        ix.extend_request(1, &[1, 2, 0]).unwrap();
+        fresh.extend_request(1, &[1, 2, 0]).unwrap();
+        prop_assert_eq!(ix.draft_nodes(1, d, false, &mut dr).unwrap(), fresh.draft_nodes(1, d, false, &mut dr).unwrap());
+    }
+
     /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.
     #[test]
     fn retention_limits_hold(history in prop::collection::vec(prop::collection::vec(0u32..6, 1..12), 1..10), n in 1usize..4) {
