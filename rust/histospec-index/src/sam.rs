@@ -564,25 +564,33 @@ impl Sam {
         if n == 0 {
             return;
         }
+        // One pass lays the edges out and rewrites the state heads, the lists' links and the hub
+        // lists as it goes; `new_id` is only needed for the transition table.
         let mut new_id = vec![NONE; n];
-        let mut edges = Vec::with_capacity(self.edges.capacity());
+        let mut edges: Vec<Edge> = Vec::with_capacity(self.edges.capacity());
         for s in 0..self.states.len() {
             let st = self.states[s];
             if st.is_hub() {
-                for &r in self.hubs[st.head as usize].iter().rev() {
-                    if r & INLINE == 0 {
-                        new_id[r as usize] = edges.len() as u32;
+                let list = &mut self.hubs[st.head as usize];
+                for r in list.iter_mut().rev() {
+                    if *r & INLINE == 0 {
+                        let id = edges.len() as u32;
+                        new_id[*r as usize] = id;
                         // A hub's edges left the linked list: their `next` is not read.
                         edges.push(Edge {
                             next: NONE,
-                            ..self.edges[r as usize]
+                            ..self.edges[*r as usize]
                         });
+                        *r = id;
                     }
                 }
-            } else {
+            } else if st.head != NONE {
+                self.states[s].head = edges.len() as u32;
                 for (e, edge) in linked(&self.edges, st.head) {
-                    new_id[e as usize] = edges.len() as u32;
-                    edges.push(*edge);
+                    let id = edges.len() as u32;
+                    new_id[e as usize] = id;
+                    let next = if edge.next == NONE { NONE } else { id + 1 };
+                    edges.push(Edge { next, ..*edge });
                 }
             }
         }
@@ -594,19 +602,6 @@ impl Sam {
                 new_id[r as usize]
             }
         };
-        for e in &mut edges {
-            e.next = map(e.next);
-        }
-        for st in &mut self.states {
-            if !st.is_hub() {
-                st.head = map(st.head);
-            }
-        }
-        for list in &mut self.hubs {
-            for r in list.iter_mut() {
-                *r = map(*r);
-            }
-        }
         for slot in &mut self.slots {
             slot.edge = map(slot.edge);
         }
