@@ -20,7 +20,9 @@
 //! into a singly linked list per state (for enumeration while drafting); states with at least
 //! [`HUB_DEGREE`] transitions list their edges in one array instead (a hub list), so that
 //! enumerating them does not chase pointers. An *edge reference* names either kind: an arena
-//! index, or [`INLINE`] with the id of the state that holds it.
+//! index, or [`INLINE`] with the id of the state that holds it. A bulk load's [`Sam::recount`]
+//! renumbers the arena so that each state's edges are consecutive (see `compact_edges`); edges
+//! added online afterwards go to the end of the arena, as they are created.
 //! States with at least [`HASHED_DEGREE`] transitions also have them indexed by an open-addressing
 //! table keyed by `(state, token)` (for O(1) lookup while extending and matching); states with fewer
 //! are searched along their short list, which is most states of a history of similar responses and
