@@ -47,9 +47,9 @@
 //! 7. *Batches.* A batch call grows [`LANES`] requests at a time and alternates between them: each
 //!    node expansion first prefetches the transitions' target states, then yields to the next
 //!    request, and scores the children when it comes round again, so the cache misses of several
-//!    requests overlap. A chain yields only before a state with several transitions: a state's
-//!    one child and the pointer's next token mostly sit next to what was just read (a response's
-//!    states and log entries are created in order).
+//!    requests overlap. Chains and trees yield only before a state with several transitions: a
+//!    state's one child and the pointer's next token mostly sit next to what was just read (a
+//!    response's states and log entries are created in order).
 //!    The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
@@ -562,54 +562,66 @@ impl Growth {
 
     /// Runs the pending expansion, then takes the best candidates as nodes until one has
     /// something to expand (false: call again) or the draft is complete (true: `out` holds it).
+    /// An expansion of one state with at most one transition runs at once, without yielding.
     fn advance(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
         if job.chain {
             return self.advance_chain(job, cfg);
         }
         let sam = job.sam;
         let per_node = cfg.max_children as usize;
-        // (With a budget of one node, the root's expansion could not become a node either.)
-        if let Some(p) = self
-            .pending
-            .take()
-            .filter(|_| self.nodes.len() < job.budget)
-        {
-            self.offer(
-                sam,
-                &p.sources[..p.n],
-                &p.avoid,
-                p.parent,
-                p.pprob,
-                per_node,
-                job.w_new,
-                cfg,
-                p.pointer(job),
-            );
-        }
-        while self.nodes.len() < job.budget {
-            let Some(c) = self.heap.pop() else { break };
-            if c.score < cfg.min_prob || c.score <= 0.0 {
-                break;
+        loop {
+            // (With a budget of one node, the root's expansion could not become a node either.)
+            if let Some(p) = self
+                .pending
+                .take()
+                .filter(|_| self.nodes.len() < job.budget)
+            {
+                self.offer(
+                    sam,
+                    &p.sources[..p.n],
+                    &p.avoid,
+                    p.parent,
+                    p.pprob,
+                    per_node,
+                    job.w_new,
+                    cfg,
+                    p.pointer(job),
+                );
             }
-            let id = self.nodes.len() as u32;
-            self.nodes.push(Node {
-                tok: c.tok,
-                parent: c.parent,
-                prob: c.score,
-            });
-            self.depth.push(self.depth[c.parent as usize] + 1);
-            if self.nodes.len() >= job.budget {
-                // The budget is spent: what this node would offer can never become a node.
-                break;
-            }
-            if let Some(p) = Pending::under(job, cfg, id, c.score, c.state, c.ptr) {
-                // `c.state`'s transitions were prefetched when it was offered; a fallback
-                // state's were not.
-                if p.n == 1 && p.sources[0].0 != c.state {
-                    sam.prefetch_expansion(p.sources[0].0);
+            while self.nodes.len() < job.budget {
+                let Some(c) = self.heap.pop() else { break };
+                if c.score < cfg.min_prob || c.score <= 0.0 {
+                    break;
                 }
-                self.pending = Some(p);
-                return false;
+                let id = self.nodes.len() as u32;
+                self.nodes.push(Node {
+                    tok: c.tok,
+                    parent: c.parent,
+                    prob: c.score,
+                });
+                self.depth.push(self.depth[c.parent as usize] + 1);
+                if self.nodes.len() >= job.budget {
+                    // The budget is spent: what this node would offer can never become a node.
+                    break;
+                }
+                if let Some(p) = Pending::under(job, cfg, id, c.score, c.state, c.ptr) {
+                    // `c.state`'s transitions were prefetched when it was offered; a fallback
+                    // state's were not.
+                    if p.n == 1 && p.sources[0].0 != c.state {
+                        sam.prefetch_expansion(p.sources[0].0);
+                    }
+                    // Yield (while the children load) unless the expansion reads one child of
+                    // one state, which mostly sits next to it (as in a chain).
+                    let near = p.n == 0 || (p.n == 1 && sam.degree(p.sources[0].0) <= 1);
+                    self.pending = Some(p);
+                    if !near {
+                        return false;
+                    }
+                    break;
+                }
+            }
+            if self.pending.is_none() || self.nodes.len() >= job.budget {
+                break;
             }
         }
         self.reorder_bfs();
