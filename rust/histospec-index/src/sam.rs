@@ -487,16 +487,34 @@ impl Sam {
     /// Requires `cnt`/`recent` to be current (no deferred appends since the last recount).
     /// Amortized O(1) automaton work plus the length of the new state's suffix-link path.
     pub fn extend(&mut self, last: u32, c: u32, w: f32) -> u32 {
-        let new = self.append(last, c, w);
+        let new = self.extend_uncounted(last, c, w);
         let clock = self.clock;
         let mut v = new;
         while v != NONE {
-            let s = &mut self.states[v as usize];
-            s.cnt += w;
-            s.recent = clock;
-            v = s.link;
+            v = self.count_step(v, w, clock);
         }
         new
+    }
+
+    /// The first half of [`Sam::extend`]: the new position, whose occurrence the caller then
+    /// records along its suffix-link path with [`Sam::count_step`], from the returned state to
+    /// the root, before anything else changes the automaton. Split so that a batch can overlap
+    /// the cache misses of several groups' walks.
+    pub fn extend_uncounted(&mut self, last: u32, c: u32, w: f32) -> u32 {
+        self.append(last, c, w)
+    }
+
+    /// One state of the count walk of [`Sam::extend`]: records an occurrence of weight `w` at
+    /// logical time `clock` at state `v` and returns its suffix link (`NONE` after the root),
+    /// whose state it starts loading.
+    #[inline]
+    pub fn count_step(&mut self, v: u32, w: f32, clock: u32) -> u32 {
+        let s = &mut self.states[v as usize];
+        s.cnt += w;
+        s.recent = clock;
+        let next = s.link;
+        prefetch(&self.states, next as usize);
+        next
     }
 
     /// Like [`Sam::extend`] but records the occurrence only at the new state (`own`): `cnt` and

@@ -311,9 +311,11 @@ proptest! {
         };
         let mut one = build(1);
         let mut many = build(threads);
+        // And one request at a time (`extend_request`), which batches must equal.
+        let mut seq = build(1);
         prop_assert_eq!(many.threads(), threads);
         let d = 6;
-        let mut drs = (Drafter::default(), Drafter::default());
+        let mut drs = (Drafter::default(), Drafter::default(), Drafter::default());
         for round in &rounds {
             // A batch of (request, token, length) picks: requests may repeat.
             let batch: Vec<u64> = round.iter().map(|&(i, _, _)| rids[i % n]).collect();
@@ -324,9 +326,15 @@ proptest! {
                 .collect();
             one.extend_batch(&batch, &toks, &lens).unwrap();
             many.extend_batch(&batch, &toks, &lens).unwrap();
+            let mut off = 0;
+            for (&r, &l) in batch.iter().zip(&lens) {
+                seq.extend_request(r, &toks[off..off + l as usize]).unwrap();
+                off += l as usize;
+            }
             prop_assert_eq!(one.stats(), many.stats());
+            prop_assert_eq!(one.stats(), seq.stats());
             let mut out = Vec::new();
-            for (ix, dr) in [(&one, &mut drs.0), (&many, &mut drs.1)] {
+            for (ix, dr) in [(&one, &mut drs.0), (&many, &mut drs.1), (&seq, &mut drs.2)] {
                 let mut tok = vec![-7i64; n * d];
                 let mut mask = vec![7u8; n * d * d];
                 let mut probs = vec![-1f32; n * d];
@@ -339,21 +347,25 @@ proptest! {
                 let cst = ix.draft_chain_batch(&rids, d, &mut ctok, &mut clen, None, dr).unwrap();
                 out.push((tok, mask, probs, counts, st, ctok, clen, cst));
             }
-            let (a, b) = (&out[0], &out[1]);
-            prop_assert_eq!(&a.0, &b.0, "tree tokens");
-            prop_assert_eq!(&a.1, &b.1, "tree masks");
-            prop_assert_eq!(&a.2, &b.2, "tree probs");
-            prop_assert_eq!(&a.3, &b.3, "tree counts");
-            prop_assert_eq!(a.4, b.4, "tree stats");
-            prop_assert_eq!(&a.5, &b.5, "chain tokens");
-            prop_assert_eq!(&a.6, &b.6, "chain lengths");
-            prop_assert_eq!(a.7, b.7, "chain stats");
+            let a = &out[0];
+            for b in &out[1..] {
+                prop_assert_eq!(&a.0, &b.0, "tree tokens");
+                prop_assert_eq!(&a.1, &b.1, "tree masks");
+                prop_assert_eq!(&a.2, &b.2, "tree probs");
+                prop_assert_eq!(&a.3, &b.3, "tree counts");
+                prop_assert_eq!(a.4, b.4, "tree stats");
+                prop_assert_eq!(&a.5, &b.5, "chain tokens");
+                prop_assert_eq!(&a.6, &b.6, "chain lengths");
+                prop_assert_eq!(a.7, b.7, "chain stats");
+            }
         }
         for &r in &rids {
             one.finish_request(r, true).unwrap();
             many.finish_request(r, true).unwrap();
+            seq.finish_request(r, true).unwrap();
         }
         prop_assert_eq!(one.to_bytes(), many.to_bytes());
+        prop_assert_eq!(one.to_bytes(), seq.to_bytes());
     }
 
     /// A rebuild while a request is in flight (retention dropping a response) recounts and lays
