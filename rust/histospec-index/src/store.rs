@@ -266,6 +266,7 @@ const APPEND_LANES: usize = 16;
 
 /// Where one lane of [`apply_appends`] is: its group (`work`), the next append and token, and
 /// the count walk in progress (`walk`: the next state to count, `NONE` when none).
+#[derive(Clone, Copy)]
 struct AppendLane {
     work: usize,
     append: usize,
@@ -312,39 +313,38 @@ fn apply_appends(works: &mut [GroupWork], toks: &[u32], follow: bool) {
 }
 
 /// One move of a lane of [`apply_appends`]: the next state of its count walk (and the pointer's
-/// update when the walk ends), or its next token. True when its group has nothing left.
+/// update when the walk ends), after starting its next token when no walk is under way. True
+/// when its group has nothing left.
 #[inline]
 fn append_step(lane: &mut AppendLane, works: &mut [GroupWork], toks: &[u32], follow: bool) -> bool {
     let w = &mut works[lane.work];
     let g = &mut w.group;
-    if lane.walk != NONE {
-        lane.walk = g.sam.count_step(lane.walk, lane.weight, lane.clock);
-        if lane.walk == NONE && follow {
-            let req = &mut w.reqs[lane.req].1;
-            req.follow
-                .step(&g.log, &g.sam, req.last, &req.tokens, FOLLOW_MIN_ANCHOR);
+    if lane.walk == NONE {
+        while lane.append < w.appends.len() && lane.tok == w.appends[lane.append].2 {
+            lane.append += 1;
+            lane.tok = 0;
         }
-        return false;
+        let Some(&(i, off, _)) = w.appends.get(lane.append) else {
+            return true;
+        };
+        let t = toks[off + lane.tok];
+        lane.tok += 1;
+        let req = &mut w.reqs[i].1;
+        req.prev = req.last;
+        (req.last, req.clock) = g.push_uncounted(req.last, req.clock, t, req.weight);
+        req.tokens.push(t);
+        // The new state was just written: its count step follows at once.
+        *lane = AppendLane {
+            req: i,
+            walk: req.last,
+            weight: req.weight,
+            clock: req.clock,
+            ..*lane
+        };
     }
-    while lane.append < w.appends.len() && lane.tok == w.appends[lane.append].2 {
-        lane.append += 1;
-        lane.tok = 0;
-    }
-    let Some(&(i, off, _)) = w.appends.get(lane.append) else {
-        return true;
-    };
-    let t = toks[off + lane.tok];
-    lane.tok += 1;
-    let req = &mut w.reqs[i].1;
-    req.prev = req.last;
-    (req.last, req.clock) = g.push_uncounted(req.last, req.clock, t, req.weight);
-    req.tokens.push(t);
-    // The new state was just written: count it at once, then yield before its link.
-    lane.req = i;
-    lane.weight = req.weight;
-    lane.clock = req.clock;
-    lane.walk = g.sam.count_step(req.last, req.weight, req.clock);
+    lane.walk = g.sam.count_step(lane.walk, lane.weight, lane.clock);
     if lane.walk == NONE && follow {
+        let req = &mut w.reqs[lane.req].1;
         req.follow
             .step(&g.log, &g.sam, req.last, &req.tokens, FOLLOW_MIN_ANCHOR);
     }
