@@ -496,36 +496,29 @@ impl Sam {
         new
     }
 
-    /// The first half of [`Sam::extend`]: the new position, whose occurrence the caller then
-    /// records along its suffix-link path with [`Sam::count_step`], from the returned state to
-    /// the root, before anything else changes the automaton. Split so that a batch can overlap
-    /// the cache misses of several groups' walks.
-    pub fn extend_uncounted(&mut self, last: u32, c: u32, w: f32) -> u32 {
-        self.append(last, c, w)
-    }
-
     /// One state of the count walk of [`Sam::extend`]: records an occurrence of weight `w` at
-    /// logical time `clock` at state `v` and returns its suffix link (`NONE` after the root),
-    /// whose state it starts loading.
+    /// logical time `clock` at state `v` and returns its suffix link (`NONE` after the root).
     #[inline]
     pub fn count_step(&mut self, v: u32, w: f32, clock: u32) -> u32 {
         let s = &mut self.states[v as usize];
         s.cnt += w;
         s.recent = clock;
-        let next = s.link;
-        prefetch(&self.states, next as usize);
-        next
+        s.link
     }
 
     /// Like [`Sam::extend`] but records the occurrence only at the new state (`own`): `cnt` and
     /// `recent` are stale until [`Sam::recount`]. Bulk loads use this and recount once.
     pub fn extend_deferred(&mut self, last: u32, c: u32, w: f32) -> u32 {
         self.bulk = true;
-        self.append(last, c, w)
+        self.extend_uncounted(last, c, w)
     }
 
-    /// The new position of [`Sam::extend`], its weight recorded only at the new state.
-    fn append(&mut self, last: u32, c: u32, w: f32) -> u32 {
+    /// The new position of [`Sam::extend`], its weight recorded only at the new state. Online,
+    /// the caller then records the occurrence along the new state's suffix-link path with
+    /// [`Sam::count_step`], from the returned state to the root, before anything else changes
+    /// the automaton (split from [`Sam::extend`] so that a batch can overlap the cache misses of
+    /// several groups' walks).
+    pub fn extend_uncounted(&mut self, last: u32, c: u32, w: f32) -> u32 {
         let new = self.extend_structure(last, c);
         self.clock = self.clock.wrapping_add(1).max(1);
         let own = &mut self.own[new as usize];

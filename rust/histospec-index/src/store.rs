@@ -343,6 +343,8 @@ fn append_step(lane: &mut AppendLane, works: &mut [GroupWork], toks: &[u32], fol
         };
     }
     lane.walk = g.sam.count_step(lane.walk, lane.weight, lane.clock);
+    // Start loading the walk's next state before handing over to the next group.
+    prefetch(&g.sam.states, lane.walk as usize);
     if lane.walk == NONE && follow {
         let req = &mut w.reqs[lane.req].1;
         req.follow
