@@ -79,14 +79,28 @@ class FakeSGLang:
                     outer.calls.append(body)
                     outer.inflight += 1
                     outer.max_inflight = max(outer.max_inflight, outer.inflight)
+                done = False
+
+                def answered():
+                    # A request stops counting before its answer is written: once the client
+                    # has the answer it may send its next request while this thread still
+                    # runs, and counting until after the write would see one request too many.
+                    nonlocal done
+                    if not done:
+                        done = True
+                        with outer.lock:
+                            outer.inflight -= 1
+
                 try:
                     time.sleep(outer.delay)
                     if body["input_ids"][0] in outer.fail_on:
+                        answered()
                         self.send_response(500)
                         self.end_headers()
                         self.wfile.write(b'{"error": "simulated engine failure"}')
                         return
                     data = json.dumps(outer.answer(body)).encode()
+                    answered()
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(data)))
@@ -96,8 +110,7 @@ class FakeSGLang:
                     except BrokenPipeError:  # the client gave up (the timeout test)
                         pass
                 finally:
-                    with outer.lock:
-                        outer.inflight -= 1
+                    answered()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
