@@ -92,8 +92,17 @@ class HistoryIndex:
     def extend_batch(self, rids: _Rids, tokens: _Tokens, lens: _Tokens) -> None:
         """Appends ``lens[i]`` tokens of the flat ``tokens`` to ``rids[i]``; validated before applied."""
 
-    def finish_request(self, rid: int, keep: bool = True) -> None:
-        """Ends ``rid``; with ``keep`` its response becomes history of its group (with its version)."""
+    def finish_request(self, rid: int, keep: bool = True, *, defer_removal: bool = False) -> None:
+        """Ends ``rid``; with ``keep`` its response becomes history of its group (with its version).
+
+        Unkept, it is not history, and its tokens leave the group's automaton: at once (which
+        rebuilds the group: one insertion per token it holds, milliseconds for a GRPO group), or
+        with ``defer_removal`` at the group's next rebuild: when the group's last in-flight request
+        finishes, or once such tokens are more than half of what it holds. Until then in-flight
+        siblings may draft from them. Engines use it (with a draft server every request finishes
+        unkept, its response coming back as a published record); a group with nothing in flight
+        always holds exactly its history either way.
+        """
 
     def add_response(
         self, group: int | None, prompt_ids: _Tokens, response_ids: _Tokens, version: int = 0

@@ -264,6 +264,47 @@ def test_finish_keep_and_drop():
     assert hs.draft(ix, 3, 3, chain=True).tokens.tolist() == [1, 2, 3]
 
 
+def test_deferred_removal_waits_till_the_group_is_idle():
+    # With a draft server every request finishes unkept; removing one from the automaton means
+    # rebuilding its group, so engines defer that until no sibling is in flight.
+    ix = HistoryIndex()
+    ix.add_response(5, [1], list(range(10, 60)), 0)
+    for rid in range(4):
+        ix.begin_request(rid, 5, [1])
+    ix.extend_request(0, [2, 3, 4, 5])
+    ix.finish_request(0, keep=False, defer_removal=True)
+    assert ix.stats()["rebuilds"] == 0 and ix.stats()["responses"] == 1
+    # A sibling in flight still drafts from it...
+    ix.extend_request(1, [2])
+    assert hs.draft(ix, 1, 4, chain=True).tokens.tolist() == [2, 3, 4, 5]
+    ix.finish_request(1, keep=True)
+    ix.finish_request(2, keep=False, defer_removal=True)
+    assert ix.stats()["rebuilds"] == 0
+    # ... and once the last one is done, the group holds exactly its history.
+    ix.finish_request(3, keep=False, defer_removal=True)
+    assert ix.stats()["rebuilds"] == 1
+    fresh = HistoryIndex()
+    fresh.load_bytes(ix.to_bytes())
+    assert {k: ix.stats()[k] for k in ("states", "edges", "tokens")} == {
+        k: fresh.stats()[k] for k in ("states", "edges", "tokens")
+    }
+    ix.begin_request(9, 5, [1])
+    ix.extend_request(9, [2, 3])
+    assert hs.draft(ix, 9, 4, chain=True).tokens.tolist() == [3]
+    # Deferred tokens that outweigh the rest are dropped at once, siblings in flight or not.
+    ix.extend_request(9, list(range(100, 400)))
+    ix.begin_request(10, 5, [1])
+    ix.finish_request(9, keep=False, defer_removal=True)
+    assert ix.stats()["rebuilds"] == 2
+    # Without deferral an unkept request leaves at once (evaluation and replay rely on it).
+    ix.begin_request(11, 5, [1])
+    ix.extend_request(11, [2, 3, 4, 5])
+    ix.finish_request(11, keep=False)
+    assert ix.stats()["rebuilds"] == 3
+    ix.extend_request(10, [2])
+    assert hs.draft(ix, 10, 4, chain=True).tokens.tolist() == [2]
+
+
 def test_retention_and_versions():
     ix = HistoryIndex(max_versions=2)
     for v in range(4):

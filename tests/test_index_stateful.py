@@ -161,16 +161,19 @@ class IndexMachine(RuleBasedStateMachine):
             self.inflight[r][2].extend(flat[at : at + n])
             at += n
 
-    @rule(rid=RIDS, keep=st.booleans())
-    def finish(self, rid, keep):
+    @rule(rid=RIDS, keep=st.booleans(), defer=st.booleans())
+    def finish(self, rid, keep, defer):
         if rid not in self.inflight:
             with pytest.raises(hs.UnknownRequestError):
-                self.ix.finish_request(rid, keep)
+                self.ix.finish_request(rid, keep, defer_removal=defer)
             return
-        self.ix.finish_request(rid, keep)
+        self.ix.finish_request(rid, keep, defer_removal=defer)
         g, prompt, out, version = self.inflight.pop(rid)
         if keep:
             self.kept[g] = (self.kept[g] + [(prompt, out, version)])[-KEEP:]
+        if keep or defer:
+            # Deferred, it is no history, but in-flight siblings may draft from it until the
+            # group's next rebuild.
             self.texts[g].append(prompt + out)
 
     @rule(

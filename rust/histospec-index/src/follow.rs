@@ -421,6 +421,7 @@ mod index_tests {
         ix.extend_request(9, &(100..110).collect::<Vec<i32>>())
             .unwrap();
         ix.finish_request(8, false).unwrap();
+        assert_eq!(ix.stats().rebuilds, 1);
         ix.extend_request(9, &(110..118).collect::<Vec<i32>>())
             .unwrap();
         let nodes = ix.draft_nodes(9, 5, true, &mut Drafter::default()).unwrap();

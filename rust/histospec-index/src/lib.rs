@@ -19,7 +19,9 @@ pub mod store;
 pub use draft::{DraftConfig, Drafter, Job, Node, LANES, MAX_ANCHORS};
 pub use error::{CoreError, Result};
 pub use replay::{accept_greedy, ReplayTrace};
-pub use store::{check_tokens, BatchDraftStats, HistoryIndex, IndexConfig, Response, Stats};
+pub use store::{
+    check_tokens, BatchDraftStats, Finish, HistoryIndex, IndexConfig, Response, Stats,
+};
 
 /// The group key of a prompt: XXH3-64 (seed 0) of its token ids as little-endian int32 bytes.
 /// Every component (SGLang worker, publisher, draft server) derives group keys this way.

@@ -98,6 +98,23 @@ pub struct Response {
     pub tokens: Vec<u32>,
 }
 
+/// What [`HistoryIndex::finish_request_as`] does with a finished request's tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// They become history of the request's group (a response, with the request's version).
+    Keep,
+    /// They are not history and leave the group's automaton now (the group is rebuilt, unless
+    /// the request generated nothing).
+    Drop,
+    /// They are not history, but leave the automaton only at the group's next rebuild: when its
+    /// last in-flight request finishes, or once such tokens are more than half of what it holds.
+    /// Until then in-flight siblings may draft from them. For engines: with a draft server every
+    /// request finishes unkept (its response comes back as a published record), and rebuilding a
+    /// GRPO group per finished sibling costs milliseconds each; this rebuilds once per wave. A
+    /// group with nothing in flight always holds exactly its history.
+    DropLater,
+}
+
 /// The history of one prompt (or one caller-chosen group key).
 #[derive(Clone, Debug)]
 pub struct Group {
@@ -117,6 +134,9 @@ pub struct Group {
     pub responses: VecDeque<Response>,
     /// Number of in-flight requests drafting from this group (never evicted while > 0).
     pub active: u32,
+    /// Tokens of requests finished with [`Finish::DropLater`] that the automaton still holds.
+    /// Invariant: 0 when `active` is 0.
+    discarded: usize,
     /// LRU tick of the last mutation.
     pub last_used: u64,
     /// The version whose occurrences weigh exactly 1.
@@ -137,6 +157,7 @@ impl Group {
             dirty: false,
             responses: VecDeque::new(),
             active: 0,
+            discarded: 0,
             last_used: 0,
             weight_base: version,
             max_version: version,
@@ -699,8 +720,14 @@ impl HistoryIndex {
     }
 
     /// Ends a request. With `keep` its response becomes history of its group (tagged with its
-    /// version); otherwise it is removed from the group's automaton.
+    /// version); otherwise it is removed from the group's automaton, which means rebuilding the
+    /// group (one insertion per token it holds). See [`HistoryIndex::finish_request_as`].
     pub fn finish_request(&mut self, rid: u64, keep: bool) -> Result<()> {
+        self.finish_request_as(rid, if keep { Finish::Keep } else { Finish::Drop })
+    }
+
+    /// Ends a request; `how` says what becomes of its tokens ([`Finish`]).
+    pub fn finish_request_as(&mut self, rid: u64, how: Finish) -> Result<()> {
         let req = self
             .requests
             .remove(&rid)
@@ -711,19 +738,25 @@ impl HistoryIndex {
             .get_mut(&key)
             .expect("in-flight request without its group");
         g.active -= 1;
-        let mut rebuild = !keep;
-        if keep {
-            g.responses.push_back(Response {
-                prompt: req.prompt,
-                version: req.version,
-                tokens: req.tokens,
-            });
-            rebuild |= apply_retention(g, &self.cfg);
+        let mut rebuild = false;
+        match how {
+            Finish::Keep => {
+                g.responses.push_back(Response {
+                    prompt: req.prompt,
+                    version: req.version,
+                    tokens: req.tokens,
+                });
+                rebuild |= apply_retention(g, &self.cfg);
+            }
+            Finish::Drop => rebuild = true,
+            // (Plus one: a request that generated nothing may still have brought a new prompt.)
+            Finish::DropLater => g.discarded += req.tokens.len() + 1,
         }
         if g.responses.is_empty() && g.active == 0 {
             self.drop_group(key);
             return Ok(());
         }
+        rebuild |= g.discarded > 0 && (g.active == 0 || 2 * g.discarded > g.sam.clock as usize);
         if rebuild {
             self.rebuild(key);
         }
@@ -843,6 +876,7 @@ impl HistoryIndex {
         g.log = Log::new();
         g.prompt_last.iter_mut().for_each(|l| *l = NONE);
         g.dirty = false;
+        g.discarded = 0;
         let resp = std::mem::take(&mut g.responses);
         for r in &resp {
             let w = g.weight(r.version, gamma);

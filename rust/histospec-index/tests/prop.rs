@@ -4,7 +4,7 @@ mod naive;
 
 use histospec_index::draft::{write_tree, Drafter};
 use histospec_index::sam::Sam;
-use histospec_index::{DraftConfig, HistoryIndex, IndexConfig};
+use histospec_index::{DraftConfig, Finish, HistoryIndex, IndexConfig};
 use proptest::prelude::*;
 
 fn strings_strategy() -> impl Strategy<Value = Vec<Vec<u32>>> {
@@ -397,6 +397,67 @@ proptest! {
         ix.extend_request(1, &[1, 2, 0]).unwrap();
         fresh.extend_request(1, &[1, 2, 0]).unwrap();
         prop_assert_eq!(ix.draft_nodes(1, d, false, &mut dr).unwrap(), fresh.draft_nodes(1, d, false, &mut dr).unwrap());
+    }
+
+    /// Requests finished with `Finish::DropLater` stay in their group's automaton only while
+    /// siblings are in flight: once the last one finishes the group holds exactly its history (an automaton of
+    /// the size a snapshot of it loaded into a fresh index has; with no request kept, also the same
+    /// drafts; kept ones may have been inserted in another order, which changes recency). There
+    /// are at most as many rebuilds as unkept requests.
+    #[test]
+    fn unkept_requests_leave_when_their_group_is_idle(history in prop::collection::vec(prop::collection::vec(0u32..4, 5..40), 1..4),
+                                                      gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..40), 2..7),
+                                                      keep in prop::collection::vec(any::<bool>(), 7),
+                                                      order_seed in any::<u64>(), probe in prop::collection::vec(0u32..4, 1..10)) {
+        let cfg = IndexConfig { draft: DraftConfig { follow: 0.0, ..Default::default() }, ..Default::default() };
+        let prompt = vec![5i32, 6];
+        let mut ix = HistoryIndex::new(cfg.clone()).unwrap();
+        for h in &history {
+            ix.add_response(3, &prompt, &to_i32(h), 0).unwrap();
+        }
+        let n = gens.len();
+        for i in 0..n {
+            ix.begin_request(i as u64, 3, &prompt, None).unwrap();
+        }
+        // Interleaved growth, as siblings decode.
+        for step in 0..40 {
+            for (i, g) in gens.iter().enumerate() {
+                if let Some(&t) = g.get(step) {
+                    ix.extend_request(i as u64, &[t as i32]).unwrap();
+                }
+            }
+        }
+        let mut order: Vec<usize> = (0..n).collect();
+        let mut x = order_seed;
+        for i in (1..n).rev() {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            order.swap(i, (x >> 33) as usize % (i + 1));
+        }
+        let unkept = order.iter().filter(|&&i| !keep[i]).count() as u64;
+        for &i in &order {
+            let how = if keep[i] { Finish::Keep } else { Finish::DropLater };
+            ix.finish_request_as(i as u64, how).unwrap();
+        }
+        let rebuilds = ix.stats().rebuilds;
+        prop_assert!(rebuilds <= unkept.max(1), "{} rebuilds for {} unkept requests", rebuilds, unkept);
+        if unkept == 0 {
+            // Nothing to remove: no rebuild (the kept strings stay as they were inserted).
+            prop_assert_eq!(rebuilds, 0);
+            return Ok(());
+        }
+        prop_assert!(rebuilds >= 1, "the idle group still holds unkept requests");
+        let mut fresh = HistoryIndex::from_bytes(&ix.to_bytes(), cfg).unwrap();
+        let (a, b) = (ix.stats(), fresh.stats());
+        prop_assert_eq!((a.states, a.edges, a.tokens), (b.states, b.edges, b.tokens));
+        if keep[..n].iter().any(|&k| k) {
+            return Ok(());
+        }
+        let mut dr = Drafter::default();
+        for one in [&mut ix, &mut fresh] {
+            one.begin_request(100, 3, &prompt, None).unwrap();
+            one.extend_request(100, &to_i32(&probe)).unwrap();
+        }
+        prop_assert_eq!(ix.draft_nodes(100, 12, false, &mut dr).unwrap(), fresh.draft_nodes(100, 12, false, &mut dr).unwrap());
     }
 
     /// Retention keeps exactly the last N responses, and the automaton forgets the dropped ones.

@@ -3,7 +3,7 @@
 use std::cell::RefCell;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use histospec_index::{CoreError, DraftConfig, Drafter, HistoryIndex, IndexConfig};
+use histospec_index::{CoreError, DraftConfig, Drafter, Finish, HistoryIndex, IndexConfig};
 use numpy::{PyArray1, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -244,11 +244,25 @@ impl PyHistoryIndex {
         self.mutate(py, |g| g.extend_batch(&rids, &toks, &lens))
     }
 
-    /// Ends request `rid`; with `keep` its response becomes history of its group.
-    #[pyo3(signature = (rid, keep=true))]
-    fn finish_request(&self, py: Python<'_>, rid: i64, keep: bool) -> PyResult<()> {
+    /// Ends request `rid`; with `keep` its response becomes history of its group. Unkept, it
+    /// leaves the group's automaton now (a rebuild of the group), or with `defer_removal` at the
+    /// group's next rebuild: when its last in-flight request finishes, or once such tokens are
+    /// more than half of what the group holds (in-flight siblings may draft from them till then).
+    #[pyo3(signature = (rid, keep=true, *, defer_removal=false))]
+    fn finish_request(
+        &self,
+        py: Python<'_>,
+        rid: i64,
+        keep: bool,
+        defer_removal: bool,
+    ) -> PyResult<()> {
         let rid = rid_arg(rid)?;
-        self.mutate(py, |g| g.finish_request(rid, keep))
+        let how = match (keep, defer_removal) {
+            (true, _) => Finish::Keep,
+            (false, false) => Finish::Drop,
+            (false, true) => Finish::DropLater,
+        };
+        self.mutate(py, |g| g.finish_request_as(rid, how))
     }
 
     /// Adds a finished response to `group`'s history (None: the prompt's key); returns the key.
