@@ -229,9 +229,15 @@ def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
     check_contract(tokens, mask, [1, 1, 1], d)
     assert dr.totals["drafted_steps"] == 2 and dr.totals["steps"] == 3
     # An abort leaves no history; an unknown rid is ignored.
+    rebuilds = dr.index.stats()["rebuilds"]
     dr.finish("b", [1, 9], keep=False)
     dr.finish("nope", [1])
     assert dr.index.stats()["responses"] == 1
+    # Its tokens leave the automaton once the group is idle, not with a rebuild per finish.
+    dr.finish("c", [1, 8], keep=False)
+    assert dr.index.stats()["rebuilds"] == rebuilds
+    dr.finish("a", [1, 2], keep=False)
+    assert dr.index.stats()["rebuilds"] == rebuilds + 1
     # History out and in: a snapshot, and token-id JSONL (gzip too).
     snap = tmp_path / "h" / "index.snap"
     dr.save(snap)

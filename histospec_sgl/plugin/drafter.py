@@ -225,8 +225,11 @@ class BatchDrafter:
             head = len(response)
             n = head + len(pending)
             if n < live.known:
-                # SGLang rewound the request (retraction); start its context again.
-                self.index.finish_request(live.iid, keep=False)
+                # SGLang rewound the request (retraction); start its context again. (Its old
+                # tokens leave the automaton when the group is next rebuilt: a retraction under
+                # memory pressure hits many requests at once, and rebuilding a group for each
+                # would stall the scheduler.)
+                self.index.finish_request(live.iid, keep=False, defer_removal=True)
                 self.index.begin_request(live.iid, live.group, prompt_ids)
                 live.known = 0
                 live.drafted = 0
@@ -254,14 +257,17 @@ class BatchDrafter:
 
     def finish(self, rid: str, response: Sequence[int] | None = None, *, keep: bool = True) -> None:
         """Request ``rid`` is done: its response (brought up to ``response`` first when given) becomes
-        history of its group when ``keep``; an unknown ``rid`` is ignored."""
+        history of its group when ``keep``; an unknown ``rid`` is ignored. An unkept response leaves
+        the index when its group is next rebuilt (``defer_removal``: at the latest when the group's
+        last request finishes), so that finishing, which with a draft server every request does
+        unkept, never rebuilds a group per request."""
         live = self._live.pop(rid, None)
         if live is None:
             return
         if response is not None and len(response) > live.known:
             self.index.extend_request(live.iid, response[live.known:])
             self._advanced(live, len(response), response[-1])
-        self.index.finish_request(live.iid, keep=keep)
+        self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
         self._finished[rid] = RequestStats(live.accepted, live.offered, live.steps)
