@@ -27,3 +27,13 @@ def test_anon_huge_bytes_is_the_kernels_anonhugepages_line_in_bytes():
     assert isinstance(got, int) and got >= 0
     # Both reads see the same mappings unless the kernel collapsed pages in between.
     assert abs(got - kib * 1024) <= 64 << 20
+
+
+def test_unkept_wave_rebuilds_each_group_once_with_deferred_removal():
+    from histospec_sgl.bench.workload import WorkloadSpec, generate
+
+    w = generate(WorkloadSpec("tiny", prompts=3, siblings=4))
+    got = index_bench.unkept_wave(w, {}, groups=2, step=50)
+    assert got["finish_unkept_rebuilds_per_group_immediate"] == 4  # one per finished sibling
+    assert got["finish_unkept_rebuilds_per_group_deferred"] == 1  # one, when the group is idle
+    assert got["finish_unkept_ms_per_request_deferred"] > 0

@@ -25,6 +25,12 @@ Metrics (keys of ``--json``):
   them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, session 12).
   ``machine.huge_pages``: whether the index put its buffers on huge pages itself
   (``HISTOSPEC_HUGE_PAGES=1``; bench/RESULTS.md, session 15).
+- ``finish_unkept_ms_per_request_deferred`` / ``_immediate`` and
+  ``finish_unkept_rebuilds_per_group_deferred`` / ``_immediate``: a GRPO wave in an engine with a
+  draft server, where every request finishes unkept: 32 W1 groups with their history, 16 siblings
+  each decoding their epoch-2 responses interleaved, then finishing one after another, with
+  ``finish_request(keep=False, defer_removal=True)`` (the plugin's way: one rebuild per group once
+  it is idle) and without (a rebuild per finish).
 - ``accepted_per_position_k16``: replaying 64 prompts x 2 epoch-2 responses, a k=16 greedy chain is
   drafted at every position; mean tokens matching the logged continuation.
 - ``tokens_per_verify_step_d16``: the same responses under simulated speculative decoding with a
@@ -175,6 +181,38 @@ def latency(
     }
 
 
+def unkept_wave(w: Workload, index_kwargs: dict[str, Any], groups: int = 32, step: int = 8) -> dict[str, float]:
+    """One GRPO wave in an engine with a draft server, where every request finishes unkept: in
+    ``groups`` W1 groups holding their epoch-1 history, the siblings decode their epoch-2 responses
+    interleaved (``step`` tokens per request per call), then finish one after another. The time
+    per finish and the rebuilds, with deferred removal (what the plugin does) and immediate."""
+    groups = min(groups, len(w.prompts))
+    n = w.spec.siblings
+    truths = [[w.epoch2(p, j) for j in range(n)] for p in range(groups)]
+    rids = np.arange(groups * n, dtype=np.int64)
+    longest = max(len(t) for ts in truths for t in ts)
+    out: dict[str, float] = {}
+    for mode in ("deferred", "immediate"):
+        ix = HistoryIndex(**index_kwargs)
+        for p in range(groups):
+            for resp in w.epoch1[p]:
+                ix.add_response(p, w.prompts[p], resp, 1)
+            for j in range(n):
+                ix.begin_request(p * n + j, p, w.prompts[p])
+        for pos in range(0, longest, step):
+            parts = [truths[p][j][pos : pos + step] for p in range(groups) for j in range(n)]
+            ix.extend_batch(rids, np.concatenate(parts).astype(np.int32), np.array([len(x) for x in parts], np.int64))
+        r0 = ix.stats()["rebuilds"]
+        t = time.perf_counter()
+        for r in rids:
+            ix.finish_request(int(r), keep=False, defer_removal=mode == "deferred")
+        dt = time.perf_counter() - t
+        out[f"finish_unkept_ms_per_request_{mode}"] = dt / len(rids) * 1e3
+        out[f"finish_unkept_rebuilds_per_group_{mode}"] = (ix.stats()["rebuilds"] - r0) / groups
+        del ix
+    return out
+
+
 def acceptance(ix: HistoryIndex, w: Workload, prompts: int, per_prompt: int = 2) -> dict[str, float]:
     """Greedy chain acceptance at every position (k=16) and simulated SD tokens per step (d=16)."""
     acc_sum = 0
@@ -286,6 +324,10 @@ def run(
                 res["threads"] = threads
                 for k in ("batch_draft_ms_per_step", "batch_chain_ms_per_step", "update_ms_per_step"):
                     res[f"{k}_threaded"] = mt[k]
+        if name == "W1":
+            if progress:
+                progress(f"{name}: a wave of siblings finishing unkept (draft-server engines)")
+            res.update(unkept_wave(w, kw))
         if progress:
             progress(f"{name}: acceptance replay, {acc_prompts} prompts x 2 epoch-2 responses")
         res.update(acceptance(ix, w, acc_prompts))
@@ -319,7 +361,13 @@ def run(
         "tokens_per_verify_step_d16",
     ]
     result["ours"] = {k: w1[k] for k in keys if k in w1}
-    for k in ("ingest_tokens_per_s_warm", "ingest_tokens_per_s_counted", "first_begin_ms_per_group"):
+    for k in (
+        "ingest_tokens_per_s_warm",
+        "ingest_tokens_per_s_counted",
+        "first_begin_ms_per_group",
+        "finish_unkept_ms_per_request_deferred",
+        "finish_unkept_ms_per_request_immediate",
+    ):
         if k in w1:
             result["ours"][k] = w1[k]
     for k in (
