@@ -264,9 +264,6 @@ pub const MAX_ANCHORS: usize = 3;
 /// others compute. Chosen with `histospec-sgl bench index` (batch draft time, 256 requests).
 pub const LANES: usize = 8;
 
-/// Rounds of prefetching before a request of a batch starts growing ([`Drafter::grow_many`]).
-pub const AHEAD_ROUNDS: usize = 2;
-
 /// Everything one growth reads besides its scratch space.
 #[derive(Clone, Copy)]
 pub struct Job<'a> {
@@ -461,16 +458,14 @@ impl Drafter {
 
     /// Grows the drafts of `n` requests, [`LANES`] at a time with their memory accesses
     /// interleaved, and hands each result to `emit(i, nodes)` (in completion order). `job(i)`
-    /// describes request `i`; when interleaving, `ahead(i, r)` is called for each round `r` in
-    /// `0..AHEAD_ROUNDS`, about `(AHEAD_ROUNDS - r) * LANES` requests before `job(i)`, to
-    /// prefetch what `job(i)` will read (a round may read what the one before prefetched). The
-    /// drafts are exactly those of [`Drafter::grow_job`].
+    /// describes request `i`; when interleaving, `ahead(i)` is called before `job(i)`, early enough
+    /// to prefetch what `job(i)` will read. The drafts are exactly those of [`Drafter::grow_job`].
     pub fn grow_many<'a>(
         &mut self,
         n: usize,
         cfg: &DraftConfig,
         mut job: impl FnMut(usize) -> Job<'a>,
-        mut ahead: impl FnMut(usize, u8),
+        mut ahead: impl FnMut(usize),
         mut emit: impl FnMut(usize, &[Node]),
     ) {
         if !self.interleave {
@@ -485,21 +480,16 @@ impl Drafter {
         }
         // Per lane: the request it grows, its job, and whether its next move is the prefetch.
         let mut slots: [Option<(usize, Job<'a>, bool)>; LANES] = [None; LANES];
-        for r in 0..AHEAD_ROUNDS {
-            for i in 0..n.min((AHEAD_ROUNDS - r) * LANES) {
-                ahead(i, r as u8);
-            }
+        for i in 0..n.min(2 * LANES) {
+            ahead(i);
         }
         let mut next = 0;
         let mut busy = 0;
         loop {
             for (lane, slot) in self.lanes.iter_mut().zip(slots.iter_mut()) {
                 if slot.is_none() && next < n {
-                    for r in 0..AHEAD_ROUNDS {
-                        let i = next + (AHEAD_ROUNDS - r) * LANES;
-                        if i < n {
-                            ahead(i, r as u8);
-                        }
+                    if next + 2 * LANES < n {
+                        ahead(next + 2 * LANES);
                     }
                     let j = job(next);
                     lane.begin(&j);

@@ -1037,23 +1037,10 @@ impl HistoryIndex {
         Ok((req, &self.groups[&req.group]))
     }
 
-    /// Prefetches what [`HistoryIndex::job`] reads first, in two rounds: the request's last and
-    /// previous states and its pointer entry, then (once those are in) their suffix links, where
-    /// the anchor search goes next.
-    fn prefetch_job(req: &Request, g: &Group, round: u8) {
-        let states = &g.sam.states;
-        if round == 0 {
-            prefetch(states, req.last as usize);
-            prefetch(states, req.prev as usize);
-            g.log.prefetch(req.follow.pred);
-            return;
-        }
-        // The anchor search starts at the suffix links of both (prefetched a round ago).
-        for s in [req.last, req.prev] {
-            if let Some(st) = states.get(s as usize) {
-                prefetch(states, st.link as usize);
-            }
-        }
+    /// Prefetches the automaton state and pointer entry that [`HistoryIndex::job`] reads first.
+    fn prefetch_job(req: &Request, g: &Group) {
+        prefetch(&g.sam.states, req.last as usize);
+        g.log.prefetch(req.follow.pred);
     }
 
     /// What growing `req`'s draft reads: its anchors (the longest match with continuations, and
@@ -1148,7 +1135,7 @@ impl HistoryIndex {
             reqs.len(),
             &self.cfg.draft,
             |i| self.job(reqs[i].0, reqs[i].1, budget, chain),
-            |i, round| Self::prefetch_job(reqs[i].0, reqs[i].1, round),
+            |i| Self::prefetch_job(reqs[i].0, reqs[i].1),
             emit,
         );
     }
