@@ -47,12 +47,9 @@
 //! 7. *Batches.* A batch call grows [`LANES`] requests at a time and alternates between them: each
 //!    node expansion first prefetches the transitions' target states, then yields to the next
 //!    request, and scores the children when it comes round again, so the cache misses of several
-//!    requests overlap. Chains and trees yield only before a state with several transitions, or
-//!    with one whose target lies on another 4 KiB page ([`Sam::expansion_is_near`]): a state's
-//!    one child and the pointer's next token mostly sit next to what was just read (a response's
-//!    states and log entries are created in order), and reading them costs no page walk. (Yielding
-//!    also before far single children made the k=16 chain step 5-8% faster and left the tree's
-//!    unchanged; yielding before every expansion was 2% slower.)
+//!    requests overlap. Chains and trees yield only before a state with several transitions: a
+//!    state's one child and the pointer's next token mostly sit next to what was just read (a
+//!    response's states and log entries are created in order).
 //!    The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
@@ -614,8 +611,8 @@ impl Growth {
                         sam.prefetch_expansion(p.sources[0].0);
                     }
                     // Yield (while the children load) unless the expansion reads one child of
-                    // one state on the same page (as in a chain).
-                    let near = p.n == 0 || (p.n == 1 && sam.expansion_is_near(p.sources[0].0));
+                    // one state, which mostly sits next to it (as in a chain).
+                    let near = p.n == 0 || (p.n == 1 && sam.degree(p.sources[0].0) <= 1);
                     self.pending = Some(p);
                     if !near {
                         return false;
@@ -672,10 +669,9 @@ impl Growth {
             let st = (next.n == 1).then_some(next.sources[0].0);
             self.pending = Some(next);
             // Yield (to the other lanes, while the children load) only before a state with several
-            // transitions or a far one: a state's one child, and the pointer's next entry, mostly
-            // sit next to what was just read (a response's states and log entries are created in
-            // order).
-            if let Some(s) = st.filter(|&s| !sam.expansion_is_near(s)) {
+            // transitions: a state's one child, and the pointer's next entry, mostly sit next to
+            // what was just read (a response's states and log entries are created in order).
+            if let Some(s) = st.filter(|&s| sam.degree(s) > 1) {
                 sam.prefetch_expansion(s);
                 return false;
             }

@@ -262,25 +262,6 @@ impl Sam {
         self.states[s as usize].degree()
     }
 
-    /// Whether reading the children of `s` (already in cache) is unlikely to wait long: it has at
-    /// most one transition, and its target state sits on the same 4 KiB page as `s` (so the
-    /// read misses neither the TLB nor, mostly, the cache).
-    #[inline]
-    pub fn expansion_is_near(&self, s: u32) -> bool {
-        let st = &self.states[s as usize];
-        match st.degree() {
-            0 => true,
-            1 => {
-                let page = |i: u32| {
-                    (self.states.as_ptr() as usize + i as usize * std::mem::size_of::<State>())
-                        >> 12
-                };
-                page(s) == page(st.to0)
-            }
-            _ => false,
-        }
-    }
-
     /// Number of states (the root included).
     pub fn num_states(&self) -> usize {
         self.states.len()
