@@ -103,8 +103,7 @@ pub struct Response {
 pub enum Finish {
     /// They become history of the request's group (a response, with the request's version).
     Keep,
-    /// They are not history and leave the group's automaton now (the group is rebuilt, unless
-    /// the request generated nothing).
+    /// They are not history and leave the group's automaton now (the group is rebuilt).
     Drop,
     /// They are not history, but leave the automaton only at the group's next rebuild: when its
     /// last in-flight request finishes, or once such tokens are more than half of what it holds.
