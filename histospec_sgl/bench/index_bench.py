@@ -359,18 +359,11 @@ def run(
         "update_ms_per_step",
         "accepted_per_position_k16",
         "tokens_per_verify_step_d16",
-    ]
-    result["ours"] = {k: w1[k] for k in keys if k in w1}
-    for k in (
         "ingest_tokens_per_s_warm",
         "ingest_tokens_per_s_counted",
         "first_begin_ms_per_group",
         "finish_unkept_ms_per_request_deferred",
         "finish_unkept_ms_per_request_immediate",
-    ):
-        if k in w1:
-            result["ours"][k] = w1[k]
-    for k in (
         "batch_chain_ms_per_step",
         "batch_chain_ms_alone",
         "batch_draft_ms_cached",
@@ -378,9 +371,8 @@ def run(
         "batch_draft_ms_per_step_threaded",
         "batch_chain_ms_per_step_threaded",
         "update_ms_per_step_threaded",
-    ):
-        if k in w1:
-            result["ours"][k] = w1[k]
+    ]
+    result["ours"] = {k: w1[k] for k in keys if k in w1}
     if w2:
         result["ours"]["w2_accepted_per_position_k16"] = w2["accepted_per_position_k16"]
         result["ours"]["w2_tokens_per_verify_step_d16"] = w2["tokens_per_verify_step_d16"]
