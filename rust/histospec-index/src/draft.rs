@@ -571,12 +571,13 @@ impl Growth {
         let per_node = cfg.max_children as usize;
         loop {
             // (With a budget of one node, the root's expansion could not become a node either.)
+            let mut direct = None;
             if let Some(p) = self
                 .pending
                 .take()
                 .filter(|_| self.nodes.len() < job.budget)
             {
-                self.offer(
+                direct = self.offer(
                     sam,
                     &p.sources[..p.n],
                     &p.avoid,
@@ -589,7 +590,9 @@ impl Growth {
                 );
             }
             while self.nodes.len() < job.budget {
-                let Some(c) = self.heap.pop() else { break };
+                let Some(c) = direct.take().or_else(|| self.heap.pop()) else {
+                    break;
+                };
                 if c.score < cfg.min_prob || c.score <= 0.0 {
                     break;
                 }
@@ -696,10 +699,10 @@ impl Growth {
         w_new: f32,
         cfg: &DraftConfig,
         ptr: Option<(&Log, u32, f32)>,
-    ) {
+    ) -> Option<Cand> {
         self.collect_kids(sam, sources, avoid, w_new, cfg, ptr);
         if self.kids.is_empty() {
-            return;
+            return None;
         }
         let m = per_node.min(self.kids.len());
         if m < self.kids.len() {
@@ -715,16 +718,24 @@ impl Growth {
             if k.to != NONE {
                 sam.prefetch_expansion(k.to);
             }
-            self.heap.push(Cand {
+            let c = Cand {
                 score,
                 seq: self.seq,
                 parent,
                 tok: k.tok,
                 state: k.to,
                 ptr: k.ptr,
-            });
+            };
             self.seq += 1;
+            // A lone child that outranks the whole frontier is what the next pop would return:
+            // hand it over without the push and the pop (most nodes of a history of similar
+            // responses have one child).
+            if self.kids.len() == 1 && self.heap.peek().is_none_or(|top| c > *top) {
+                return Some(c);
+            }
+            self.heap.push(c);
         }
+        None
     }
 
     /// The candidates [`Growth::offer`] chooses from, in `kids`: the children of the weighted
