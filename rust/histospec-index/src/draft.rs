@@ -569,14 +569,13 @@ impl Growth {
         }
         let sam = job.sam;
         let per_node = cfg.max_children as usize;
+        // Kept in a local while the growth runs on without yielding (stored and reloaded through
+        // `self` at every node, it waited on the store).
+        let mut pending = self.pending.take();
         loop {
             // (With a budget of one node, the root's expansion could not become a node either.)
             let mut direct = None;
-            if let Some(p) = self
-                .pending
-                .take()
-                .filter(|_| self.nodes.len() < job.budget)
-            {
+            if let Some(p) = pending.take().filter(|_| self.nodes.len() < job.budget) {
                 direct = self.offer(
                     sam,
                     &p.sources[..p.n],
@@ -616,14 +615,15 @@ impl Growth {
                     // Yield (while the children load) unless the expansion reads one child of
                     // one state, which mostly sits next to it (as in a chain).
                     let near = p.n == 0 || (p.n == 1 && sam.degree(p.sources[0].0) <= 1);
-                    self.pending = Some(p);
                     if !near {
+                        self.pending = Some(p);
                         return false;
                     }
+                    pending = Some(p);
                     break;
                 }
             }
-            if self.pending.is_none() || self.nodes.len() >= job.budget {
+            if pending.is_none() || self.nodes.len() >= job.budget {
                 break;
             }
         }
