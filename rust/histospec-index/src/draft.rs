@@ -637,7 +637,9 @@ impl Growth {
     /// transitions.
     fn advance_chain(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
         let sam = job.sam;
-        while let Some(p) = self.pending.take() {
+        // In a local while the chain runs on without yielding, as in `advance`.
+        let mut pending = self.pending.take();
+        while let Some(p) = pending.take() {
             if self.nodes.len() >= job.budget {
                 break;
             }
@@ -670,14 +672,15 @@ impl Growth {
                 break;
             };
             let st = (next.n == 1).then_some(next.sources[0].0);
-            self.pending = Some(next);
             // Yield (to the other lanes, while the children load) only before a state with several
             // transitions: a state's one child, and the pointer's next entry, mostly sit next to
             // what was just read (a response's states and log entries are created in order).
             if let Some(s) = st.filter(|&s| sam.degree(s) > 1) {
                 sam.prefetch_expansion(s);
+                self.pending = Some(next);
                 return false;
             }
+            pending = Some(next);
         }
         self.out.clear();
         self.out.extend_from_slice(&self.nodes);
