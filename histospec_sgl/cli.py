@@ -213,6 +213,7 @@ def _replay(args: argparse.Namespace) -> int:
         scenario=args.scenario,
         draft_tokens=args.draft_tokens,
         chain=args.chain,
+        finish=args.finish,
         seed=args.seed,
         max_groups=args.max_groups,
         per_group=args.per_group,
@@ -243,6 +244,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _add_replay(sub: Any) -> None:
     from histospec_sgl.replay.data import PRESETS
+    from histospec_sgl.replay.methods import FINISH_MODES
     from histospec_sgl.replay.run import BOUNDS, DEFAULT_VERIFY_COSTS, OPTIONAL_PEERS, PEERS
     from histospec_sgl.replay.scenarios import SCENARIOS
 
@@ -268,6 +270,14 @@ def _add_replay(sub: Any) -> None:
     sc.add_argument("--scenario", choices=SCENARIOS, default="cross-sample")
     sc.add_argument("--draft-tokens", type=int, default=16, help="tree nodes per verify step, root included")
     sc.add_argument("--chain", action="store_true", help="draft chains instead of trees (ours)")
+    sc.add_argument(
+        "--finish",
+        choices=FINISH_MODES,
+        default="keep",
+        help="ours: how a finished in-flight sibling becomes history: keep it in the index (the worker "
+        "without a draft server), or draft-server (removed once its group is idle, and its response "
+        "published back at once, so it counts twice while siblings decode)",
+    )
     sc.add_argument("--seed", type=int, default=0)
     sc.add_argument("--max-groups", type=int, help="groups sampled (0 = all; preset default otherwise)")
     sc.add_argument("--per-group", type=int, help="responses replayed per group (0 = all)")

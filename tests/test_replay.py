@@ -140,6 +140,47 @@ def test_inflight_siblings_draft_from_each_other(tmp_path):
     assert infl.emitted == infl.steps
 
 
+def test_draft_server_finish_counts_a_sibling_twice_until_the_group_is_idle():
+    # Two siblings of one prompt; A finishes first while B still decodes.
+    def run(finish: str) -> tuple[dict, dict, list[int], list[float]]:
+        m = Ours(finish=finish)
+        m.reset(True)
+        assert m.index is not None
+        # Some earlier history, so that A's deferred tokens are under half of what the group
+        # holds (over half, the group is rebuilt at once).
+        m.add_history([1, 2], list(range(20, 32)))
+        m.begin(1, [1, 2])
+        m.begin(2, [1, 2])
+        m.extend(1, [3, 4, 5, 6])
+        m.extend(2, [3, 4])
+        m.finish(1)
+        mid = m.index.stats()
+        toks, _, probs = m.index.draft(2, 4, False)
+        m.extend(2, [5, 7])
+        m.finish(2)
+        return mid, m.index.stats(), list(toks), list(probs)
+
+    keep_mid, keep_end, keep_draft, keep_p = run("keep")
+    srv_mid, srv_end, srv_draft, srv_p = run("draft-server")
+    # Either way B drafts A's continuation after "3 4".
+    assert keep_draft[1:3] == srv_draft[1:3] == [5, 6]
+    # While B decodes, A's response is in the automaton twice (its deferred tokens and the
+    # published record), so its continuation is estimated as seen twice: more likely.
+    assert keep_mid["responses"] == srv_mid["responses"] == 2
+    assert srv_mid["rebuilds"] == 0
+    assert srv_p[1] > keep_p[1]
+    # Once the group is idle it holds exactly the published history: one rebuild, no copies.
+    assert srv_end["rebuilds"] == 1
+    assert (srv_end["tokens"], srv_end["responses"], srv_end["states"]) == (
+        keep_end["tokens"],
+        keep_end["responses"],
+        keep_end["states"],
+    )
+    assert keep_end["responses"] == 3
+    with pytest.raises(ValueError, match="finish must be one of"):
+        Ours(finish="drop")
+
+
 def test_scenarios_select_the_documented_history(tmp_path):
     rows = []
     for pol in ("a", "b"):

@@ -27,19 +27,39 @@ class Method(Protocol):
     def finish(self, rid: int) -> None: ...
 
 
+#: How ``Ours`` turns a finished in-flight request into history (``--finish``).
+FINISH_MODES = ("keep", "draft-server")
+
+
 class Ours:
-    """histospec-sgl's HistoryIndex, exactly as the SGLang worker uses it (one index per case)."""
+    """histospec-sgl's HistoryIndex, exactly as the SGLang worker uses it (one index per case).
+
+    ``finish``: ``keep`` finishes a request with ``keep=True`` (the worker without a draft
+    server). ``draft-server`` does what the worker does with one: the request leaves with
+    ``keep=False, defer_removal=True`` (its tokens stay until its group's next rebuild) and its
+    response comes back at once as a published record (``add_response``), so while siblings
+    decode the response is in the automaton twice. That is the worst case of the sync path: a
+    record published later than at once counts twice for a shorter time.
+    """
 
     name = "ours"
 
-    def __init__(self, chain: bool = False, draft_config: dict[str, Any] | None = None):
+    def __init__(self, chain: bool = False, draft_config: dict[str, Any] | None = None, finish: str = "keep"):
+        if finish not in FINISH_MODES:
+            raise ValueError(f"finish must be one of {', '.join(FINISH_MODES)}, got {finish!r}")
         self.chain = chain
         self.draft_config = dict(draft_config or {})
+        self.finish_mode = finish
         self.description = "histospec-sgl HistoryIndex, per-prompt GSAM, " + ("chain" if chain else "tree")
+        if finish != "keep":
+            self.description += f", finish={finish}"
         self.index: HistoryIndex | None = None
+        # draft-server: what each request would publish when it finishes.
+        self.texts: dict[int, tuple[list[int], list[int]]] = {}
 
     def reset(self, case_online_visible: bool) -> None:
         self.index = HistoryIndex()
+        self.texts.clear()
         if self.draft_config:
             self.index.set_draft_config(**self.draft_config)
 
@@ -50,6 +70,8 @@ class Ours:
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
         assert self.index is not None
         self.index.begin_request(rid, None, prompt)
+        if self.finish_mode == "draft-server":
+            self.texts[rid] = (list(prompt), [])
 
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
         assert self.index is not None
@@ -59,10 +81,18 @@ class Ours:
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
         assert self.index is not None
         self.index.extend_request(rid, tokens)
+        if self.finish_mode == "draft-server":
+            self.texts[rid][1].extend(tokens)
 
     def finish(self, rid: int) -> None:
         assert self.index is not None
-        self.index.finish_request(rid, keep=True)
+        if self.finish_mode == "keep":
+            self.index.finish_request(rid, keep=True)
+            return
+        prompt, response = self.texts.pop(rid)
+        self.index.finish_request(rid, keep=False, defer_removal=True)
+        if response:
+            self.index.add_response(None, prompt, response)
 
 
 class SGLangTrie:

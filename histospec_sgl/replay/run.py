@@ -18,6 +18,7 @@ from histospec_sgl.replay.data import (
     preset_path,
 )
 from histospec_sgl.replay.methods import (
+    FINISH_MODES,
     CopyBound,
     Method,
     Ours,
@@ -47,6 +48,8 @@ class ReplayOptions:
     scenario: str = "cross-sample"
     draft_tokens: int = 16
     chain: bool = False
+    #: How a finished in-flight request becomes history for ours (``FINISH_MODES``).
+    finish: str = "keep"
     seed: int = 0
     max_groups: int | None = None
     per_group: int | None = None
@@ -78,7 +81,9 @@ def _selection(o: ReplayOptions, defaults: dict[str, Any]) -> Selection:
 
 
 def make_methods(o: ReplayOptions) -> list[Method]:
-    methods: list[Method] = [Ours(chain=o.chain, draft_config=o.draft_config)]
+    if o.finish not in FINISH_MODES:
+        raise ReplayDataError(f"unknown finish mode {o.finish!r}; choose from {', '.join(FINISH_MODES)}")
+    methods: list[Method] = [Ours(chain=o.chain, draft_config=o.draft_config, finish=o.finish)]
     for p in o.peers:
         if p == "ngram":
             methods.append(PromptLookup())
@@ -167,6 +172,7 @@ def run_replay(o: ReplayOptions, command: str | None = None) -> dict[str, Any]:
             **info,
             "draft_tokens": o.draft_tokens,
             "chain": o.chain,
+            "finish": o.finish,
             "seed": o.seed,
             "draft_config": o.draft_config,
             "cost_model": {
