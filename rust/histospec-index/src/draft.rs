@@ -689,7 +689,9 @@ impl Growth {
 
     /// Offers the children of the weighted `sources` (merged by token; source `i` never offers
     /// `avoid[i]`) as candidates under `parent`, mixed with the pointer's prediction `ptr` (log,
-    /// clock of the predicted token, weight).
+    /// clock of the predicted token, weight). A single candidate that outranks every candidate
+    /// in the frontier is returned instead of pushed: the caller takes it as the next node, as
+    /// the next pop would have.
     #[allow(clippy::too_many_arguments)]
     fn offer(
         &mut self,
