@@ -35,12 +35,12 @@ class HistoryIndex:
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
         min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short,
-        follow, follow_resync, hub_follow:
+        follow, follow_resync, hub_follow, hub_follow_degree:
             the draft policy; ``follow`` (0 = off) and ``follow_resync`` are the prior weights of
             source following (the request drafts the next tokens of the earlier response it is
-            rewriting, with a weight learned from its own hits); a root whose match has 16 or
-            more continuations drafts only that source's path when its weight is at least
-            ``hub_follow`` (1 = never)
+            rewriting, with a weight learned from its own hits); a root whose match has
+            ``hub_follow_degree`` (16) or more continuations drafts only that source's path when
+            its weight is at least ``hub_follow`` (1 = never)
             (see ``rust/histospec-index/src/draft.rs`` and the README).
         threads: threads that batch calls (``draft_batch``, ``draft_chain_batch``,
             ``extend_batch``) may use, the caller's included (1..64). A batch of at least 32
@@ -70,6 +70,7 @@ class HistoryIndex:
         follow: float = 0.5,
         follow_resync: float = 0.1,
         hub_follow: float = 0.1,
+        hub_follow_degree: int = 16,
         threads: int = 1,
     ) -> None: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
@@ -174,6 +175,7 @@ class HistoryIndex:
         follow: float | None = None,
         follow_resync: float | None = None,
         hub_follow: float | None = None,
+        hub_follow_degree: int | None = None,
     ) -> None:
         """Changes some draft-policy knobs."""
 

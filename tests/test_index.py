@@ -244,6 +244,29 @@ def test_hub_root_defers_to_a_trusted_source():
         HistoryIndex(hub_follow=1.5)
 
 
+def test_hub_follow_degree_sets_which_roots_defer():
+    # As above, but token 5 has only 4 continuations: not a hub by default, one with
+    # hub_follow_degree=4.
+    spread = [x for t in range(10, 14) for x in (5, t)]
+    drafts = {}
+    for degree in (16, 4):
+        ix = HistoryIndex(hub_follow_degree=degree)
+        ix.add_response(9, [1], spread, 0)
+        ix.add_response(9, [1], list(range(30, 50)), 0)
+        ix.begin_request(1, 9, [1])
+        ix.extend_request(1, [*range(30, 38), 5])
+        drafts[degree] = ix.draft(1, 6)
+        assert ix.draft_config()["hub_follow_degree"] == degree
+    assert drafts[4][:2] == ([5, 39, 40, 41, 42, 43], [-1, 0, 1, 2, 3, 4])
+    tokens, parents, _ = drafts[16]
+    root_kids = {t for t, p in zip(tokens, parents) if p == 0}
+    assert 39 in root_kids and len(root_kids & set(range(10, 14))) >= 2
+    ix.set_draft_config(hub_follow_degree=16)
+    assert ix.draft_config()["hub_follow_degree"] == 16
+    with pytest.raises(ValueError, match="hub_follow_degree"):
+        HistoryIndex(hub_follow_degree=1)
+
+
 def test_self_repetition_counts():
     ix = HistoryIndex()
     ix.begin_request(1, None, [1])

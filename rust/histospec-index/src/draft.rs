@@ -38,6 +38,10 @@
 //!    share the budget thinly, and reading each of them is most of such a root's cost. On W1 this
 //!    took d=16 tokens per step from 6.82 to 6.94 and the one-thread tree step to ~0.75x; on the
 //!    real rollouts it changed tokens per step by -0.14% to -0.01% (bench/RESULTS.md, session 16).
+//!    `hub_follow_degree` (16) sets how many continuations make a hub for this rule. Lower, it
+//!    pays on histories where each response rewrites one earlier response (W1 at 4: d=16 tokens
+//!    per step 7.05 → 7.12, tree step 0.46 → 0.35 ms) and costs the real rollouts 0.5-1.1%
+//!    (bench/RESULTS.md, session 20), so the default stays at 16.
 //! 5. *Fallback.* A node whose state has no continuation (its match reached the end of a stored
 //!    string) continues from the longest suffix that has one, if that suffix is at least
 //!    `min_match` long.
@@ -97,6 +101,10 @@ pub struct DraftConfig {
     /// the pointer's weight is at least this, instead of spreading the budget over the hub's many
     /// continuations (and reading each of them). 1 = never.
     pub hub_follow: f32,
+    /// How many continuations make a root a hub for `hub_follow` (at least 2; default
+    /// [`crate::sam::HUB_DEGREE`]). Lower values defer to the pointer at more roots: faster, and
+    /// better where each response rewrites one earlier response, worse on the real rollouts.
+    pub hub_follow_degree: u32,
 }
 
 impl Default for DraftConfig {
@@ -114,6 +122,7 @@ impl Default for DraftConfig {
             follow: 0.5,
             follow_resync: 0.1,
             hub_follow: 0.1,
+            hub_follow_degree: crate::sam::HUB_DEGREE,
         }
     }
 }
@@ -164,6 +173,12 @@ impl DraftConfig {
             return Err(format!(
                 "hub_follow must be in [0, 1], got {}",
                 self.hub_follow
+            ));
+        }
+        if self.hub_follow_degree < 2 {
+            return Err(format!(
+                "hub_follow_degree must be at least 2, got {}",
+                self.hub_follow_degree
             ));
         }
         if self.blend > 16 {

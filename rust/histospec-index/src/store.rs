@@ -9,7 +9,7 @@ use crate::draft::{
 use crate::error::{CoreError, Result};
 use crate::follow::{Follow, Log};
 use crate::par::{split, split_mut, split_opt, Par, MAX_THREADS};
-use crate::sam::{prefetch, Sam, HUB_DEGREE, NONE};
+use crate::sam::{prefetch, Sam, NONE};
 
 thread_local! {
     // Scratch space for the parts of a batch that run on pool threads (and on the caller, when a
@@ -1102,7 +1102,7 @@ impl HistoryIndex {
                 && cfg.hub_follow < 1.0
                 && p.pred != NONE
                 && p.weight >= cfg.hub_follow
-                && sam.degree(anchors[0].0) >= HUB_DEGREE
+                && sam.degree(anchors[0].0) >= cfg.hub_follow_degree
             {
                 n = 0;
             }

@@ -257,9 +257,10 @@ proptest! {
         recency in prop::sample::select(vec![0.0f32, 0.3]),
         min_prob in prop::sample::select(vec![0.0f32, 0.2]),
         hub_follow in prop::sample::select(vec![0.0f32, 1.0]),
+        hub_follow_degree in prop::sample::select(vec![2u32, 16]),
         budget in 1usize..13,
     ) {
-        let draft = DraftConfig { follow, recover, blend, recency, min_prob, hub_follow, ..DraftConfig::default() };
+        let draft = DraftConfig { follow, recover, blend, recency, min_prob, hub_follow, hub_follow_degree, ..DraftConfig::default() };
         let cfg = IndexConfig { draft: draft.clone(), ..Default::default() };
         let mut ix = HistoryIndex::new(cfg).unwrap();
         for (v, h) in history.iter().enumerate() {

@@ -115,6 +115,7 @@ fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDi
     out.set_item("follow", d.follow)?;
     out.set_item("follow_resync", d.follow_resync)?;
     out.set_item("hub_follow", d.hub_follow)?;
+    out.set_item("hub_follow_degree", d.hub_follow_degree)?;
     Ok(out)
 }
 
@@ -152,7 +153,7 @@ impl PyHistoryIndex {
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
                         min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
                         recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1, hub_follow=0.1,
-                        threads=1))]
+                        hub_follow_degree=16, threads=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         vocab_size: Option<i64>,
@@ -172,6 +173,7 @@ impl PyHistoryIndex {
         follow: f32,
         follow_resync: f32,
         hub_follow: f32,
+        hub_follow_degree: u32,
         threads: usize,
     ) -> PyResult<Self> {
         let draft = DraftConfig {
@@ -187,6 +189,7 @@ impl PyHistoryIndex {
             follow,
             follow_resync,
             hub_follow,
+            hub_follow_degree,
         };
         let cfg = make_config(
             vocab_size,
@@ -463,7 +466,7 @@ impl PyHistoryIndex {
     }
 
     /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None, hub_follow=None))]
+    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None, hub_follow=None, hub_follow_degree=None))]
     #[allow(clippy::too_many_arguments)]
     fn set_draft_config(
         &self,
@@ -479,6 +482,7 @@ impl PyHistoryIndex {
         follow: Option<f32>,
         follow_resync: Option<f32>,
         hub_follow: Option<f32>,
+        hub_follow_degree: Option<u32>,
     ) -> PyResult<()> {
         let mut g = self.write()?;
         let mut d = g.config().draft.clone();
@@ -494,6 +498,7 @@ impl PyHistoryIndex {
         d.follow = follow.unwrap_or(d.follow);
         d.follow_resync = follow_resync.unwrap_or(d.follow_resync);
         d.hub_follow = hub_follow.unwrap_or(d.hub_follow);
+        d.hub_follow_degree = hub_follow_degree.unwrap_or(d.hub_follow_degree);
         g.set_draft_config(d).map_err(to_py)
     }
 
