@@ -221,48 +221,49 @@ def test_recovery_continues_the_match_the_last_token_broke():
     assert {(14, 15), (15, 16)} <= kids
 
 
+def _hub_draft(continuations: int, **config) -> tuple[HistoryIndex, tuple]:
+    """Token 5 has `continuations` continuations in the history (10, 11, ...). The request copies
+    30..37 of the second response, then writes 5 where the source has 38: its longest match is
+    just "5", and its source pointer predicts 39 (5 replaced 38). Returns the index and a 6-node
+    draft."""
+    ix = HistoryIndex(**config)
+    ix.add_response(9, [1], [x for t in range(10, 10 + continuations) for x in (5, t)], 0)
+    ix.add_response(9, [1], list(range(30, 50)), 0)
+    ix.begin_request(1, 9, [1])
+    ix.extend_request(1, [*range(30, 38), 5])
+    return ix, ix.draft(1, 6)
+
+
+def _root_kids(draft: tuple) -> set[int]:
+    tokens, parents, _ = draft
+    return {t for t, p in zip(tokens, parents) if p == 0}
+
+
+SOURCE_PATH = ([5, 39, 40, 41, 42, 43], [-1, 0, 1, 2, 3, 4])
+
+
 def test_hub_root_defers_to_a_trusted_source():
-    # Token 5 has 16 continuations in the history (a hub). The request copies 30..37 of the second
-    # response, then writes 5 where the source has 38: its longest match is just "5". With
-    # hub_follow at its default, the root drafts only the source's path (5 replaced 38: 39, 40, ...);
-    # with hub_follow=1 it also offers the hub's continuations.
-    spread = [x for t in range(10, 26) for x in (5, t)]
-    drafts = {}
-    for hub_follow in (0.1, 1.0):
-        ix = HistoryIndex(hub_follow=hub_follow)
-        ix.add_response(9, [1], spread, 0)
-        ix.add_response(9, [1], list(range(30, 50)), 0)
-        ix.begin_request(1, 9, [1])
-        ix.extend_request(1, [*range(30, 38), 5])
-        drafts[hub_follow] = ix.draft(1, 6)
-    assert drafts[0.1][:2] == ([5, 39, 40, 41, 42, 43], [-1, 0, 1, 2, 3, 4])
-    tokens, parents, _ = drafts[1.0]
-    root_kids = {t for t, p in zip(tokens, parents) if p == 0}
-    assert 39 in root_kids and len(root_kids & set(range(10, 26))) >= 3
+    # 16 continuations make "5" a hub. With hub_follow at its default, the root drafts only the
+    # source's path; with hub_follow=1 it also offers the hub's continuations.
+    _, deferred = _hub_draft(16, hub_follow=0.1)
+    _, spread = _hub_draft(16, hub_follow=1.0)
+    assert deferred[:2] == SOURCE_PATH
+    assert 39 in _root_kids(spread) and len(_root_kids(spread) & set(range(10, 26))) >= 3
     assert HistoryIndex().draft_config()["hub_follow"] == pytest.approx(0.1)
     with pytest.raises(ValueError, match="hub_follow"):
         HistoryIndex(hub_follow=1.5)
 
 
 def test_hub_follow_degree_sets_which_roots_defer():
-    # As above, but token 5 has only 4 continuations: not a hub by default, one with
-    # hub_follow_degree=4.
-    spread = [x for t in range(10, 14) for x in (5, t)]
-    drafts = {}
-    for degree in (16, 4):
-        ix = HistoryIndex(hub_follow_degree=degree)
-        ix.add_response(9, [1], spread, 0)
-        ix.add_response(9, [1], list(range(30, 50)), 0)
-        ix.begin_request(1, 9, [1])
-        ix.extend_request(1, [*range(30, 38), 5])
-        drafts[degree] = ix.draft(1, 6)
-        assert ix.draft_config()["hub_follow_degree"] == degree
-    assert drafts[4][:2] == ([5, 39, 40, 41, 42, 43], [-1, 0, 1, 2, 3, 4])
-    tokens, parents, _ = drafts[16]
-    root_kids = {t for t, p in zip(tokens, parents) if p == 0}
-    assert 39 in root_kids and len(root_kids & set(range(10, 14))) >= 2
-    ix.set_draft_config(hub_follow_degree=16)
-    assert ix.draft_config()["hub_follow_degree"] == 16
+    # 4 continuations: not a hub by default, one with hub_follow_degree=4.
+    ix16, spread = _hub_draft(4)
+    ix4, deferred = _hub_draft(4, hub_follow_degree=4)
+    assert deferred[:2] == SOURCE_PATH
+    assert 39 in _root_kids(spread) and len(_root_kids(spread) & set(range(10, 14))) >= 2
+    assert ix16.draft_config()["hub_follow_degree"] == 16
+    assert ix4.draft_config()["hub_follow_degree"] == 4
+    ix4.set_draft_config(hub_follow_degree=16)
+    assert ix4.draft_config()["hub_follow_degree"] == 16
     with pytest.raises(ValueError, match="hub_follow_degree"):
         HistoryIndex(hub_follow_degree=1)
 
