@@ -4,7 +4,8 @@
 # imports without a driver; about 2.6 GB of wheels), sglang with --no-deps plus the packages its
 # argument code and plugin loader import (scripts/sglang-cpu-requirements.txt), the histospec-sgl
 # wheel (so its `sglang.srt.plugins` entry point is registered), and a torchvision stand-in
-# (tests/_shims: PyPI has no CPU torchvision, and sglang imports it at top level).
+# (tests/_shims: PyPI has no CPU torchvision, and sglang imports it at top level), and
+# ArcticInference's SuffixDecoding built from its sdist (a benchmark peer).
 # Idempotent: a finished environment is only refreshed with the current histospec-sgl wheel.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,6 +36,20 @@ if [ ! -f "$OVERLAY/.done" ]; then
   "$VENV/bin/python" -m zipfile -e "$OVERLAY.whl"/sglang-0.5.23-*.whl "$OVERLAY"
   rm -rf "$OVERLAY.whl"
   touch "$OVERLAY/.done"
+fi
+# ArcticInference's SuffixDecoding (a peer of `bench index` and `replay`). PyPI has only its sdist,
+# whose setup.py imports torch: built here against the torch above, without build isolation (which
+# would pull another torch and ~2 GB of CUDA wheels). Only its C++ suffix-tree extension is built
+# (nanobind, ~15 s); at run time it needs numpy alone.
+ARCTIC_VERSION=0.3.0
+ARCTIC_STAMP="$VENV/.arctic-inference-$ARCTIC_VERSION"
+if [ ! -f "$ARCTIC_STAMP" ]; then
+  echo "[setup-sglang] building arctic-inference $ARCTIC_VERSION (its suffix-tree extension) into $VENV"
+  "$VENV/bin/python" -m pip install -q "setuptools>=61,<82" wheel "cmake>=3.18" ninja "nanobind==2.9.2" grpcio-tools
+  PATH="$ROOT/$VENV/bin:$PATH" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+    "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "arctic-inference==$ARCTIC_VERSION"
+  "$VENV/bin/python" -c "from arctic_inference.suffix_decoding._C import SuffixTree; SuffixTree(64)"
+  touch "$ARCTIC_STAMP"
 fi
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"
 rm -rf target/wheels-sglang

@@ -37,13 +37,17 @@ Metrics (keys of ``--json``):
   d=16 tree (root included, 15 draft nodes): accepted + 1 tokens per verify step, pooled.
 
 Peers run in the same process when installed (``peers`` in the JSON, the same keys where they
-apply): SGLang's NGRAM suffix automaton with its PROB and BFS drafting (``histospec_sgl/bench/index_peers.py``;
-run the bench from ``.venv-sglang``), and ArcticInference's SuffixDecoding (reported as missing: its
-only release is an sdist that builds against torch).
+apply; ``histospec_sgl/bench/index_peers.py``; run the bench from ``.venv-sglang``, where
+``scripts/setup_sglang_env.sh`` installs both): SGLang's NGRAM suffix automaton with its PROB and
+BFS drafting, and ArcticInference's SuffixDecoding, one ``SuffixTree`` per prompt
+(``arctic-per-prompt``, its best settings) and its shipped global ``SuffixDecodingCache``
+(``arctic-global``, shipped settings). Each peer's memory is measured after the previous index's
+memory went back to the system.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import platform
@@ -251,16 +255,12 @@ def acceptance(ix: HistoryIndex, w: Workload, prompts: int, per_prompt: int = 2)
 
 def peers_status() -> dict[str, dict[str, Any]]:
     """Which peer indexes can run here; missing ones are reported as missing, never faked."""
-    out: dict[str, dict[str, Any]] = {}
-    try:
-        import arctic_inference.suffix_decoding  # noqa: F401
+    from histospec_sgl.replay import arctic
 
-        out["arctic-suffix"] = {"status": "installed but no adapter in this build"}
-    except ImportError as e:
-        out["arctic-suffix"] = {
-            "status": "missing",
-            "reason": f"{e}; arctic-inference ships only an sdist that needs torch>=2.10 to build",
-        }
+    out: dict[str, dict[str, Any]] = {}
+    why = arctic.missing_reason()
+    for name in ("arctic-per-prompt", "arctic-global"):
+        out[name] = {"status": "ok"} if why is None else {"status": "missing", "reason": why}
     try:
         from histospec_sgl.replay.methods import sglang_ngram_corpus_class
 
@@ -270,6 +270,16 @@ def peers_status() -> dict[str, dict[str, Any]]:
     except Exception as e:  # ImportError, or a CUDA-only import failure
         out["sglang-ngram"] = {"status": "missing", "reason": f"{type(e).__name__}: {e}"}
     return out
+
+
+def _release() -> None:
+    """Frees what the last index left and hands the allocator's free memory back to the system, so
+    that the next index's RSS growth counts its own memory (glibc keeps freed blocks otherwise)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def run(
@@ -335,21 +345,27 @@ def run(
         del ix
         first_sam = True
         for peer, info in result["peers"].items():
-            if info.get("status") == "ok" and peer.startswith("sglang-sam-"):
-                from histospec_sgl.bench.index_peers import SGLangSAM
+            if info.get("status") != "ok":
+                continue
+            from histospec_sgl.bench.index_peers import ArcticPeer, SGLangSAM
 
-                if progress:
-                    progress(f"{name}: peer {peer}")
-                try:
+            if progress:
+                progress(f"{name}: peer {peer}")
+            _release()
+            try:
+                if peer.startswith("arctic-"):
+                    got = ArcticPeer(per_prompt=peer == "arctic-per-prompt").run(
+                        w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0, measure_ingest=name == "W1")
+                else:
                     got = SGLangSAM(peer.rsplit("-", 1)[1].upper()).run(
                         w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0,
                         measure_ingest=first_sam and name == "W1",
                     )
                     first_sam = False
-                except Exception as e:  # a peer failing is reported, never fatal to our numbers
-                    info.update(status="failed", reason=f"{type(e).__name__}: {e}")
-                    continue
-                info.setdefault("workloads", {})[name] = got
+            except Exception as e:  # a peer failing is reported, never fatal to our numbers
+                info.update(status="failed", reason=f"{type(e).__name__}: {e}")
+                continue
+            info.setdefault("workloads", {})[name] = got
     w1 = result["workloads"].get("W1", {})
     w2 = result["workloads"].get("W2", {})
     keys = [

@@ -26,6 +26,9 @@ from histospec_sgl.replay.methods import mask_parents, sglang_ngram_corpus_class
 from histospec_sgl.replay.simulate import accept_greedy
 
 DEPTH = 18
+#: Draft nodes (root included) and chain length, as for ours.
+D = 16
+K = 16
 
 
 def _accept_chain(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int, k: int) -> int:
@@ -146,6 +149,174 @@ class SGLangSAM:
                     steps += 1
                     i += adv
                 tree[p].erase_match_state([rid])
+        return {
+            "accepted_per_position_k16": acc_sum / positions,
+            "tokens_per_verify_step_d16": toks / steps,
+        }
+
+
+class ArcticPeer:
+    """ArcticInference's SuffixDecoding (arctic-inference 0.3.0, ``histospec_sgl.replay.arctic``).
+
+    ``arctic-per-prompt``: one ``SuffixTree`` per prompt holding the prompt and its epoch-1
+    responses, each request a sequence of its own that grows with its output, drafted with Arctic's
+    best settings of anchors.md (``max_spec_factor`` 4; chains for k=16, best-first trees for d=16).
+    ``arctic-global``: the shipped ``SuffixDecodingCache`` as ArcticInference's vLLM runner drives
+    it (one global tree of every response of every prompt, one tree per active request, shipped
+    settings: factor 1, chains). Both speculate on the last 64 tokens, one call per request from
+    Python (Arctic has no batch call)."""
+
+    def __init__(self, per_prompt: bool) -> None:
+        from histospec_sgl.replay import arctic
+
+        self.arctic = arctic
+        self.per_prompt = per_prompt
+        self.name = "arctic-per-prompt" if per_prompt else "arctic-global"
+        self.chain_s = arctic.SpecSettings(factor=4.0) if per_prompt else arctic.SHIPPED
+        self.tree_s = arctic.BEST if per_prompt else arctic.SHIPPED
+
+    def build(self, w: Workload) -> Any:
+        if self.per_prompt:
+            trees = []
+            for p, prompt in enumerate(w.prompts):
+                t = self.arctic.PerPromptTrees()
+                for r in w.epoch1[p]:
+                    t.add(prompt, r)
+                trees.append(t)
+            return trees
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        i32 = self.arctic.int32
+        cache = SuffixDecodingCache(max_tree_depth=self.arctic.CONTEXT, max_cached_requests=100_000)
+        for p, prompt in enumerate(w.prompts):
+            for j, r in enumerate(w.epoch1[p]):
+                rid = ("history", p, j)
+                cache.start_request(rid, i32(prompt))
+                cache.add_active_response(rid, i32(r))
+                cache.stop_request(rid)
+        return cache
+
+    def run(self, w: Workload, rss: Callable[[], int], steps: int, acc_prompts: int,
+            latency_requests: int, measure_ingest: bool = True) -> dict[str, Any]:
+        ntok = sum(len(r) for rs in w.epoch1 for r in rs)
+        gc.collect()
+        r0 = rss()
+        t = time.perf_counter()
+        index = self.build(w)
+        dt = time.perf_counter() - t
+        res: dict[str, Any] = {"settings_k16": self.chain_s.label(), "settings_d16": self.tree_s.label()}
+        if measure_ingest:
+            res["ingest_tokens_per_s"] = ntok / dt
+            res["bytes_per_token"] = (rss() - r0) / ntok
+        if latency_requests:
+            res.update(self._latency(w, index, steps, latency_requests))
+        res.update(self._acceptance(w, index, acc_prompts))
+        return res
+
+    # One request of either kind: begin, speculate on its context, extend, finish.
+    def _begin(self, index: Any, p: int, rid: Any, prompt: np.ndarray) -> Any:
+        if self.per_prompt:
+            return index[p].begin(prompt)
+        index.start_request(rid, self.arctic.int32(prompt))
+        return rid
+
+    def _speculate(self, index: Any, p: int, h: Any, ctx: np.ndarray, budget: int, s: Any) -> Any:
+        c = self.arctic.int32(ctx[-self.arctic.CONTEXT:])
+        if self.per_prompt:
+            return self.arctic.speculate(index[p].tree, c, budget, s)
+        return index.speculate(h, c, max_spec_tokens=budget, max_spec_factor=s.factor, max_spec_offset=s.offset,
+                               min_token_prob=s.min_prob, use_tree_spec=s.tree)
+
+    def _extend(self, index: Any, p: int, h: Any, toks: np.ndarray) -> None:
+        if len(toks) == 0:
+            return
+        if self.per_prompt:
+            index[p].extend(h, toks)
+        else:
+            index.add_active_response(h, self.arctic.int32(toks))
+
+    def _finish(self, index: Any, p: int, h: Any) -> None:
+        # The replayed response must not stay for the next one (ours finishes with keep=False).
+        if self.per_prompt:
+            index[p].remove(h)
+        else:
+            index.stop_request(h)
+            index.evict_cached_response(h)
+
+    def _latency(self, w: Workload, index: Any, steps: int, n: int) -> dict[str, float]:
+        n = min(n, len(w.prompts))
+        truths = [w.epoch2(p, 0) for p in range(n)]
+        pos = np.full(n, 500, dtype=np.int64)
+        hs = []
+        for p in range(n):
+            h = self._begin(index, p, ("lat", p), w.prompts[p])
+            self._extend(index, p, h, truths[p][:500])
+            hs.append(h)
+        t_tree, t_chain, t_upd = [], [], []
+        for _ in range(steps):
+            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
+            t0 = time.perf_counter()
+            for p in range(n):
+                self._speculate(index, p, hs[p], ctx[p], D - 1, self.tree_s)
+            t1 = time.perf_counter()
+            drafts = [self._speculate(index, p, hs[p], ctx[p], K, self.chain_s) for p in range(n)]
+            t2 = time.perf_counter()
+            adv = []
+            for p in range(n):
+                acc = 0
+                for tok in drafts[p].token_ids:
+                    if pos[p] + acc >= len(truths[p]) or tok != truths[p][pos[p] + acc]:
+                        break
+                    acc += 1
+                adv.append(min(acc + 1, len(truths[p]) - int(pos[p])))
+            t3 = time.perf_counter()
+            for p in range(n):
+                self._extend(index, p, hs[p], truths[p][pos[p] : pos[p] + adv[p]])
+            t4 = time.perf_counter()
+            pos += np.asarray(adv, dtype=np.int64)
+            t_tree.append(t1 - t0)
+            t_chain.append(t2 - t1)
+            t_upd.append(t4 - t3)
+        for p in range(n):
+            self._finish(index, p, hs[p])
+        ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
+        return {
+            "batch_draft_ms_per_step": ms(t_tree),
+            "batch_chain_ms_per_step": ms(t_chain),
+            "update_ms_per_step": ms(t_upd),
+        }
+
+    def _acceptance(self, w: Workload, index: Any, prompts: int) -> dict[str, float]:
+        acc_sum = positions = steps = toks = 0
+        for p in range(min(prompts, len(w.prompts))):
+            for j in range(2):
+                truth = w.epoch2(p, j)
+                ctx = np.concatenate([w.prompts[p], truth])
+                base = len(w.prompts[p])
+                h = self._begin(index, p, ("acc", p, j, "chain"), w.prompts[p])
+                for i in range(len(truth)):
+                    d = self._speculate(index, p, h, ctx[: base + i], K, self.chain_s)
+                    acc = 0
+                    for tok in d.token_ids:
+                        if i + acc >= len(truth) or tok != truth[i + acc]:
+                            break
+                        acc += 1
+                    acc_sum += acc
+                    positions += 1
+                    self._extend(index, p, h, truth[i : i + 1])
+                self._finish(index, p, h)
+                h = self._begin(index, p, ("acc", p, j, "tree"), w.prompts[p])
+                i = 0
+                while i < len(truth):
+                    ctx_i = ctx[: base + i]
+                    t, par = self.arctic.nodes(int(ctx_i[-1]), self._speculate(index, p, h, ctx_i, D - 1, self.tree_s))
+                    a = accept_greedy(np.asarray(t), np.asarray(par), truth, i)
+                    adv = min(a + 1, len(truth) - i)
+                    self._extend(index, p, h, truth[i : i + adv])
+                    toks += adv
+                    steps += 1
+                    i += adv
+                self._finish(index, p, h)
         return {
             "accepted_per_position_k16": acc_sum / positions,
             "tokens_per_verify_step_d16": toks / steps,

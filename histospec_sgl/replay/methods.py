@@ -326,15 +326,12 @@ class PromptLookup:
 
 
 def missing_peers() -> dict[str, dict[str, str]]:
-    """Peers this replay cannot drive here, and why."""
+    """Peers this replay cannot drive here, or was not asked to, and why."""
+    from histospec_sgl.replay import arctic
+
     out = {}
-    arctic = importlib.util.find_spec("arctic_inference") is not None
     sglang = importlib.util.find_spec("sglang") is not None
-    why_a = (
-        "arctic_inference is installed but its SuffixDecodingCache adapter is not written yet"
-        if arctic
-        else "arctic-inference is not installed (it builds only against torch and vLLM)"
-    )
+    why_a = arctic.missing_reason() or "not requested: add it to --peers (it runs here)"
     why_s = (
         "SGLang's external-corpus SAM cannot be scoped to one prompt (every corpus serves every request; "
         "PR #35102); its online trie is sglang_ngram_global"

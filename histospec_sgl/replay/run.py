@@ -17,6 +17,7 @@ from histospec_sgl.replay.data import (
     load_rollouts,
     preset_path,
 )
+from histospec_sgl.replay import arctic
 from histospec_sgl.replay.methods import (
     FINISH_MODES,
     CopyBound,
@@ -31,8 +32,8 @@ from histospec_sgl.replay.scenarios import Case, Selection, build_cases
 from histospec_sgl.replay.simulate import run_method
 
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
-#: Peers that need extra software (SGLang's own C++ corpus: run from .venv-sglang).
-OPTIONAL_PEERS = ("sglang_ngram_global",)
+#: Peers that need extra software (SGLang's own C++ corpus, ArcticInference: run from .venv-sglang).
+OPTIONAL_PEERS = ("sglang_ngram_global", "arctic_per_prompt", "arctic_global")
 DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
 #: Oracle ceilings (``--bounds``): what copying from the visible text could give at best.
 BOUNDS = {"bound_copy_any": 0, "bound_copy_after_1": 1}
@@ -93,6 +94,11 @@ def make_methods(o: ReplayOptions) -> list[Method]:
             methods.append(SGLangTrie(per_prompt=False))
         elif p == "sglang_ngram_global":
             methods.append(SGLangNgram())
+        elif p in ("arctic_per_prompt", "arctic_global"):
+            why = arctic.missing_reason()
+            if why is not None:
+                raise ReplayDataError(f"peer {p} cannot run here: {why}")
+            methods.append(arctic.ArcticPerPrompt() if p == "arctic_per_prompt" else arctic.ArcticGlobal())
         else:
             raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS + OPTIONAL_PEERS)}")
     for b in o.bounds:

@@ -1,0 +1,216 @@
+"""ArcticInference's SuffixDecoding as a peer (``arctic-inference`` 0.3.0 on PyPI).
+
+The package ships only an sdist; its ``suffix_decoding`` extension is plain C++ (nanobind) and
+imports with numpy alone, but ``setup.py`` imports torch, so it installs with
+``pip install --no-build-isolation --no-deps arctic-inference==0.3.0`` into an environment that
+has torch (``scripts/setup_sglang_env.sh`` does this for ``.venv-sglang``). Two ways to use it:
+
+- ``SuffixTree`` (the C++ core) one per prompt: the prompt once, each history response behind
+  the prompt's last ``CONTEXT`` tokens, and each request as its own sequence that grows with its
+  output (so in-flight siblings see each other). Arctic itself ships no per-prompt grouping; this
+  is the construction ../shared/reference/anchors-real.md measured.
+- ``SuffixDecodingCache`` as shipped and as ArcticInference's vLLM runner drives it: one global
+  tree of every cached response plus one tree per active request (its prompt and output);
+  ``speculate`` drafts from both and keeps the higher score.
+
+``speculate`` always gets the last ``CONTEXT`` = 64 tokens (``suffix_cache_max_depth``, what the
+runner passes). Shipped draft settings: ``max_spec_factor`` 1, offset 0, ``min_token_prob`` 0.1,
+chains. The factor caps a draft at factor x match length; anchors.md measured factor 4 with trees
+as Arctic's best configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Tree depth and context length (ArcticInference's ``suffix_cache_max_depth`` default).
+CONTEXT = 64
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Arguments of Arctic's ``speculate`` besides the context and the budget."""
+
+    factor: float = 1.0
+    offset: float = 0.0
+    min_prob: float = 0.1
+    tree: bool = False
+
+    def label(self) -> str:
+        return f"factor {self.factor:g}, {'tree' if self.tree else 'chain'}, min prob {self.min_prob:g}"
+
+
+#: What ArcticInference's vLLM runner uses.
+SHIPPED = SpecSettings()
+#: Arctic's best configuration in anchors.md / anchors-real.md.
+BEST = SpecSettings(factor=4.0, tree=True)
+
+
+def missing_reason() -> str | None:
+    """Why the Arctic peers cannot run in this interpreter (``None``: they can)."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+        from arctic_inference.suffix_decoding._C import SuffixTree  # noqa: F401
+    except Exception as e:  # ImportError, or a broken build
+        return (f"{type(e).__name__}: {e}; install it with scripts/setup_sglang_env.sh (arctic-inference "
+                "builds from its sdist against an installed torch) and run from .venv-sglang")
+    return None
+
+
+def suffix_tree(depth: int = CONTEXT) -> Any:
+    """A new, empty Arctic ``SuffixTree``."""
+    from arctic_inference.suffix_decoding._C import SuffixTree
+
+    return SuffixTree(depth)
+
+
+def nodes(last: int, draft: Any) -> tuple[list[int], list[int]]:
+    """An Arctic draft as the replay's tree: node 0 is the last context token; Arctic's parents
+    index its own token list with -1 for the root's children, so each shifts by one."""
+    return [int(last), *(int(t) for t in draft.token_ids)], [-1, *(int(p) + 1 for p in draft.parents)]
+
+
+def int32(tokens: Sequence[int]) -> np.ndarray:
+    """Tokens as the contiguous int32 array Arctic's zero-copy ``*_ndarray`` calls take."""
+    return np.ascontiguousarray(tokens, dtype=np.int32)
+
+
+def speculate(tree: Any, ctx: Sequence[int], budget: int, s: SpecSettings) -> Any:
+    """``tree.speculate`` on the last ``CONTEXT`` tokens of ``ctx`` with at most ``budget`` tokens."""
+    return tree.speculate_ndarray(int32(ctx[-CONTEXT:]), budget, s.factor, s.offset, s.min_prob, s.tree)
+
+
+class PerPromptTrees:
+    """One Arctic ``SuffixTree`` per prompt (see the module docs), shared by the replay method and
+    ``bench index``: sequence ids are handed out here, requests keep theirs till ``remove``."""
+
+    def __init__(self, depth: int = CONTEXT) -> None:
+        self.depth = depth
+        self.tree = suffix_tree(depth)
+        self.next_seq = 0
+        self.has_prompt = False
+
+    def _seq(self, tokens: Sequence[int]) -> int:
+        sid = self.next_seq
+        self.next_seq += 1
+        self.extend(sid, tokens)
+        return sid
+
+    def prompt(self, prompt: Sequence[int]) -> None:
+        """Holds the prompt once (the first call; a tree serves one prompt)."""
+        if not self.has_prompt:
+            self.has_prompt = True
+            self._seq(prompt)
+
+    def add(self, prompt: Sequence[int], response: Sequence[int]) -> int:
+        """A finished response, behind the prompt's last ``depth`` tokens; its sequence id."""
+        self.prompt(prompt)
+        return self._seq(np.concatenate([int32(prompt[-self.depth :]), int32(response)]))
+
+    def begin(self, prompt: Sequence[int]) -> int:
+        """A request's own sequence (the prompt's tail; ``extend`` grows it); its id."""
+        self.prompt(prompt)
+        return self._seq(prompt[-self.depth :])
+
+    def extend(self, sid: int, tokens: Sequence[int]) -> None:
+        if len(tokens):
+            self.tree.extend_ndarray(sid, int32(tokens))
+
+    def remove(self, sid: int) -> None:
+        self.tree.remove(sid)
+
+
+class ArcticPerPrompt:
+    """Replay method: Arctic's ``SuffixTree`` one per prompt (``PerPromptTrees``)."""
+
+    def __init__(self, settings: SpecSettings = BEST, name: str = "arctic_per_prompt"):
+        self.s = settings
+        self.name = name
+        self.description = f"ArcticInference SuffixTree (arctic-inference 0.3.0), per prompt, {settings.label()}"
+        self.trees: PerPromptTrees | None = None
+        self.reqs: dict[int, tuple[int, list[int]]] = {}
+
+    def reset(self, case_online_visible: bool) -> None:
+        self.trees = PerPromptTrees()
+        self.reqs.clear()
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        assert self.trees is not None
+        self.trees.add(prompt, response)
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        assert self.trees is not None
+        self.reqs[rid] = (self.trees.begin(prompt), list(prompt))
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        assert self.trees is not None
+        _, ctx = self.reqs[rid]
+        return nodes(ctx[-1], speculate(self.trees.tree, ctx, num_nodes - 1, self.s))
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        assert self.trees is not None
+        sid, ctx = self.reqs[rid]
+        self.trees.extend(sid, tokens)
+        ctx.extend(tokens)
+
+    def finish(self, rid: int) -> None:
+        # Its sequence stays: a finished sibling is history for the others.
+        del self.reqs[rid]
+
+
+class ArcticGlobal:
+    """Replay method: Arctic's ``SuffixDecodingCache`` as shipped and driven by its vLLM runner
+    (``start_request`` with the prompt, ``add_active_response`` with each step's tokens,
+    ``speculate`` on the last 64 tokens, ``stop_request``; the response stays cached). History
+    responses go in the same way. It starts empty at every case: a case's responses appear as
+    history in other cases of the leave-one-out scenarios, so a cache kept across cases would
+    hold the very response being replayed."""
+
+    name = "arctic_global"
+
+    def __init__(self, settings: SpecSettings = SHIPPED, max_cached_requests: int = 100_000):
+        self.s = settings
+        self.max_cached = max_cached_requests
+        self.description = (f"ArcticInference SuffixDecodingCache as shipped (global response tree + per-request "
+                            f"tree), {settings.label()}")
+        self.cache: Any = None
+        self.ctx: dict[Any, list[int]] = {}
+        self.n_hist = 0
+
+    def reset(self, case_online_visible: bool) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=CONTEXT, max_cached_requests=self.max_cached)
+        self.ctx.clear()
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        rid = ("history", self.n_hist)
+        self.n_hist += 1
+        self.cache.start_request(rid, int32(prompt))
+        if len(response):
+            self.cache.add_active_response(rid, int32(response))
+        self.cache.stop_request(rid)
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self.cache.start_request(rid, int32(prompt))
+        self.ctx[rid] = list(prompt)
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        ctx = self.ctx[rid]
+        d = self.cache.speculate(rid, int32(ctx[-CONTEXT:]), max_spec_tokens=num_nodes - 1, max_spec_factor=self.s.factor,
+                                 max_spec_offset=self.s.offset, min_token_prob=self.s.min_prob,
+                                 use_tree_spec=self.s.tree)
+        return nodes(ctx[-1], d)
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        if len(tokens):
+            self.cache.add_active_response(rid, int32(tokens))
+        self.ctx[rid].extend(tokens)
+
+    def finish(self, rid: int) -> None:
+        self.cache.stop_request(rid)
+        del self.ctx[rid]
