@@ -17,7 +17,7 @@ REFERENCE = {
     "ei-cold": 1.84,
     "humaneval-cold": 1.42,
 }
-PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
+PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global", "arctic_per_prompt", "arctic_global")
 # Oracle ceilings (replay --bounds): the longest prefix of the logged continuation that occurs in the
 # visible text, anywhere or right after the last token.
 BOUNDS = ("bound_copy_after_1", "bound_copy_any")
