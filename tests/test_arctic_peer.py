@@ -70,6 +70,19 @@ for name, m in (("per_prompt", ArcticPerPrompt()), ("global", ArcticGlobal())):
     out[name + "_inflight"] = [t.emitted, t.steps]
     t = run_method(m, build_cases(same, "cross-sample", Selection(per_group=1)), 16)
     out[name + "_finished"] = [t.emitted, t.steps]
+
+# Per-prompt trees: a sibling's output in flight, then kept, then dropped.
+from histospec_sgl.replay.arctic import BEST, PerPromptTrees
+def drafts(keep):
+    t = PerPromptTrees()
+    a, b = t.begin([1, 2]), t.begin([1, 2])
+    t.extend(a, [5, 6, 7, 8])
+    t.extend(b, [5])
+    got = [list(t.speculate(b, [1, 2, 5], 15, BEST).token_ids)]
+    t.finish(a, keep=keep)
+    got.append(list(t.speculate(b, [1, 2, 5], 15, BEST).token_ids))
+    return got
+out["live"] = drafts(True) + drafts(False)[1:]
 print(json.dumps(out))
 """
 
@@ -89,7 +102,9 @@ def test_arctic_replay_methods_hand_computed(arctic_py):
     draft, accepted 1 0 0 0 and 1 0 0.
 
     Siblings in flight that are exactly as far as the replayed sample give nothing to copy (no
-    draft from the future); finished ones give it all."""
+    draft from the future); finished ones give it all. In the per-prompt trees a sibling's output
+    is drafted from while it is in flight (the live tree), after it finishes kept (history), and
+    not after it is dropped."""
     out = _run(arctic_py, _TINY)
     assert out["per_prompt"] == [9, 5, 4, 4, [3, 0, 2]], out["per_prompt"]
     assert out["global"] == [9, 7, 6, 2, [5, 2, 0]], out["global"]
@@ -98,6 +113,7 @@ def test_arctic_replay_methods_hand_computed(arctic_py):
         assert emitted == steps, (name, out[name + "_inflight"])
         emitted, steps = out[name + "_finished"]
         assert emitted > 2 * steps, (name, out[name + "_finished"])
+    assert out["live"] == [[6, 7, 8], [6, 7, 8], []], out["live"]
 
 
 _BENCH = r"""

@@ -158,8 +158,8 @@ class SGLangSAM:
 class ArcticPeer:
     """ArcticInference's SuffixDecoding (arctic-inference 0.3.0, ``histospec_sgl.replay.arctic``).
 
-    ``arctic-per-prompt``: one ``SuffixTree`` per prompt holding the prompt and its epoch-1
-    responses, each request a sequence of its own that grows with its output, drafted with Arctic's
+    ``arctic-per-prompt``: Arctic's trees per prompt (``PerPromptTrees``: the prompt and its
+    epoch-1 responses, and a tree per request for its prompt and output), drafted with Arctic's
     best settings of anchors.md (``max_spec_factor`` 4; chains for k=16, best-first trees for d=16).
     ``arctic-global``: the shipped ``SuffixDecodingCache`` as ArcticInference's vLLM runner drives
     it (one global tree of every response of every prompt, one tree per active request, shipped
@@ -223,7 +223,7 @@ class ArcticPeer:
     def _speculate(self, index: Any, p: int, h: Any, ctx: np.ndarray, budget: int, s: Any) -> Any:
         c = self.arctic.int32(ctx[-self.arctic.CONTEXT:])
         if self.per_prompt:
-            return self.arctic.speculate(index[p].tree, c, budget, s)
+            return index[p].speculate(h, c, budget, s)
         return index.speculate(h, c, max_spec_tokens=budget, max_spec_factor=s.factor, max_spec_offset=s.offset,
                                min_token_prob=s.min_prob, use_tree_spec=s.tree)
 
@@ -238,7 +238,7 @@ class ArcticPeer:
     def _finish(self, index: Any, p: int, h: Any) -> None:
         # The replayed response must not stay for the next one (ours finishes with keep=False).
         if self.per_prompt:
-            index[p].remove(h)
+            index[p].finish(h, keep=False)
         else:
             index.stop_request(h)
             index.evict_cached_response(h)
