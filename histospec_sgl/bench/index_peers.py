@@ -31,8 +31,8 @@ D = 16
 K = 16
 
 
-def _accept_chain(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, pos: int, k: int) -> int:
-    """Greedy acceptance of the tree's longest root-to-leaf path, cut at k tokens."""
+def _longest_path(tokens: Any, parents: Any) -> list[int]:
+    """The tokens of a tree's longest root-to-leaf path (root excluded)."""
     depth = np.zeros(len(tokens), dtype=np.int64)
     for i in range(1, len(tokens)):
         if parents[i] >= 0:
@@ -43,12 +43,52 @@ def _accept_chain(tokens: np.ndarray, parents: np.ndarray, truth: np.ndarray, po
         path.append(int(tokens[leaf]))
         leaf = int(parents[leaf])
     path.reverse()
+    return path
+
+
+def _matching(chain: Any, truth: np.ndarray, pos: int) -> int:
+    """How many leading tokens of ``chain`` equal ``truth[pos:]``."""
     acc = 0
-    for t in path[:k]:
+    for t in chain:
         if pos + acc >= len(truth) or t != truth[pos + acc]:
             break
         acc += 1
     return acc
+
+
+def replay_acceptance(w: Workload, prompts: int, peer: Any) -> dict[str, float]:
+    """``accepted_per_position_k16`` and ``tokens_per_verify_step_d16`` of a peer on 2 epoch-2
+    responses of each of the first ``prompts`` prompts, as ``index_bench.acceptance`` measures ours.
+    ``peer`` drives one response: ``open(p, j, kind)`` a handle (``kind`` "chain" or "tree"),
+    ``chain(p, h, ctx)`` the k=16 chain after the context ``ctx``, ``tree(p, h, ctx)`` the d=16 tree
+    (tokens and parents, root first), ``advance(p, h, tokens)`` the tokens that followed, and
+    ``close(p, h)``."""
+    acc_sum = positions = steps = toks = 0
+    for p in range(min(prompts, len(w.prompts))):
+        for j in range(2):
+            truth = w.epoch2(p, j)
+            ctx = np.concatenate([w.prompts[p], truth])
+            base = len(w.prompts[p])
+            h = peer.open(p, j, "chain")
+            for i in range(len(truth)):
+                acc_sum += _matching(peer.chain(p, h, ctx[: base + i])[:K], truth, i)
+                positions += 1
+                peer.advance(p, h, truth[i : i + 1])
+            peer.close(p, h)
+            h = peer.open(p, j, "tree")
+            i = 0
+            while i < len(truth):
+                t, par = peer.tree(p, h, ctx[: base + i])
+                adv = min(accept_greedy(np.asarray(t), np.asarray(par), truth, i) + 1, len(truth) - i)
+                peer.advance(p, h, truth[i : i + adv])
+                toks += adv
+                steps += 1
+                i += adv
+            peer.close(p, h)
+    return {
+        "accepted_per_position_k16": acc_sum / positions,
+        "tokens_per_verify_step_d16": toks / steps,
+    }
 
 
 class SGLangSAM:
@@ -110,8 +150,8 @@ class SGLangSAM:
             t1 = time.perf_counter()
             for p in range(n):
                 toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-                par = mask_parents(mask, 17)
-                acc = _accept_chain(np.asarray(toks), par, truths[p], int(pos[p]), 16)
+                path = _longest_path(np.asarray(toks), mask_parents(mask, 17))
+                acc = _matching(path[:K], truths[p], int(pos[p]))
                 pos[p] = min(pos[p] + acc + 1, len(truths[p]))
             t2 = time.perf_counter()
             t_tree.append(t1 - t0)
@@ -126,33 +166,29 @@ class SGLangSAM:
         }
 
     def _acceptance(self, w: Workload, tree: list[Any], chain: list[Any], prompts: int) -> dict[str, float]:
-        acc_sum = positions = steps = toks = 0
-        for p in range(min(prompts, len(w.prompts))):
-            for j in range(2):
-                truth = w.epoch2(p, j)
-                ctx = np.concatenate([w.prompts[p], truth])
-                base = len(w.prompts[p])
-                rid = f"acc-{p}-{j}"
-                for i in range(len(truth)):
-                    n = base + i
-                    t, m = chain[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
-                    acc_sum += _accept_chain(np.asarray(t), mask_parents(m, 17), truth, i, 16)
-                    positions += 1
-                chain[p].erase_match_state([rid])
-                i = 0
-                while i < len(truth):
-                    n = base + i
-                    t, m = tree[p].batch_get([rid], [ctx[max(0, n - DEPTH):n].tolist()], [n])
-                    a = accept_greedy(np.asarray(t), mask_parents(m, 17), truth, i)
-                    adv = min(a + 1, len(truth) - i)
-                    toks += adv
-                    steps += 1
-                    i += adv
-                tree[p].erase_match_state([rid])
-        return {
-            "accepted_per_position_k16": acc_sum / positions,
-            "tokens_per_verify_step_d16": toks / steps,
-        }
+        class Drive:
+            # The SAM cannot take the request's own output (immutable after its build): only the
+            # window moves. A handle is (corpus, request id).
+            def open(self, p: int, j: int, kind: str) -> tuple[Any, str]:
+                return (chain if kind == "chain" else tree)[p], f"acc-{p}-{j}"
+
+            def _get(self, h: tuple[Any, str], ctx: np.ndarray) -> tuple[Any, Any]:
+                t, m = h[0].batch_get([h[1]], [ctx[-DEPTH:].tolist()], [len(ctx)])
+                return np.asarray(t), mask_parents(m, D + 1)
+
+            def chain(self, p: int, h: tuple[Any, str], ctx: np.ndarray) -> list[int]:
+                return _longest_path(*self._get(h, ctx))
+
+            def tree(self, p: int, h: tuple[Any, str], ctx: np.ndarray) -> tuple[Any, Any]:
+                return self._get(h, ctx)
+
+            def advance(self, p: int, h: tuple[Any, str], toks: np.ndarray) -> None:
+                pass
+
+            def close(self, p: int, h: tuple[Any, str]) -> None:
+                h[0].erase_match_state([h[1]])
+
+        return replay_acceptance(w, prompts, Drive())
 
 
 class ArcticPeer:
@@ -261,14 +297,8 @@ class ArcticPeer:
             t1 = time.perf_counter()
             drafts = [self._speculate(index, p, hs[p], ctx[p], K, self.chain_s) for p in range(n)]
             t2 = time.perf_counter()
-            adv = []
-            for p in range(n):
-                acc = 0
-                for tok in drafts[p].token_ids:
-                    if pos[p] + acc >= len(truths[p]) or tok != truths[p][pos[p] + acc]:
-                        break
-                    acc += 1
-                adv.append(min(acc + 1, len(truths[p]) - int(pos[p])))
+            adv = [min(_matching(drafts[p].token_ids, truths[p], int(pos[p])) + 1, len(truths[p]) - int(pos[p]))
+                   for p in range(n)]
             t3 = time.perf_counter()
             for p in range(n):
                 self._extend(index, p, hs[p], truths[p][pos[p] : pos[p] + adv[p]])
@@ -287,37 +317,22 @@ class ArcticPeer:
         }
 
     def _acceptance(self, w: Workload, index: Any, prompts: int) -> dict[str, float]:
-        acc_sum = positions = steps = toks = 0
-        for p in range(min(prompts, len(w.prompts))):
-            for j in range(2):
-                truth = w.epoch2(p, j)
-                ctx = np.concatenate([w.prompts[p], truth])
-                base = len(w.prompts[p])
-                h = self._begin(index, p, ("acc", p, j, "chain"), w.prompts[p])
-                for i in range(len(truth)):
-                    d = self._speculate(index, p, h, ctx[: base + i], K, self.chain_s)
-                    acc = 0
-                    for tok in d.token_ids:
-                        if i + acc >= len(truth) or tok != truth[i + acc]:
-                            break
-                        acc += 1
-                    acc_sum += acc
-                    positions += 1
-                    self._extend(index, p, h, truth[i : i + 1])
-                self._finish(index, p, h)
-                h = self._begin(index, p, ("acc", p, j, "tree"), w.prompts[p])
-                i = 0
-                while i < len(truth):
-                    ctx_i = ctx[: base + i]
-                    t, par = self.arctic.nodes(int(ctx_i[-1]), self._speculate(index, p, h, ctx_i, D - 1, self.tree_s))
-                    a = accept_greedy(np.asarray(t), np.asarray(par), truth, i)
-                    adv = min(a + 1, len(truth) - i)
-                    self._extend(index, p, h, truth[i : i + adv])
-                    toks += adv
-                    steps += 1
-                    i += adv
-                self._finish(index, p, h)
-        return {
-            "accepted_per_position_k16": acc_sum / positions,
-            "tokens_per_verify_step_d16": toks / steps,
-        }
+        peer = self
+
+        class Drive:
+            def open(self, p: int, j: int, kind: str) -> Any:
+                return peer._begin(index, p, ("acc", p, j, kind), w.prompts[p])
+
+            def chain(self, p: int, h: Any, ctx: np.ndarray) -> list[int]:
+                return list(peer._speculate(index, p, h, ctx, K, peer.chain_s).token_ids)
+
+            def tree(self, p: int, h: Any, ctx: np.ndarray) -> tuple[list[int], list[int]]:
+                return peer.arctic.nodes(int(ctx[-1]), peer._speculate(index, p, h, ctx, D - 1, peer.tree_s))
+
+            def advance(self, p: int, h: Any, toks: np.ndarray) -> None:
+                peer._extend(index, p, h, toks)
+
+            def close(self, p: int, h: Any) -> None:
+                peer._finish(index, p, h)
+
+        return replay_acceptance(w, prompts, Drive())
