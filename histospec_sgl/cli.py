@@ -228,6 +228,13 @@ def _replay(args: argparse.Namespace) -> int:
         decode_step_ms=args.decode_step_ms,
         progress=not args.no_progress,
     )
+    if args.plot_dir:
+        # Said before the replay runs, not after it (a long run would end in a traceback).
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("error: --plot-dir needs matplotlib in this interpreter (pip install matplotlib)", file=sys.stderr)
+            return 2
     try:
         result = run_replay(opts, command=_command())
     except ReplayDataError as e:

@@ -51,6 +51,8 @@ if [ ! -f "$ARCTIC_STAMP" ]; then
   "$VENV/bin/python" -c "from arctic_inference.suffix_decoding._C import SuffixTree; SuffixTree(64)"
   touch "$ARCTIC_STAMP"
 fi
+# The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
+"$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"
 rm -rf target/wheels-sglang
 .venv/bin/maturin build --release -q -i "$VENV/bin/python" -o target/wheels-sglang

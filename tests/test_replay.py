@@ -325,3 +325,15 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "bad.jsonl:1: malformed JSON" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_plot_dir_without_matplotlib_is_refused_before_the_replay(tmp_path):
+    # An interpreter without matplotlib (as sys.modules[...] = None makes it): the replay must not
+    # run to its end and then fail writing plots; it exits 2 at once with what to install.
+    code = ("import sys; sys.modules['matplotlib'] = None; from histospec_sgl.cli import main; "
+            "sys.argv = ['histospec-sgl', 'replay', '--preset', 'humaneval-sample', '--no-progress', "
+            f"'--json', {str(tmp_path / 'r.json')!r}, '--plot-dir', {str(tmp_path / 'plots')!r}]; sys.exit(main())")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "--plot-dir needs matplotlib" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "r.json").exists()
