@@ -443,6 +443,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def stale_install_note(installed: Path, checkout: Path) -> str | None:
+    """A warning when ``installed`` (the imported package's directory) is an installed copy and
+    ``checkout`` holds a source tree (``histospec_sgl/``, ``rust/``) with a file newer than the
+    installed extension: the run measures an older build than the one in front of the user
+    (``.venv-sglang`` keeps its wheel until ``scripts/setup_sglang_env.sh`` runs again)."""
+    src = checkout / "histospec_sgl"
+    if not (src / "__init__.py").is_file() or src.resolve() == installed.resolve():
+        return None
+    built = [p.stat().st_mtime for p in installed.glob("_core*.so")] or [(installed / "__init__.py").stat().st_mtime]
+    newest, path = max(((p.stat().st_mtime, p) for p in [*src.rglob("*.py"), *(checkout / "rust").rglob("*.rs")]),
+                       default=(0.0, None))
+    if path is None or newest <= min(built):
+        return None
+    return (f"note: this runs the histospec_sgl installed in {installed}, but {path.relative_to(checkout)} "
+            "in this checkout is newer: rebuild it (bash scripts/setup_env.sh, or scripts/setup_sglang_env.sh "
+            "for .venv-sglang) to measure the current code")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch-server":
@@ -451,6 +469,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_server(argv[1:])
     args = build_parser().parse_args(argv)
+    if argv and argv[0] in ("bench", "replay"):
+        import histospec_sgl
+
+        note = stale_install_note(Path(histospec_sgl.__file__).parent, Path.cwd())
+        if note:
+            print(note, file=sys.stderr)
     return int(args.func(args))
 
 

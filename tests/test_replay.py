@@ -337,3 +337,30 @@ def test_cli_plot_dir_without_matplotlib_is_refused_before_the_replay(tmp_path):
     assert res.returncode == 2, res.stderr
     assert "--plot-dir needs matplotlib" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "r.json").exists()
+
+
+def test_stale_install_note_names_the_newer_source_file(tmp_path):
+    # An installed copy (its extension built at t=1000) run from a checkout edited after it.
+    import os
+
+    from histospec_sgl.cli import stale_install_note
+
+    inst = tmp_path / "site" / "histospec_sgl"
+    inst.mkdir(parents=True)
+    (inst / "__init__.py").write_text("")
+    (inst / "_core.abi3.so").write_bytes(b"")
+    os.utime(inst / "_core.abi3.so", (1000, 1000))
+    co = tmp_path / "checkout"
+    (co / "histospec_sgl" / "replay").mkdir(parents=True)
+    (co / "rust" / "x" / "src").mkdir(parents=True)
+    for f in (co / "histospec_sgl" / "__init__.py", co / "histospec_sgl" / "replay" / "arctic.py",
+              co / "rust" / "x" / "src" / "lib.rs"):
+        f.write_text("")
+        os.utime(f, (900, 900))
+    assert stale_install_note(inst, co) is None  # everything older than the build
+    os.utime(co / "rust" / "x" / "src" / "lib.rs", (2000, 2000))
+    note = stale_install_note(inst, co)
+    assert note is not None and "rust/x/src/lib.rs" in note and str(inst) in note
+    # Running the checkout itself (maturin develop, or python -m from its root) is never stale.
+    assert stale_install_note(co / "histospec_sgl", co) is None
+    assert stale_install_note(inst, tmp_path / "elsewhere") is None
