@@ -1,4 +1,4 @@
-"""Helpers of ``histospec-sgl bench index`` that describe the machine a run was measured on."""
+"""Helpers of ``histospec-sgl bench index``: the machine a run was measured on, the unkept wave, the latency keys."""
 
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_unkept_wave_rebuilds_each_group_once_with_deferred_removal():
     assert got["finish_unkept_rebuilds_per_group_immediate"] == 4  # one per finished sibling
     assert got["finish_unkept_rebuilds_per_group_deferred"] == 1  # one, when the group is idle
     assert got["finish_unkept_ms_per_request_deferred"] > 0
+
+
+def test_latency_reports_median_mean_and_p99_of_the_update():
+    from histospec_sgl.bench.workload import W1, generate
+
+    w = generate(W1, prompts=4)
+    ix, _, _ = index_bench.ingest(w, {})
+    r = index_bench.latency(ix, w, steps=6)
+    assert r["latency_requests"] == 4 and r["latency_steps"] == 6
+    for k in ("batch_draft_ms_per_step", "batch_chain_ms_per_step", "update_ms_per_step", "update_ms_mean"):
+        assert r[k] > 0, k
+    assert r["update_ms_per_step"] <= r["update_ms_p99"] and r["update_ms_mean"] <= r["update_ms_p99"]
