@@ -3,23 +3,21 @@
 # ours and the peers in the same run. Needs ../shared/data (or HISTOSPEC_DATA_DIR and
 # HISTOSPEC_TOKENIZER). Writes bench/out/replay/<name>.json and plots, then prints a markdown table.
 # Run with PY=.venv-sglang/bin/python to add ArcticInference's SuffixDecoding (arctic_per_prompt,
-# arctic_global), which scripts/setup_sglang_env.sh installs there; PEERS=... overrides the list.
+# arctic_global), which scripts/setup_sglang_env.sh installs there; PEERS=a,b,... sets the list.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench/out/replay}
 mkdir -p "$OUT"
-if [ -z "${PEERS:-}" ]; then
-  PEERS=ngram,sglang_trie_per_prompt,sglang_trie_global
-  if "$PY" -c 'import sys; from histospec_sgl.replay import arctic; sys.exit(arctic.missing_reason() is not None)'; then
-    PEERS=$PEERS,arctic_per_prompt,arctic_global
-  fi
+# The replay's default peers (the arctic ones included where installed), unless PEERS names others.
+PEER_ARGS=()
+if [ -n "${PEERS:-}" ]; then
+  PEER_ARGS=(--peers "$PEERS")
 fi
-echo "== peers: $PEERS" >&2
 run() {
   local name=$1; shift
   echo "== $name: histospec-sgl replay $*" >&2
-  "$PY" -m histospec_sgl.cli replay "$@" --peers "$PEERS" --bounds bound_copy_after_1,bound_copy_any --no-progress --json "$OUT/$name.json" --plot-dir "$OUT/plots" >/dev/null
+  "$PY" -m histospec_sgl.cli replay "$@" "${PEER_ARGS[@]}" --bounds bound_copy_after_1,bound_copy_any --no-progress --json "$OUT/$name.json" --plot-dir "$OUT/plots" >/dev/null
 }
 run grpo-cross-sample          --preset grpo --scenario cross-sample
 run grpo-cross-sample-inflight --preset grpo --scenario cross-sample-inflight

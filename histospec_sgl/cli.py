@@ -188,7 +188,7 @@ def _names(text: str) -> list[str]:
 def _replay(args: argparse.Namespace) -> int:
     from histospec_sgl.replay.data import FieldMap, ReplayDataError
     from histospec_sgl.replay.report import print_table, write_plots
-    from histospec_sgl.replay.run import ReplayOptions, run_replay
+    from histospec_sgl.replay.run import ReplayOptions, default_peers, run_replay
 
     fields = None
     if args.input:
@@ -220,7 +220,7 @@ def _replay(args: argparse.Namespace) -> int:
         history_size=args.history_size,
         history_policies=args.history_policies,
         min_step=args.min_step,
-        peers=args.peers,
+        peers=default_peers() if args.peers is None else args.peers,
         bounds=args.bounds,
         draft_config=args.draft_config or {},
         verify_costs=args.verify_cost,
@@ -291,7 +291,10 @@ def _add_replay(sub: Any) -> None:
     sc.add_argument("--history-size", type=int, help="cap on history responses per case (0 = all)")
     sc.add_argument("--history-policies", type=int, help="cross-policy: other policies in the history (0 = all)")
     sc.add_argument("--min-step", type=int, help="only steps/iterations >= this")
-    sc.add_argument("--peers", type=_names, default=",".join(PEERS), help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)} (the last needs sglang), or none")
+    sc.add_argument("--peers", type=_names, default=None,
+                    help=f"comma list of {', '.join(PEERS + OPTIONAL_PEERS)}, or none (default: {', '.join(PEERS)}, "
+                    "and the arctic ones where arctic-inference is installed; sglang_ngram_global needs sglang, "
+                    "the arctic ones arctic-inference: both are in .venv-sglang)")
     sc.add_argument(
         "--bounds",
         type=_names,

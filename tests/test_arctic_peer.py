@@ -147,16 +147,24 @@ def test_index_bench_runs_arctic_suffix_decoding(arctic_py):
         assert 3.0 < r["tokens_per_verify_step_d16"] < ours["tokens_per_verify_step_d16"], (name, r, ours)
 
 
-def test_replay_cli_reports_arctic_peers(arctic_py, tmp_path):
-    """``histospec-sgl replay --peers arctic_per_prompt,arctic_global`` on the shipped sample: both
-    run (status ok) and draft for most steps."""
-    out = tmp_path / "r.json"
+def test_replay_cli_runs_arctic_peers_by_default_where_installed(arctic_py, tmp_path):
+    """``histospec-sgl replay`` without ``--peers``, where arctic-inference is installed: the default
+    peers and both Arctic ones run (status ok) and draft for most steps; ``--peers`` still narrows."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}, "OPENBLAS_NUM_THREADS": "1"}
-    r = subprocess.run([str(arctic_py), "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
-                        "--scenario", "cross-sample", "--peers", "arctic_per_prompt,arctic_global",
-                        "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    peers = json.loads(out.read_text())["peers"]
+
+    def replay(*extra: str) -> dict:
+        out = tmp_path / "r.json"
+        r = subprocess.run([str(arctic_py), "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
+                            "--scenario", "cross-sample", "--no-progress", "--json", str(out), *extra],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(out.read_text())["peers"]
+
+    peers = replay()
+    for name in ("ngram", "sglang_trie_per_prompt", "sglang_trie_global", "arctic_per_prompt", "arctic_global"):
+        assert peers[name]["status"] == "ok", (name, peers[name])
     for name in ("arctic_per_prompt", "arctic_global"):
-        assert peers[name]["status"] == "ok", peers[name]
         assert peers[name]["tokens_per_verify_step"] > 1.5 and peers[name]["draft_coverage"] > 0.5, peers[name]
+    peers = replay("--peers", "ngram")
+    assert peers["ngram"]["status"] == "ok" and peers["arctic_global"]["status"] == "missing"
+    assert "not requested" in peers["arctic_global"]["reason"]

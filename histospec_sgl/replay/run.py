@@ -34,6 +34,14 @@ from histospec_sgl.replay.simulate import run_method
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
 #: Peers that need extra software (SGLang's own C++ corpus, ArcticInference: run from .venv-sglang).
 OPTIONAL_PEERS = ("sglang_ngram_global", "arctic_per_prompt", "arctic_global")
+#: Optional peers that run by default where their software is installed (SGLang's corpus is asked
+#: for by name: it is JIT-compiled on first use).
+ARCTIC_PEERS = ("arctic_per_prompt", "arctic_global")
+
+
+def default_peers() -> tuple[str, ...]:
+    """``PEERS``, plus ArcticInference's where it is installed (the rest are reported as missing)."""
+    return PEERS + (ARCTIC_PEERS if arctic.missing_reason() is None else ())
 DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
 #: Oracle ceilings (``--bounds``): what copying from the visible text could give at best.
 BOUNDS = {"bound_copy_any": 0, "bound_copy_after_1": 1}
@@ -57,7 +65,7 @@ class ReplayOptions:
     history_size: int | None = None
     history_policies: int | None = None
     min_step: int | None = None
-    peers: Sequence[str] = PEERS
+    peers: Sequence[str] = field(default_factory=default_peers)
     bounds: Sequence[str] = ()
     draft_config: dict[str, Any] = field(default_factory=dict)
     verify_costs: Sequence[float] = DEFAULT_VERIFY_COSTS
@@ -94,7 +102,7 @@ def make_methods(o: ReplayOptions) -> list[Method]:
             methods.append(SGLangTrie(per_prompt=False))
         elif p == "sglang_ngram_global":
             methods.append(SGLangNgram())
-        elif p in ("arctic_per_prompt", "arctic_global"):
+        elif p in ARCTIC_PEERS:
             why = arctic.missing_reason()
             if why is not None:
                 raise ReplayDataError(f"peer {p} cannot run here: {why}")
