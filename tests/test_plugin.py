@@ -870,6 +870,34 @@ def test_index_bench_runs_sglangs_own_suffix_automaton(sglang_py):
         assert 0.7 < peer[k] / ours[k] < 1.3, (k, peer[k], ours[k])
 
 
+_TRIE_PEER = r"""
+import json
+from histospec_sgl.bench import index_bench
+from histospec_sgl.bench.index_peers import SGLangTriePeer
+from histospec_sgl.bench.workload import W1, generate
+w = generate(W1, prompts=4)
+peer = SGLangTriePeer().run(w, index_bench._rss, steps=3, acc_prompts=2, latency_requests=4)
+ix, _, _ = index_bench.ingest(w, {})
+ours = index_bench.acceptance(ix, w, 2)
+print(json.dumps({"peer": peer, "ours": ours}))
+"""
+
+
+def test_index_bench_runs_sglangs_own_trie(sglang_py):
+    """``bench index`` measures SGLang's real NGRAM trie (its online index): one corpus at its default
+    capacity for ingest and the per-step calls, a corpus per prompt for acceptance. On a 4-prompt W1
+    it drafts and accepts in the range anchors.md measured for it (k=16 about 7), below ours."""
+    r = subprocess.run([str(sglang_py), "-c", _TRIE_PEER], capture_output=True, text=True, timeout=600,
+                       env=_sglang_env(PYTHONWARNINGS="ignore", OPENBLAS_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    peer, ours = res["peer"], res["ours"]
+    for k in ("ingest_tokens_per_s", "bytes_per_token", "batch_draft_ms_per_step", "update_ms_per_step"):
+        assert peer[k] > 0, (k, peer[k])
+    assert 5.0 < peer["accepted_per_position_k16"] < ours["accepted_per_position_k16"], (peer, ours)
+    assert 3.0 < peer["tokens_per_verify_step_d16"] < ours["tokens_per_verify_step_d16"], (peer, ours)
+
+
 def test_bench_worker_runs_the_worker_loop_and_reports_host_time(tmp_path):
     out = tmp_path / "worker.json"
     r = _cli("bench", "worker", "--batch-sizes", "4,8", "--groups", "4", "--steps", "4", "--warm", "200",

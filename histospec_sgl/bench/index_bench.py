@@ -39,8 +39,10 @@ Metrics (keys of ``--json``):
 
 Peers run in the same process when installed (``peers`` in the JSON, the same keys where they
 apply; ``histospec_sgl/bench/index_peers.py``; run the bench from ``.venv-sglang``, where
-``scripts/setup_sglang_env.sh`` installs both): SGLang's NGRAM suffix automaton with its PROB and
-BFS drafting, and ArcticInference's SuffixDecoding, one ``SuffixTree`` per prompt
+``scripts/setup_sglang_env.sh`` installs both): SGLang's NGRAM corpus, its suffix automaton with
+its PROB and BFS drafting and its trie (``sglang-trie-bfs``: the online index, one corpus at its
+default capacity for the per-step times, a corpus per prompt for acceptance), and ArcticInference's
+SuffixDecoding, one ``SuffixTree`` per prompt
 (``arctic-per-prompt``, its best settings) and its shipped global ``SuffixDecodingCache``
 (``arctic-global``, shipped settings). Each peer's memory is measured after the previous index's
 memory went back to the system.
@@ -270,8 +272,8 @@ def peers_status() -> dict[str, dict[str, Any]]:
     # SGLang is only looked for here: importing it (and torch) before our ingest slows that ingest by
     # a third to a half in the same process, so the peer imports it when it runs, after ours.
     if importlib.util.find_spec("sglang") is not None:
-        for mt in ("PROB", "BFS"):
-            out[f"sglang-sam-{mt.lower()}"] = {"status": "ok"}
+        for name in ("sglang-sam-prob", "sglang-sam-bfs", "sglang-trie-bfs"):
+            out[name] = {"status": "ok"}
     else:
         out["sglang-ngram"] = {"status": "missing", "reason": "sglang is not installed (run from .venv-sglang)"}
     return out
@@ -352,7 +354,7 @@ def run(
         for peer, info in result["peers"].items():
             if info.get("status") != "ok":
                 continue
-            from histospec_sgl.bench.index_peers import ArcticPeer, SGLangSAM
+            from histospec_sgl.bench.index_peers import ArcticPeer, SGLangSAM, SGLangTriePeer
 
             if progress:
                 progress(f"{name}: peer {peer}")
@@ -361,6 +363,9 @@ def run(
                 if peer.startswith("arctic-"):
                     got = ArcticPeer(per_prompt=peer == "arctic-per-prompt").run(
                         w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0, measure_ingest=name == "W1")
+                elif peer == "sglang-trie-bfs":
+                    got = SGLangTriePeer().run(w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0,
+                                               measure_ingest=name == "W1")
                 else:
                     got = SGLangSAM(peer.rsplit("-", 1)[1].upper()).run(
                         w, _rss, latency_steps, acc_prompts, BS if name == "W1" else 0,

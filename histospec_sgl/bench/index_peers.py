@@ -191,6 +191,118 @@ class SGLangSAM:
         return replay_acceptance(w, prompts, Drive())
 
 
+class SGLangTriePeer:
+    """SGLang's NGRAM trie (its ``NgramCorpus`` without a SAM budget: the index its engine drafts from
+    online), with SGLang's defaults: BFS, depth 18, breadth 1..10; 17 nodes like the SAM peers.
+
+    - Ingest, memory and the per-step times: one corpus for every request at SGLang's default
+      capacity (10 M nodes, least-recently-used nodes evicted), holding W1's history the way its
+      worker inserts text (each response behind its prompt's last 18 tokens). Per step, as its
+      worker does: one ``batch_put`` of every request's last 18 tokens (the update, with the insert
+      thread waited for) and one ``batch_get`` for all 256 requests (the tree draft).
+    - Acceptance: a corpus per prompt holding that prompt's history only (the replay's best peer,
+      ``sglang_trie_per_prompt``), one drafting trees and one chains (breadth 1); the request's own
+      output goes in as the worker inserts it. A per-prompt corpus costs about 190 MB at SGLang's
+      smallest default pool, so they are built one prompt at a time.
+    Needs sglang (``.venv-sglang``); the corpus is JIT-built on first use."""
+
+    name = "sglang-trie-bfs"
+    NODES = 17
+
+    def __init__(self) -> None:
+        self.cls = sglang_ngram_corpus_class()
+
+    def _corpus(self, breadth: tuple[int, int], capacity: int) -> Any:
+        return self.cls(max_trie_depth=DEPTH, min_bfs_breadth=breadth[0], max_bfs_breadth=breadth[1],
+                        draft_token_num=self.NODES, match_type="BFS", capacity=capacity,
+                        external_sam_budget=0, external_corpus_max_tokens=0)
+
+    @staticmethod
+    def _history(c: Any, w: Workload, p: int) -> None:
+        c.batch_put([w.prompts[p][-DEPTH:].tolist() + r.tolist() for r in w.epoch1[p]])
+
+    def run(self, w: Workload, rss: Callable[[], int], steps: int, acc_prompts: int,
+            latency_requests: int, measure_ingest: bool = True) -> dict[str, Any]:
+        ntok = sum(len(r) for rs in w.epoch1 for r in rs)
+        res: dict[str, Any] = {}
+        if latency_requests or measure_ingest:
+            gc.collect()
+            r0 = rss()
+            t = time.perf_counter()
+            c = self._corpus((1, 10), 10_000_000)
+            for p in range(len(w.prompts)):
+                self._history(c, w, p)
+            c.synchronize()
+            dt = time.perf_counter() - t
+            if measure_ingest:
+                res["ingest_tokens_per_s"] = ntok / dt
+                res["bytes_per_token"] = (rss() - r0) / ntok
+            if latency_requests:
+                res.update(self._latency(w, c, steps, latency_requests))
+            del c
+        res.update(self._acceptance(w, acc_prompts))
+        return res
+
+    def _latency(self, w: Workload, c: Any, steps: int, n: int) -> dict[str, float]:
+        n = min(n, len(w.prompts))
+        truths = [w.epoch2(p, 0) for p in range(n)]
+        pos = np.full(n, 500, dtype=np.int64)
+        rids = [f"lat-{p}" for p in range(n)]
+        t_tree, t_upd = [], []
+        for _ in range(steps):
+            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
+            wins = [x[-DEPTH:].tolist() for x in ctx]
+            t0 = time.perf_counter()
+            c.batch_put(wins)
+            c.synchronize()
+            t1 = time.perf_counter()
+            toks, mask = c.batch_get(rids, wins, [len(x) for x in ctx])
+            t2 = time.perf_counter()
+            toks = np.asarray(toks).reshape(n, self.NODES)
+            mask = np.asarray(mask).reshape(n, -1)
+            for p in range(n):
+                a = accept_greedy(toks[p], mask_parents(mask[p], self.NODES), truths[p], int(pos[p]))
+                pos[p] = min(pos[p] + a + 1, len(truths[p]))
+            t_upd.append(t1 - t0)
+            t_tree.append(t2 - t1)
+        c.erase_match_state(rids)
+        ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
+        return {"batch_draft_ms_per_step": ms(t_tree), "update_ms_per_step": ms(t_upd)}
+
+    def _acceptance(self, w: Workload, prompts: int) -> dict[str, float]:
+        peer = self
+
+        class Drive:
+            # A handle: (corpus of prompt p, request id, context length inserted so far).
+            def open(self, p: int, j: int, kind: str) -> list[Any]:
+                c = peer._corpus((1, 1) if kind == "chain" else (1, 10), 1_000_000)
+                peer._history(c, w, p)
+                return [c, f"acc-{p}-{j}", 0]
+
+            def _get(self, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
+                win = ctx[-DEPTH:].tolist()
+                if h[2] < len(ctx):  # the worker inserts each request's last window every step
+                    h[0].batch_put([win])
+                    h[0].synchronize()
+                    h[2] = len(ctx)
+                t, m = h[0].batch_get([h[1]], [win], [len(ctx)])
+                return np.asarray(t), mask_parents(m, peer.NODES)
+
+            def chain(self, p: int, h: list[Any], ctx: np.ndarray) -> list[int]:
+                return _longest_path(*self._get(h, ctx))
+
+            def tree(self, p: int, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
+                return self._get(h, ctx)
+
+            def advance(self, p: int, h: list[Any], toks: np.ndarray) -> None:
+                pass
+
+            def close(self, p: int, h: list[Any]) -> None:
+                h[0].erase_match_state([h[1]])
+
+        return replay_acceptance(w, prompts, Drive())
+
+
 class ArcticPeer:
     """ArcticInference's SuffixDecoding (arctic-inference 0.3.0, ``histospec_sgl.replay.arctic``).
 
