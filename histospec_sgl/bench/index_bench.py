@@ -11,8 +11,9 @@ Metrics (keys of ``--json``):
 - ``batch_draft_ms_per_step`` / ``batch_chain_ms_per_step``: one ``draft_batch`` (d=16 tree) /
   ``draft_chain_batch`` (k=16) call for 256 concurrent requests, each in its own group, median of
   the measured steps; ``update_ms_per_step``: one ``extend_batch`` appending each request's accepted
-  tokens + 1 (``update_ms_mean`` and ``update_ms_p99`` with the steps where a group's vectors grow:
-  W1's groups are all the same size, so they grow in the same step). ``batch_draft_ms_cached``: the last step's tree draft repeated with nothing appended in
+  tokens + 1 (``update_ms_mean`` and ``update_ms_p99`` with the steps where a group's vectors
+  grow: W1's groups are all the same size, so they grow in the same step).
+  ``batch_draft_ms_cached``: the last step's tree draft repeated with nothing appended in
   between, so the automaton states it reads stay in cache: the compute part of a draft (the gap to
   ``batch_draft_ms_per_step`` is waiting on memory). ``batch_chain_ms_alone``: the chain call in
   half as many further steps without tree drafts (in the paired steps each chain follows a tree
@@ -42,10 +43,9 @@ apply; ``histospec_sgl/bench/index_peers.py``; run the bench from ``.venv-sglang
 ``scripts/setup_sglang_env.sh`` installs both): SGLang's NGRAM corpus, its suffix automaton with
 its PROB and BFS drafting and its trie (``sglang-trie-bfs``: the online index, one corpus at its
 default capacity for the per-step times, a corpus per prompt for acceptance), and ArcticInference's
-SuffixDecoding, one ``SuffixTree`` per prompt
-(``arctic-per-prompt``, its best settings) and its shipped global ``SuffixDecodingCache``
-(``arctic-global``, shipped settings). Each peer's memory is measured after the previous index's
-memory went back to the system.
+SuffixDecoding: its ``SuffixTree``s per prompt (``arctic-per-prompt``, its best settings) and its
+shipped global ``SuffixDecodingCache`` (``arctic-global``, shipped settings). Each peer's memory is
+measured after the previous index's memory went back to the system.
 """
 
 from __future__ import annotations

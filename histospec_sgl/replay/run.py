@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from histospec_sgl.replay import arctic
 from histospec_sgl.replay.data import (
     PRESETS,
     FieldMap,
@@ -17,7 +18,6 @@ from histospec_sgl.replay.data import (
     load_rollouts,
     preset_path,
 )
-from histospec_sgl.replay import arctic
 from histospec_sgl.replay.methods import (
     FINISH_MODES,
     CopyBound,
@@ -42,6 +42,8 @@ ARCTIC_PEERS = ("arctic_per_prompt", "arctic_global")
 def default_peers() -> tuple[str, ...]:
     """``PEERS``, plus ArcticInference's where it is installed (the rest are reported as missing)."""
     return PEERS + (ARCTIC_PEERS if arctic.missing_reason() is None else ())
+
+
 DEFAULT_VERIFY_COSTS = (1.0, 1.1, 1.25, 1.5, 2.0)
 #: Oracle ceilings (``--bounds``): what copying from the visible text could give at best.
 BOUNDS = {"bound_copy_any": 0, "bound_copy_after_1": 1}
