@@ -8,7 +8,8 @@ has torch (``scripts/setup_sglang_env.sh`` does this for ``.venv-sglang``). Two 
 - ``SuffixTree`` (the C++ core) per prompt (``PerPromptTrees``): the prompt and each history
   response behind the prompt's last ``CONTEXT`` tokens, the outputs in flight, and a tree per
   request for its own prompt and output. Arctic itself ships no per-prompt grouping; this is the
-  shipped cache's arrangement scoped to one prompt, as ../shared/reference/anchors-real.md did.
+  shipped cache's arrangement scoped to one prompt (../shared/reference/anchors-real.md also built
+  its per-prompt Arctic peer on ``SuffixTree``).
 - ``SuffixDecodingCache`` as shipped and as ArcticInference's vLLM runner drives it: one global
   tree of every cached response plus one tree per active request (its prompt and output);
   ``speculate`` drafts from both and keeps the higher score.
