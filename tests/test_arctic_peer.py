@@ -50,7 +50,7 @@ _TINY = r"""
 import json, sys, tempfile
 from pathlib import Path
 from histospec_sgl.replay import FieldMap, Selection, build_cases, load_rollouts
-from histospec_sgl.replay.arctic import ArcticGlobal, ArcticPerPrompt
+from histospec_sgl.replay.arctic import per_prompt_method, shared_cache_method
 from histospec_sgl.replay.simulate import run_method
 
 ids = FieldMap("p", "r", group="g", token_ids=True)
@@ -63,7 +63,7 @@ tiny = log([{"g": "q", "p": [1, 2], "r": [3, 4, 5, 9, 6, 7]}, {"g": "q", "p": [1
 same = log([{"g": "q", "p": [1], "r": [2, 3, 4, 5, 6, 7, 8, 9]}] * 2
            + [{"g": "q", "p": [1], "r": [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]}])
 out = {}
-for name, m in (("per_prompt", ArcticPerPrompt()), ("global", ArcticGlobal())):
+for name, m in (("per_prompt", per_prompt_method()), ("global", shared_cache_method())):
     t = run_method(m, build_cases(tiny, "cross-sample", Selection(per_group=0)), 16)
     out[name] = [t.emitted, t.steps, t.covered, t.accepted, t.hist[:3]]
     t = run_method(m, build_cases(same, "cross-sample-inflight", Selection(per_group=1)), 16)

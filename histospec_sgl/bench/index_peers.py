@@ -29,6 +29,8 @@ DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.
 D = 16
 K = 16
+#: Nodes SGLang's corpora return per draft (root included): its 16 draft tokens, one more than ours.
+SGLANG_NODES = D + 1
 
 
 def _longest_path(tokens: Any, parents: Any) -> list[int]:
@@ -123,13 +125,13 @@ class SGLangSAM:
         gc.collect()
         r0 = rss()
         t = time.perf_counter()
-        tree = self.build(w, 17, (1, 10))
+        tree = self.build(w, SGLANG_NODES, (1, 10))
         dt = time.perf_counter() - t
         res: dict[str, Any] = {}
         if measure_ingest:
             res["ingest_tokens_per_s"] = ntok / dt
             res["bytes_per_token"] = (rss() - r0) / ntok
-        chain = self.build(w, 17, (1, 1))
+        chain = self.build(w, SGLANG_NODES, (1, 1))
         if latency_requests:
             res.update(self._latency(w, tree, chain, steps, latency_requests))
         res.update(self._acceptance(w, tree, chain, acc_prompts))
@@ -150,7 +152,7 @@ class SGLangSAM:
             t1 = time.perf_counter()
             for p in range(n):
                 toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-                path = _longest_path(np.asarray(toks), mask_parents(mask, 17))
+                path = _longest_path(np.asarray(toks), mask_parents(mask, SGLANG_NODES))
                 acc = _matching(path[:K], truths[p], int(pos[p]))
                 pos[p] = min(pos[p] + acc + 1, len(truths[p]))
             t2 = time.perf_counter()
@@ -166,29 +168,45 @@ class SGLangSAM:
         }
 
     def _acceptance(self, w: Workload, tree: list[Any], chain: list[Any], prompts: int) -> dict[str, float]:
-        class Drive:
-            # The SAM cannot take the request's own output (immutable after its build): only the
-            # window moves. A handle is (corpus, request id).
-            def open(self, p: int, j: int, kind: str) -> tuple[Any, str]:
-                return (chain if kind == "chain" else tree)[p], f"acc-{p}-{j}"
+        # The SAM cannot take the request's own output (immutable after its build).
+        drive = _CorpusDrive(lambda p, kind: (chain if kind == "chain" else tree)[p], insert_own=False)
+        return replay_acceptance(w, prompts, drive)
 
-            def _get(self, h: tuple[Any, str], ctx: np.ndarray) -> tuple[Any, Any]:
-                t, m = h[0].batch_get([h[1]], [ctx[-DEPTH:].tolist()], [len(ctx)])
-                return np.asarray(t), mask_parents(m, D + 1)
 
-            def chain(self, p: int, h: tuple[Any, str], ctx: np.ndarray) -> list[int]:
-                return _longest_path(*self._get(h, ctx))
+class _CorpusDrive:
+    """``replay_acceptance``'s driver for SGLang ``NgramCorpus`` objects: ``corpus(p, kind)`` gives
+    the corpus of prompt ``p`` for ``kind`` ("chain": breadth 1, or "tree"); each draft is one
+    ``batch_get`` on the last 18 tokens; with ``insert_own`` the request's last window is inserted
+    first whenever it grew, as SGLang's worker inserts it every step. A handle is [corpus,
+    request id, context length inserted]."""
 
-            def tree(self, p: int, h: tuple[Any, str], ctx: np.ndarray) -> tuple[Any, Any]:
-                return self._get(h, ctx)
+    def __init__(self, corpus: Callable[[int, str], Any], insert_own: bool) -> None:
+        self.corpus = corpus
+        self.insert_own = insert_own
 
-            def advance(self, p: int, h: tuple[Any, str], toks: np.ndarray) -> None:
-                pass
+    def open(self, p: int, j: int, kind: str) -> list[Any]:
+        return [self.corpus(p, kind), f"acc-{p}-{j}", 0]
 
-            def close(self, p: int, h: tuple[Any, str]) -> None:
-                h[0].erase_match_state([h[1]])
+    def _get(self, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
+        win = ctx[-DEPTH:].tolist()
+        if self.insert_own and h[2] < len(ctx):
+            h[0].batch_put([win])
+            h[0].synchronize()
+            h[2] = len(ctx)
+        t, m = h[0].batch_get([h[1]], [win], [len(ctx)])
+        return np.asarray(t), mask_parents(m, SGLANG_NODES)
 
-        return replay_acceptance(w, prompts, Drive())
+    def chain(self, p: int, h: list[Any], ctx: np.ndarray) -> list[int]:
+        return _longest_path(*self._get(h, ctx))
+
+    def tree(self, p: int, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
+        return self._get(h, ctx)
+
+    def advance(self, p: int, h: list[Any], toks: np.ndarray) -> None:
+        pass  # the window moves with the context given to the next draft
+
+    def close(self, p: int, h: list[Any]) -> None:
+        h[0].erase_match_state([h[1]])
 
 
 class SGLangTriePeer:
@@ -207,14 +225,13 @@ class SGLangTriePeer:
     Needs sglang (``.venv-sglang``); the corpus is JIT-built on first use."""
 
     name = "sglang-trie-bfs"
-    NODES = 17
 
     def __init__(self) -> None:
         self.cls = sglang_ngram_corpus_class()
 
     def _corpus(self, breadth: tuple[int, int], capacity: int) -> Any:
         return self.cls(max_trie_depth=DEPTH, min_bfs_breadth=breadth[0], max_bfs_breadth=breadth[1],
-                        draft_token_num=self.NODES, match_type="BFS", capacity=capacity,
+                        draft_token_num=SGLANG_NODES, match_type="BFS", capacity=capacity,
                         external_sam_budget=0, external_corpus_max_tokens=0)
 
     @staticmethod
@@ -258,10 +275,10 @@ class SGLangTriePeer:
             t1 = time.perf_counter()
             toks, mask = c.batch_get(rids, wins, [len(x) for x in ctx])
             t2 = time.perf_counter()
-            toks = np.asarray(toks).reshape(n, self.NODES)
+            toks = np.asarray(toks).reshape(n, SGLANG_NODES)
             mask = np.asarray(mask).reshape(n, -1)
             for p in range(n):
-                a = accept_greedy(toks[p], mask_parents(mask[p], self.NODES), truths[p], int(pos[p]))
+                a = accept_greedy(toks[p], mask_parents(mask[p], SGLANG_NODES), truths[p], int(pos[p]))
                 pos[p] = min(pos[p] + a + 1, len(truths[p]))
             t_upd.append(t1 - t0)
             t_tree.append(t2 - t1)
@@ -270,37 +287,12 @@ class SGLangTriePeer:
         return {"batch_draft_ms_per_step": ms(t_tree), "update_ms_per_step": ms(t_upd)}
 
     def _acceptance(self, w: Workload, prompts: int) -> dict[str, float]:
-        peer = self
+        def corpus(p: int, kind: str) -> Any:
+            c = self._corpus((1, 1) if kind == "chain" else (1, 10), 1_000_000)
+            self._history(c, w, p)
+            return c
 
-        class Drive:
-            # A handle: (corpus of prompt p, request id, context length inserted so far).
-            def open(self, p: int, j: int, kind: str) -> list[Any]:
-                c = peer._corpus((1, 1) if kind == "chain" else (1, 10), 1_000_000)
-                peer._history(c, w, p)
-                return [c, f"acc-{p}-{j}", 0]
-
-            def _get(self, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
-                win = ctx[-DEPTH:].tolist()
-                if h[2] < len(ctx):  # the worker inserts each request's last window every step
-                    h[0].batch_put([win])
-                    h[0].synchronize()
-                    h[2] = len(ctx)
-                t, m = h[0].batch_get([h[1]], [win], [len(ctx)])
-                return np.asarray(t), mask_parents(m, peer.NODES)
-
-            def chain(self, p: int, h: list[Any], ctx: np.ndarray) -> list[int]:
-                return _longest_path(*self._get(h, ctx))
-
-            def tree(self, p: int, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
-                return self._get(h, ctx)
-
-            def advance(self, p: int, h: list[Any], toks: np.ndarray) -> None:
-                pass
-
-            def close(self, p: int, h: list[Any]) -> None:
-                h[0].erase_match_state([h[1]])
-
-        return replay_acceptance(w, prompts, Drive())
+        return replay_acceptance(w, prompts, _CorpusDrive(corpus, insert_own=True))
 
 
 class ArcticPeer:
@@ -310,9 +302,9 @@ class ArcticPeer:
     epoch-1 responses, and a tree per request for its prompt and output), drafted with Arctic's
     best settings of anchors.md (``max_spec_factor`` 4; chains for k=16, best-first trees for d=16).
     ``arctic-global``: the shipped ``SuffixDecodingCache`` as ArcticInference's vLLM runner drives
-    it (one global tree of every response of every prompt, one tree per active request, shipped
-    settings: factor 1, chains). Both speculate on the last 64 tokens, one call per request from
-    Python (Arctic has no batch call)."""
+    it (``SharedCache``: one global tree of every response of every prompt, one tree per active
+    request, shipped settings: factor 1, chains). Both speculate on the last 64 tokens, one call per
+    request from Python (Arctic has no batch call)."""
 
     def __init__(self, per_prompt: bool) -> None:
         from histospec_sgl.replay import arctic
@@ -323,26 +315,17 @@ class ArcticPeer:
         self.chain_s = arctic.SpecSettings(factor=4.0) if per_prompt else arctic.SHIPPED
         self.tree_s = arctic.BEST if per_prompt else arctic.SHIPPED
 
-    def build(self, w: Workload) -> Any:
+    def build(self, w: Workload) -> list[Any]:
+        """Per prompt, the store that serves it: a ``PerPromptTrees`` each, or one shared cache."""
         if self.per_prompt:
-            trees = []
-            for p, prompt in enumerate(w.prompts):
-                t = self.arctic.PerPromptTrees()
-                for r in w.epoch1[p]:
-                    t.add(prompt, r)
-                trees.append(t)
-            return trees
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-        i32 = self.arctic.int32
-        cache = SuffixDecodingCache(max_tree_depth=self.arctic.CONTEXT, max_cached_requests=100_000)
+            stores = [self.arctic.PerPromptTrees() for _ in w.prompts]
+        else:
+            shared = self.arctic.SharedCache()
+            stores = [shared] * len(w.prompts)
         for p, prompt in enumerate(w.prompts):
-            for j, r in enumerate(w.epoch1[p]):
-                rid = ("history", p, j)
-                cache.start_request(rid, i32(prompt))
-                cache.add_active_response(rid, i32(r))
-                cache.stop_request(rid)
-        return cache
+            for r in w.epoch1[p]:
+                stores[p].add(prompt, r)
+        return stores
 
     def run(self, w: Workload, rss: Callable[[], int], steps: int, acc_prompts: int,
             latency_requests: int, measure_ingest: bool = True) -> dict[str, Any]:
@@ -350,77 +333,48 @@ class ArcticPeer:
         gc.collect()
         r0 = rss()
         t = time.perf_counter()
-        index = self.build(w)
+        stores = self.build(w)
         dt = time.perf_counter() - t
         res: dict[str, Any] = {"settings_k16": self.chain_s.label(), "settings_d16": self.tree_s.label()}
         if measure_ingest:
             res["ingest_tokens_per_s"] = ntok / dt
             res["bytes_per_token"] = (rss() - r0) / ntok
         if latency_requests:
-            res.update(self._latency(w, index, steps, latency_requests))
-        res.update(self._acceptance(w, index, acc_prompts))
+            res.update(self._latency(w, stores, steps, latency_requests))
+        res.update(self._acceptance(w, stores, acc_prompts))
         return res
 
-    # One request of either kind: begin, speculate on its context, extend, finish.
-    def _begin(self, index: Any, p: int, rid: Any, prompt: np.ndarray) -> Any:
-        if self.per_prompt:
-            return index[p].begin(prompt)
-        index.start_request(rid, self.arctic.int32(prompt))
-        return rid
-
-    def _speculate(self, index: Any, p: int, h: Any, ctx: np.ndarray, budget: int, s: Any) -> Any:
-        c = self.arctic.int32(ctx[-self.arctic.CONTEXT:])
-        if self.per_prompt:
-            return index[p].speculate(h, c, budget, s)
-        return index.speculate(h, c, max_spec_tokens=budget, max_spec_factor=s.factor, max_spec_offset=s.offset,
-                               min_token_prob=s.min_prob, use_tree_spec=s.tree)
-
-    def _extend(self, index: Any, p: int, h: Any, toks: np.ndarray) -> None:
-        if len(toks) == 0:
-            return
-        if self.per_prompt:
-            index[p].extend(h, toks)
-        else:
-            index.add_active_response(h, self.arctic.int32(toks))
-
-    def _finish(self, index: Any, p: int, h: Any) -> None:
-        # The replayed response must not stay for the next one (ours finishes with keep=False).
-        if self.per_prompt:
-            index[p].finish(h, keep=False)
-        else:
-            index.stop_request(h)
-            index.evict_cached_response(h)
-
-    def _latency(self, w: Workload, index: Any, steps: int, n: int) -> dict[str, float]:
+    def _latency(self, w: Workload, stores: list[Any], steps: int, n: int) -> dict[str, float]:
         n = min(n, len(w.prompts))
         truths = [w.epoch2(p, 0) for p in range(n)]
         pos = np.full(n, 500, dtype=np.int64)
         hs = []
         for p in range(n):
-            h = self._begin(index, p, ("lat", p), w.prompts[p])
-            self._extend(index, p, h, truths[p][:500])
+            h = stores[p].begin(w.prompts[p])
+            stores[p].extend(h, truths[p][:500])
             hs.append(h)
         t_tree, t_chain, t_upd = [], [], []
         for _ in range(steps):
             ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
             t0 = time.perf_counter()
             for p in range(n):
-                self._speculate(index, p, hs[p], ctx[p], D - 1, self.tree_s)
+                stores[p].speculate(hs[p], ctx[p], D - 1, self.tree_s)
             t1 = time.perf_counter()
-            drafts = [self._speculate(index, p, hs[p], ctx[p], K, self.chain_s) for p in range(n)]
+            drafts = [stores[p].speculate(hs[p], ctx[p], K, self.chain_s) for p in range(n)]
             t2 = time.perf_counter()
             adv = [min(_matching(drafts[p].token_ids, truths[p], int(pos[p])) + 1, len(truths[p]) - int(pos[p]))
                    for p in range(n)]
             t3 = time.perf_counter()
             for p in range(n):
-                self._extend(index, p, hs[p], truths[p][pos[p] : pos[p] + adv[p]])
+                stores[p].extend(hs[p], truths[p][pos[p] : pos[p] + adv[p]])
             t4 = time.perf_counter()
             pos += np.asarray(adv, dtype=np.int64)
             t_tree.append(t1 - t0)
             t_chain.append(t2 - t1)
             t_upd.append(t4 - t3)
         for p in range(n):
-            self._finish(index, p, hs[p])
+            # The replayed response must not stay for the next one (ours finishes with keep=False).
+            stores[p].finish(hs[p], keep=False)
         ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
         return {
             "batch_draft_ms_per_step": ms(t_tree),
@@ -428,23 +382,23 @@ class ArcticPeer:
             "update_ms_per_step": ms(t_upd),
         }
 
-    def _acceptance(self, w: Workload, index: Any, prompts: int) -> dict[str, float]:
+    def _acceptance(self, w: Workload, stores: list[Any], prompts: int) -> dict[str, float]:
         peer = self
 
         class Drive:
             def open(self, p: int, j: int, kind: str) -> Any:
-                return peer._begin(index, p, ("acc", p, j, kind), w.prompts[p])
+                return stores[p].begin(w.prompts[p])
 
             def chain(self, p: int, h: Any, ctx: np.ndarray) -> list[int]:
-                return list(peer._speculate(index, p, h, ctx, K, peer.chain_s).token_ids)
+                return list(stores[p].speculate(h, ctx, K, peer.chain_s).token_ids)
 
             def tree(self, p: int, h: Any, ctx: np.ndarray) -> tuple[list[int], list[int]]:
-                return peer.arctic.nodes(int(ctx[-1]), peer._speculate(index, p, h, ctx, D - 1, peer.tree_s))
+                return peer.arctic.nodes(int(ctx[-1]), stores[p].speculate(h, ctx, D - 1, peer.tree_s))
 
             def advance(self, p: int, h: Any, toks: np.ndarray) -> None:
-                peer._extend(index, p, h, toks)
+                stores[p].extend(h, toks)
 
             def close(self, p: int, h: Any) -> None:
-                peer._finish(index, p, h)
+                stores[p].finish(h, keep=False)
 
         return replay_acceptance(w, prompts, Drive())

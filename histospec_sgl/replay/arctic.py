@@ -22,7 +22,7 @@ as Arctic's best configuration.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,94 +162,92 @@ class PerPromptTrees:
             self._history_seq(np.concatenate([tail, int32(out)]))
 
 
-class ArcticPerPrompt:
-    """Replay method: Arctic's trees per prompt (``PerPromptTrees``)."""
+class SharedCache:
+    """Arctic's shipped ``SuffixDecodingCache`` behind the interface of ``PerPromptTrees``, driven as
+    ArcticInference's vLLM runner drives it: ``start_request`` with the prompt,
+    ``add_active_response`` with each step's tokens, ``speculate`` on the last 64 tokens (the
+    global tree of every cached response and the request's own tree; the higher score wins),
+    ``stop_request`` (the response stays cached unless it is not kept). History responses go in
+    the same way."""
 
-    def __init__(self, settings: SpecSettings = BEST, name: str = "arctic_per_prompt"):
-        self.s = settings
+    def __init__(self, max_cached_requests: int = 100_000) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=CONTEXT, max_cached_requests=max_cached_requests)
+        self.n = 0
+
+    def begin(self, prompt: Sequence[int]) -> int:
+        """A request in flight; its handle (its id in the cache)."""
+        h = self.n
+        self.n += 1
+        self.cache.start_request(h, int32(prompt))
+        return h
+
+    def add(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        """A finished response."""
+        h = self.begin(prompt)
+        self.extend(h, response)
+        self.finish(h)
+
+    def extend(self, h: int, tokens: Sequence[int]) -> None:
+        if len(tokens):
+            self.cache.add_active_response(h, int32(tokens))
+
+    def speculate(self, h: int, ctx: Sequence[int], budget: int, s: SpecSettings) -> Any:
+        return self.cache.speculate(h, int32(ctx[-CONTEXT:]), max_spec_tokens=budget, max_spec_factor=s.factor,
+                                    max_spec_offset=s.offset, min_token_prob=s.min_prob, use_tree_spec=s.tree)
+
+    def finish(self, h: int, keep: bool = True) -> None:
+        """The request stops; without ``keep`` its response leaves the cache too."""
+        self.cache.stop_request(h)
+        if not keep:
+            self.cache.evict_cached_response(h)
+
+
+class ArcticMethod:
+    """Replay method over one Arctic store per case (``PerPromptTrees`` or ``SharedCache``). It
+    starts empty at every case: a case's responses appear as history in other cases of the
+    leave-one-out scenarios, so a store kept across cases would hold the very response being
+    replayed. A finished request stays, as history for the others."""
+
+    def __init__(self, name: str, store: Callable[[], Any], settings: SpecSettings, description: str):
         self.name = name
-        self.description = f"ArcticInference SuffixTree (arctic-inference 0.3.0), per prompt, {settings.label()}"
-        self.trees: PerPromptTrees | None = None
+        self.make = store
+        self.s = settings
+        self.description = f"{description}, {settings.label()}"
+        self.store: Any = None
         self.reqs: dict[int, tuple[int, list[int]]] = {}
 
     def reset(self, case_online_visible: bool) -> None:
-        self.trees = PerPromptTrees()
+        self.store = self.make()
         self.reqs.clear()
 
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
-        assert self.trees is not None
-        self.trees.add(prompt, response)
+        self.store.add(prompt, response)
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
-        assert self.trees is not None
-        self.reqs[rid] = (self.trees.begin(prompt), list(prompt))
+        self.reqs[rid] = (self.store.begin(prompt), list(prompt))
 
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
-        assert self.trees is not None
         h, ctx = self.reqs[rid]
-        return nodes(ctx[-1], self.trees.speculate(h, ctx, num_nodes - 1, self.s))
+        return nodes(ctx[-1], self.store.speculate(h, ctx, num_nodes - 1, self.s))
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
-        assert self.trees is not None
         h, ctx = self.reqs[rid]
-        self.trees.extend(h, tokens)
+        self.store.extend(h, tokens)
         ctx.extend(tokens)
 
     def finish(self, rid: int) -> None:
-        # A finished sibling is history for the others.
-        assert self.trees is not None
-        self.trees.finish(self.reqs.pop(rid)[0])
+        self.store.finish(self.reqs.pop(rid)[0])
 
 
-class ArcticGlobal:
-    """Replay method: Arctic's ``SuffixDecodingCache`` as shipped and driven by its vLLM runner
-    (``start_request`` with the prompt, ``add_active_response`` with each step's tokens,
-    ``speculate`` on the last 64 tokens, ``stop_request``; the response stays cached). History
-    responses go in the same way. It starts empty at every case: a case's responses appear as
-    history in other cases of the leave-one-out scenarios, so a cache kept across cases would
-    hold the very response being replayed."""
+def per_prompt_method(settings: SpecSettings = BEST) -> ArcticMethod:
+    """Replay peer ``arctic_per_prompt``: Arctic's trees per prompt, its best settings."""
+    return ArcticMethod("arctic_per_prompt", PerPromptTrees, settings,
+                        "ArcticInference SuffixTree (arctic-inference 0.3.0), per prompt")
 
-    name = "arctic_global"
 
-    def __init__(self, settings: SpecSettings = SHIPPED, max_cached_requests: int = 100_000):
-        self.s = settings
-        self.max_cached = max_cached_requests
-        self.description = (f"ArcticInference SuffixDecodingCache as shipped (global response tree + per-request "
-                            f"tree), {settings.label()}")
-        self.cache: Any = None
-        self.ctx: dict[Any, list[int]] = {}
-        self.n_hist = 0
-
-    def reset(self, case_online_visible: bool) -> None:
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-        self.cache = SuffixDecodingCache(max_tree_depth=CONTEXT, max_cached_requests=self.max_cached)
-        self.ctx.clear()
-
-    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
-        rid = ("history", self.n_hist)
-        self.n_hist += 1
-        self.cache.start_request(rid, int32(prompt))
-        if len(response):
-            self.cache.add_active_response(rid, int32(response))
-        self.cache.stop_request(rid)
-
-    def begin(self, rid: int, prompt: Sequence[int]) -> None:
-        self.cache.start_request(rid, int32(prompt))
-        self.ctx[rid] = list(prompt)
-
-    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
-        ctx = self.ctx[rid]
-        d = self.cache.speculate(rid, int32(ctx[-CONTEXT:]), max_spec_tokens=num_nodes - 1, max_spec_factor=self.s.factor,
-                                 max_spec_offset=self.s.offset, min_token_prob=self.s.min_prob,
-                                 use_tree_spec=self.s.tree)
-        return nodes(ctx[-1], d)
-
-    def extend(self, rid: int, tokens: Sequence[int]) -> None:
-        if len(tokens):
-            self.cache.add_active_response(rid, int32(tokens))
-        self.ctx[rid].extend(tokens)
-
-    def finish(self, rid: int) -> None:
-        self.cache.stop_request(rid)
-        del self.ctx[rid]
+def shared_cache_method(settings: SpecSettings = SHIPPED) -> ArcticMethod:
+    """Replay peer ``arctic_global``: the shipped ``SuffixDecodingCache``, shipped settings."""
+    return ArcticMethod("arctic_global", SharedCache, settings,
+                        "ArcticInference SuffixDecodingCache as shipped (global response tree + per-request tree)")

@@ -108,7 +108,7 @@ def make_methods(o: ReplayOptions) -> list[Method]:
             why = arctic.missing_reason()
             if why is not None:
                 raise ReplayDataError(f"peer {p} cannot run here: {why}")
-            methods.append(arctic.ArcticPerPrompt() if p == "arctic_per_prompt" else arctic.ArcticGlobal())
+            methods.append(arctic.per_prompt_method() if p == "arctic_per_prompt" else arctic.shared_cache_method())
         else:
             raise ReplayDataError(f"unknown peer {p!r}; choose from {', '.join(PEERS + OPTIONAL_PEERS)}")
     for b in o.bounds:
