@@ -359,9 +359,8 @@ impl Pending {
     }
 
     /// The expansion of node `parent` (probability `pprob`), taken from a candidate with
-    /// automaton state `state` and pointer clock `ptr`: its state, or when that has no
-    /// continuation the longest suffix that has one, and the pointer's path going on with the
-    /// source's next token. `None` when neither has anything to offer.
+    /// automaton state `state` and pointer clock `ptr` (see [`Step::of`]). `None` when neither
+    /// has anything to offer.
     fn under(
         job: &Job,
         cfg: &DraftConfig,
@@ -370,13 +369,37 @@ impl Pending {
         state: u32,
         ptr: u32,
     ) -> Option<Self> {
+        Step::of(job, cfg, parent, pprob, state, ptr).map(Step::pending)
+    }
+}
+
+/// An expansion of one node from at most one state (with weight 1) and the pointer's
+/// prediction: what a tree node mostly expands. Kept apart from [`Pending`] so that a growth
+/// running down a chain of such nodes moves a few registers per node, not a whole `Pending`.
+#[derive(Clone, Copy)]
+struct Step {
+    /// The state whose children are offered (`NONE`: only the pointer's prediction).
+    state: u32,
+    ptr: Option<(u32, f32)>,
+    parent: u32,
+    pprob: f32,
+}
+
+impl Step {
+    /// The expansion of node `parent` (probability `pprob`), taken from a candidate with
+    /// automaton state `state` and pointer clock `ptr`: its state, or when that has no
+    /// continuation the longest suffix that has one, and the pointer's path going on with the
+    /// source's next token. `None` when neither has anything to offer.
+    #[inline]
+    fn of(job: &Job, cfg: &DraftConfig, parent: u32, pprob: f32, state: u32, ptr: u32) -> Option<Self> {
         let sam = job.sam;
         let st = if state == NONE {
-            None
+            NONE
         } else if sam.states[state as usize].has_children() {
-            Some(state)
+            state
         } else {
             sam.longest_with_children(sam.states[state as usize].link, cfg.min_match)
+                .unwrap_or(NONE)
         };
         let ptr = match job.pointer {
             Some(p) if ptr != NONE => {
@@ -385,21 +408,32 @@ impl Pending {
             }
             _ => None,
         };
-        if st.is_none() && ptr.is_none() {
+        if st == NONE && ptr.is_none() {
             return None;
         }
-        let mut sources = [(NONE, 0.0); MAX_ANCHORS];
-        if let Some(s) = st {
-            sources[0] = (s, 1.0);
-        }
-        Some(Pending {
-            sources,
-            avoid: [NONE; MAX_ANCHORS],
-            n: usize::from(st.is_some()),
+        Some(Step {
+            state: st,
+            ptr,
             parent,
             pprob,
-            ptr,
         })
+    }
+
+    /// The same expansion as a [`Pending`].
+    fn pending(self) -> Pending {
+        let mut sources = [(NONE, 0.0); MAX_ANCHORS];
+        let n = usize::from(self.state != NONE);
+        if n == 1 {
+            sources[0] = (self.state, 1.0);
+        }
+        Pending {
+            sources,
+            avoid: [NONE; MAX_ANCHORS],
+            n,
+            parent: self.parent,
+            pprob: self.pprob,
+            ptr: self.ptr,
+        }
     }
 }
 
@@ -584,24 +618,30 @@ impl Growth {
         }
         let sam = job.sam;
         let per_node = cfg.max_children as usize;
-        // Kept in a local while the growth runs on without yielding (stored and reloaded through
-        // `self` at every node, it waited on the store).
+        // Kept in locals while the growth runs on without yielding (stored and reloaded through
+        // `self` at every node, it waited on the store). A node that expands one state with one
+        // transition (or only the pointer) is a `Step`, which is cheaper to carry than a `Pending`.
         let mut pending = self.pending.take();
+        let mut step: Option<Step> = None;
         loop {
             // (With a budget of one node, the root's expansion could not become a node either.)
             let mut direct = None;
-            if let Some(p) = pending.take().filter(|_| self.nodes.len() < job.budget) {
-                direct = self.offer(
-                    sam,
-                    &p.sources[..p.n],
-                    &p.avoid,
-                    p.parent,
-                    p.pprob,
-                    per_node,
-                    job.w_new,
-                    cfg,
-                    p.pointer(job),
-                );
+            if self.nodes.len() < job.budget {
+                if let Some(p) = pending.take() {
+                    direct = self.offer(
+                        sam,
+                        &p.sources[..p.n],
+                        &p.avoid,
+                        p.parent,
+                        p.pprob,
+                        per_node,
+                        job.w_new,
+                        cfg,
+                        p.pointer(job),
+                    );
+                } else if let Some(st) = step.take() {
+                    direct = self.offer_step(job, cfg, st, per_node);
+                }
             }
             while self.nodes.len() < job.budget {
                 let Some(c) = direct.take().or_else(|| self.heap.pop()) else {
@@ -621,24 +661,28 @@ impl Growth {
                     // The budget is spent: what this node would offer can never become a node.
                     break;
                 }
-                if let Some(p) = Pending::under(job, cfg, id, c.score, c.state, c.ptr) {
+                if let Some(st) = Step::of(job, cfg, id, c.score, c.state, c.ptr) {
                     // `c.state`'s transitions were prefetched when it was offered; a fallback
                     // state's were not.
-                    if p.n == 1 && p.sources[0].0 != c.state {
-                        sam.prefetch_expansion(p.sources[0].0);
+                    if st.state != NONE && st.state != c.state {
+                        sam.prefetch_expansion(st.state);
                     }
                     // Yield (while the children load) unless the expansion reads one child of
                     // one state, which mostly sits next to it (as in a chain).
-                    let near = p.n == 0 || (p.n == 1 && sam.degree(p.sources[0].0) <= 1);
+                    let near = st.state == NONE || sam.degree(st.state) <= 1;
                     if !near {
-                        self.pending = Some(p);
+                        self.pending = Some(st.pending());
                         return false;
                     }
-                    pending = Some(p);
+                    if cfg.blend == 0 {
+                        step = Some(st);
+                    } else {
+                        pending = Some(st.pending());
+                    }
                     break;
                 }
             }
-            if pending.is_none() || self.nodes.len() >= job.budget {
+            if (pending.is_none() && step.is_none()) || self.nodes.len() >= job.budget {
                 break;
             }
         }
@@ -721,6 +765,80 @@ impl Growth {
         ptr: Option<(&Log, u32, f32)>,
     ) -> Option<Cand> {
         self.collect_kids(sam, sources, avoid, w_new, cfg, ptr);
+        self.offer_kids(sam, parent, pprob, per_node, cfg)
+    }
+
+    /// [`Growth::offer`] for a [`Step`] (one state with one transition, or none, and the
+    /// pointer; no blending): the same candidates, without the general merging. A lone
+    /// candidate, the usual case, never goes through `kids`.
+    #[inline]
+    fn offer_step(&mut self, job: &Job, cfg: &DraftConfig, st: Step, per_node: usize) -> Option<Cand> {
+        let sam = job.sam;
+        // What `collect_kids` lists for one source of weight 1 with one transition: its child
+        // (`estimate`'s one-child case), then the pointer's mixture.
+        let mut kid = if st.state == NONE {
+            None
+        } else {
+            one_child_estimate(sam, st.state, job.w_new, cfg).map(|(k, _)| k)
+        };
+        let mut other = None;
+        if let (Some((clock, lam)), Some(pt)) = (st.ptr, job.pointer) {
+            if let Some(e) = pt.log.get(clock) {
+                match kid.as_mut() {
+                    Some(k) => {
+                        k.p *= 1.0 - lam;
+                        if k.tok == e.tok {
+                            k.p += lam;
+                            k.ptr = clock;
+                        } else {
+                            other = Some(Kid::pointer(e.tok, clock, lam));
+                        }
+                    }
+                    None => kid = Some(Kid::pointer(e.tok, clock, lam)),
+                }
+            }
+        }
+        let k = kid?;
+        if let Some(o) = other {
+            self.kids.clear();
+            self.kids.push(k);
+            self.kids.push(o);
+            return self.offer_kids(sam, st.parent, st.pprob, per_node, cfg);
+        }
+        // `offer_kids` for one kid.
+        let score = st.pprob * k.p;
+        if score < cfg.min_prob {
+            return None;
+        }
+        if k.to != NONE {
+            sam.prefetch_expansion(k.to);
+        }
+        let c = Cand {
+            score,
+            seq: self.seq,
+            parent: st.parent,
+            tok: k.tok,
+            state: k.to,
+            ptr: k.ptr,
+        };
+        self.seq += 1;
+        if self.heap.peek().is_none_or(|top| c > *top) {
+            return Some(c);
+        }
+        self.heap.push(c);
+        None
+    }
+
+    /// The tail of [`Growth::offer`]: offers the candidates in `kids` (at most `per_node`, most
+    /// probable first) under `parent`.
+    fn offer_kids(
+        &mut self,
+        sam: &Sam,
+        parent: u32,
+        pprob: f32,
+        per_node: usize,
+        cfg: &DraftConfig,
+    ) -> Option<Cand> {
         if self.kids.is_empty() {
             return None;
         }
