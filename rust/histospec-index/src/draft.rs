@@ -644,8 +644,12 @@ impl Growth {
                 }
             }
             while self.nodes.len() < job.budget {
-                let Some(c) = direct.take().or_else(|| self.heap.pop()) else {
-                    break;
+                let c = match direct.take() {
+                    Some(c) => c,
+                    None => match self.heap.pop() {
+                        Some(c) => c,
+                        None => break,
+                    },
                 };
                 if c.score < cfg.min_prob || c.score <= 0.0 {
                     break;
