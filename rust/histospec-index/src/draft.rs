@@ -437,6 +437,18 @@ impl Step {
     }
 }
 
+/// How a tree growth goes on after taking a node ([`Growth::take`]).
+enum Flow {
+    /// Expand the node (`pending` or `step` holds what).
+    Expand,
+    /// The same, after the other lanes had their turn (the expansion is in `Growth::pending`).
+    Yield,
+    /// Nothing to expand: take the frontier's best candidate next.
+    Pop,
+    /// The draft is complete.
+    Stop,
+}
+
 /// Scratch space and progress of one growing draft.
 #[derive(Default)]
 struct Growth {
@@ -623,75 +635,97 @@ impl Growth {
         // transition (or only the pointer) is a `Step`, which is cheaper to carry than a `Pending`.
         let mut pending = self.pending.take();
         let mut step: Option<Step> = None;
-        loop {
-            // (With a budget of one node, the root's expansion could not become a node either.)
-            let mut direct = None;
-            if self.nodes.len() < job.budget {
-                if let Some(p) = pending.take() {
-                    direct = self.offer(
-                        sam,
-                        &p.sources[..p.n],
-                        &p.avoid,
-                        p.parent,
-                        p.pprob,
-                        per_node,
-                        job.w_new,
-                        cfg,
-                        p.pointer(job),
-                    );
-                } else if let Some(st) = step.take() {
-                    direct = self.offer_step(job, cfg, st, per_node);
+        // Each source of the next node (the expansion's lone candidate, or the frontier) hands
+        // its candidate to `take` at its own call site: merged into one `Option<Cand>` first,
+        // the candidate went through the stack and its reload waited on the stores.
+        // (With a budget of one node, the root's expansion could not become a node either.)
+        while self.nodes.len() < job.budget {
+            let mut flow = Flow::Pop;
+            if let Some(p) = pending.take() {
+                let direct = self.offer(
+                    sam,
+                    &p.sources[..p.n],
+                    &p.avoid,
+                    p.parent,
+                    p.pprob,
+                    per_node,
+                    job.w_new,
+                    cfg,
+                    p.pointer(job),
+                );
+                if let Some(c) = direct {
+                    flow = self.take(job, cfg, c, &mut pending, &mut step);
+                }
+            } else if let Some(st) = step.take() {
+                if let Some(c) = self.offer_step(job, cfg, st, per_node) {
+                    flow = self.take(job, cfg, c, &mut pending, &mut step);
                 }
             }
-            while self.nodes.len() < job.budget {
-                let c = match direct.take() {
-                    Some(c) => c,
-                    None => match self.heap.pop() {
-                        Some(c) => c,
-                        None => break,
-                    },
+            while let Flow::Pop = flow {
+                flow = match self.heap.pop() {
+                    Some(c) => self.take(job, cfg, c, &mut pending, &mut step),
+                    None => Flow::Stop,
                 };
-                if c.score < cfg.min_prob || c.score <= 0.0 {
-                    break;
-                }
-                let id = self.nodes.len() as u32;
-                self.nodes.push(Node {
-                    tok: c.tok,
-                    parent: c.parent,
-                    prob: c.score,
-                });
-                self.depth.push(self.depth[c.parent as usize] + 1);
-                if self.nodes.len() >= job.budget {
-                    // The budget is spent: what this node would offer can never become a node.
-                    break;
-                }
-                if let Some(st) = Step::of(job, cfg, id, c.score, c.state, c.ptr) {
-                    // `c.state`'s transitions were prefetched when it was offered; a fallback
-                    // state's were not.
-                    if st.state != NONE && st.state != c.state {
-                        sam.prefetch_expansion(st.state);
-                    }
-                    // Yield (while the children load) unless the expansion reads one child of
-                    // one state, which mostly sits next to it (as in a chain).
-                    let near = st.state == NONE || sam.degree(st.state) <= 1;
-                    if !near {
-                        self.pending = Some(st.pending());
-                        return false;
-                    }
-                    if cfg.blend == 0 {
-                        step = Some(st);
-                    } else {
-                        pending = Some(st.pending());
-                    }
-                    break;
-                }
             }
-            if (pending.is_none() && step.is_none()) || self.nodes.len() >= job.budget {
-                break;
+            match flow {
+                Flow::Yield => return false,
+                Flow::Stop => break,
+                Flow::Pop | Flow::Expand => {}
             }
         }
         self.reorder_bfs();
         true
+    }
+
+    /// Takes candidate `c` as the next node and says how the growth goes on: its expansion
+    /// (in `pending` or `step`, or in `self.pending` to yield first), the frontier's next
+    /// candidate when it has nothing to expand, or the end (the budget is spent, or `c` is
+    /// below `min_prob`).
+    #[inline(always)]
+    fn take(
+        &mut self,
+        job: &Job,
+        cfg: &DraftConfig,
+        c: Cand,
+        pending: &mut Option<Pending>,
+        step: &mut Option<Step>,
+    ) -> Flow {
+        if c.score < cfg.min_prob || c.score <= 0.0 {
+            return Flow::Stop;
+        }
+        let sam = job.sam;
+        let id = self.nodes.len() as u32;
+        self.nodes.push(Node {
+            tok: c.tok,
+            parent: c.parent,
+            prob: c.score,
+        });
+        self.depth.push(self.depth[c.parent as usize] + 1);
+        if self.nodes.len() >= job.budget {
+            // The budget is spent: what this node would offer can never become a node.
+            return Flow::Stop;
+        }
+        let Some(st) = Step::of(job, cfg, id, c.score, c.state, c.ptr) else {
+            return Flow::Pop;
+        };
+        // `c.state`'s transitions were prefetched when it was offered; a fallback state's were
+        // not.
+        if st.state != NONE && st.state != c.state {
+            sam.prefetch_expansion(st.state);
+        }
+        // Yield (while the children load) unless the expansion reads one child of one state,
+        // which mostly sits next to it (as in a chain).
+        let near = st.state == NONE || sam.degree(st.state) <= 1;
+        if !near {
+            self.pending = Some(st.pending());
+            return Flow::Yield;
+        }
+        if cfg.blend == 0 {
+            *step = Some(st);
+        } else {
+            *pending = Some(st.pending());
+        }
+        Flow::Expand
     }
 
     /// [`Growth::advance`] for a chain: the same nodes as a tree growth offering one child per
