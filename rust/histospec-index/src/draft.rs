@@ -1154,41 +1154,45 @@ fn sort_small<T: Copy>(v: &mut [T], cmp: impl Fn(&T, &T) -> Ordering) {
 pub trait MaskElem: Copy + Send {
     const ZERO: Self;
     const ONE: Self;
+    /// Row pieces: entry `n` holds the four elements of bits `n & 1`, `n >> 1 & 1`, ... (so a
+    /// row is written four elements per lookup, not one bit at a time).
+    const NIBBLES: [[Self; 4]; 16];
     /// `ONE` for bit 1, `ZERO` for bit 0 (`bit` is 0 or 1), without a branch.
     fn from_bit(bit: u64) -> Self;
 }
-impl MaskElem for i64 {
-    const ZERO: i64 = 0;
-    const ONE: i64 = 1;
-    #[inline(always)]
-    fn from_bit(bit: u64) -> i64 {
-        bit as i64
-    }
+
+/// [`MaskElem`] for a type whose `ZERO`/`ONE` are `$zero`/`$one` and whose `from_bit` is `$from`.
+macro_rules! mask_elem {
+    ($t:ty, $zero:expr, $one:expr, $from:expr) => {
+        impl MaskElem for $t {
+            const ZERO: $t = $zero;
+            const ONE: $t = $one;
+            const NIBBLES: [[$t; 4]; 16] = {
+                let mut t = [[$zero; 4]; 16];
+                let mut n = 0;
+                while n < 16 {
+                    let mut j = 0;
+                    while j < 4 {
+                        if (n >> j) & 1 == 1 {
+                            t[n][j] = $one;
+                        }
+                        j += 1;
+                    }
+                    n += 1;
+                }
+                t
+            };
+            #[inline(always)]
+            fn from_bit(bit: u64) -> $t {
+                $from(bit)
+            }
+        }
+    };
 }
-impl MaskElem for i32 {
-    const ZERO: i32 = 0;
-    const ONE: i32 = 1;
-    #[inline(always)]
-    fn from_bit(bit: u64) -> i32 {
-        bit as i32
-    }
-}
-impl MaskElem for u8 {
-    const ZERO: u8 = 0;
-    const ONE: u8 = 1;
-    #[inline(always)]
-    fn from_bit(bit: u64) -> u8 {
-        bit as u8
-    }
-}
-impl MaskElem for bool {
-    const ZERO: bool = false;
-    const ONE: bool = true;
-    #[inline(always)]
-    fn from_bit(bit: u64) -> bool {
-        bit != 0
-    }
-}
+mask_elem!(i64, 0, 1, |b: u64| b as i64);
+mask_elem!(i32, 0, 1, |b: u64| b as i32);
+mask_elem!(u8, 0, 1, |b: u64| b as u8);
+mask_elem!(bool, false, true, |b: u64| b != 0);
 
 /// Writes `nodes` (BFS order, at most `d`) padded to exactly `d` nodes into one request's slices:
 /// `tokens[d]`, `mask[d*d]` (row i = i and its ancestors) and optionally `probs[d]`.
@@ -1224,8 +1228,15 @@ pub fn write_tree<M: MaskElem>(
                 anc[parent as usize]
             } | 1 << i;
             anc[i] = bits;
-            for (j, m) in mask[i * d..(i + 1) * d].iter_mut().enumerate() {
-                *m = M::from_bit((bits >> j) & 1);
+            let row = &mut mask[i * d..(i + 1) * d];
+            let mut quads = row.chunks_exact_mut(4);
+            let mut b = bits;
+            for q in &mut quads {
+                q.copy_from_slice(&M::NIBBLES[(b & 15) as usize]);
+                b >>= 4;
+            }
+            for (j, m) in quads.into_remainder().iter_mut().enumerate() {
+                *m = M::from_bit((b >> j) & 1);
             }
             continue;
         }
