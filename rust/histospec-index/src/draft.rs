@@ -1059,8 +1059,43 @@ impl Growth {
         esc / denom
     }
 
+    /// Puts `nodes` (growth order, parents first) into BFS order in `out`: a stable sort by depth,
+    /// with parent positions renumbered.
     fn reorder_bfs(&mut self) {
         let n = self.nodes.len();
+        self.out.clear();
+        // Often the growth order is already BFS order (a chain, or siblings taken before their
+        // children).
+        if self.depth.windows(2).all(|w| w[0] <= w[1]) {
+            self.out.extend_from_slice(&self.nodes);
+            return;
+        }
+        if n <= 64 {
+            // A counting sort on the stack (a node's depth is below its position).
+            let mut at = [0u8; 65];
+            for &dp in &self.depth {
+                at[dp as usize + 1] += 1;
+            }
+            for k in 1..=n {
+                at[k] += at[k - 1];
+            }
+            let mut order = [0u8; 64];
+            let mut remap = [0u8; 64];
+            for (i, &dp) in self.depth.iter().enumerate() {
+                let slot = &mut at[dp as usize];
+                order[*slot as usize] = i as u8;
+                remap[i] = *slot;
+                *slot += 1;
+            }
+            for &old in &order[..n] {
+                let mut node = self.nodes[old as usize];
+                if node.parent != NONE {
+                    node.parent = u32::from(remap[node.parent as usize]);
+                }
+                self.out.push(node);
+            }
+            return;
+        }
         // Counting sort by depth, stable in growth order.
         let deepest = self.depth.iter().copied().max().unwrap_or(0) as usize;
         self.remap.clear();
@@ -1083,7 +1118,6 @@ impl Growth {
         for (new, &old) in self.order.iter().enumerate() {
             self.remap[old as usize] = new as u32;
         }
-        self.out.clear();
         for &old in &self.order {
             let mut node = self.nodes[old as usize];
             if node.parent != NONE {
@@ -1386,6 +1420,51 @@ mod tests {
             check::<i32>(d);
             check::<u8>(d);
             check::<bool>(d);
+        }
+    }
+
+    #[test]
+    fn bfs_reorder_is_a_stable_sort_by_depth() {
+        // Random trees in growth order (parents first), small (the stack path, sorted or not)
+        // and large (the general path).
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for n in (1..=70).chain([100, 200]) {
+            for _ in 0..20 {
+                let mut g = Growth::default();
+                g.nodes.push(Node {
+                    tok: 0,
+                    parent: NONE,
+                    prob: 1.0,
+                });
+                g.depth.push(0);
+                for i in 1..n {
+                    // Mostly chains, sometimes a branch off an earlier node.
+                    let parent = if rnd(4) == 0 { rnd(i as u64) as u32 } else { i as u32 - 1 };
+                    g.nodes.push(Node {
+                        tok: i as u32,
+                        parent,
+                        prob: 0.5,
+                    });
+                    g.depth.push(g.depth[parent as usize] + 1);
+                }
+                g.reorder_bfs();
+                assert_eq!(g.out.len(), n);
+                let depth_of = |tok: u32| g.depth[tok as usize];
+                for (i, w) in g.out.windows(2).enumerate() {
+                    let (a, b) = (depth_of(w[0].tok), depth_of(w[1].tok));
+                    assert!(a < b || (a == b && w[0].tok < w[1].tok), "not stable by depth at {i}");
+                }
+                for node in &g.out[1..] {
+                    let parent = &g.out[node.parent as usize];
+                    assert_eq!(parent.tok, g.nodes[node.tok as usize].parent);
+                }
+            }
         }
     }
 
