@@ -357,20 +357,6 @@ impl Pending {
             _ => None,
         }
     }
-
-    /// The expansion of node `parent` (probability `pprob`), taken from a candidate with
-    /// automaton state `state` and pointer clock `ptr` (see [`Step::of`]). `None` when neither
-    /// has anything to offer.
-    fn under(
-        job: &Job,
-        cfg: &DraftConfig,
-        parent: u32,
-        pprob: f32,
-        state: u32,
-        ptr: u32,
-    ) -> Option<Self> {
-        Step::of(job, cfg, parent, pprob, state, ptr).map(Step::pending)
-    }
 }
 
 /// An expansion of one node from at most one state (with weight 1) and the pointer's
@@ -417,6 +403,36 @@ impl Step {
             parent,
             pprob,
         })
+    }
+
+    /// The candidates `collect_kids` lists for this expansion (one source of weight 1 with one
+    /// transition, or none, and no blending): the state's child (`estimate`'s one-child case)
+    /// with the pointer's mixture, and the pointer's token when it is another.
+    #[inline(always)]
+    fn kids(&self, job: &Job, cfg: &DraftConfig) -> (Option<Kid>, Option<Kid>) {
+        let mut kid = if self.state == NONE {
+            None
+        } else {
+            one_child_estimate(job.sam, self.state, job.w_new, cfg).map(|(k, _)| k)
+        };
+        let mut other = None;
+        if let (Some((clock, lam)), Some(pt)) = (self.ptr, job.pointer) {
+            if let Some(e) = pt.log.get(clock) {
+                match kid.as_mut() {
+                    Some(k) => {
+                        k.p *= 1.0 - lam;
+                        if k.tok == e.tok {
+                            k.p += lam;
+                            k.ptr = clock;
+                        } else {
+                            other = Some(Kid::pointer(e.tok, clock, lam));
+                        }
+                    }
+                    None => kid = Some(Kid::pointer(e.tok, clock, lam)),
+                }
+            }
+        }
+        (kid, other)
     }
 
     /// The same expansion as a [`Pending`].
@@ -734,50 +750,65 @@ impl Growth {
     /// transitions.
     fn advance_chain(&mut self, job: &Job, cfg: &DraftConfig) -> bool {
         let sam = job.sam;
-        // In a local while the chain runs on without yielding, as in `advance`.
+        // In locals while the chain runs on without yielding, as in `advance`.
         let mut pending = self.pending.take();
-        while let Some(p) = pending.take() {
-            if self.nodes.len() >= job.budget {
-                break;
-            }
+        let mut step: Option<Step> = None;
+        while self.nodes.len() < job.budget {
             // The first of `offer`'s order.
-            self.collect_kids(
-                sam,
-                &p.sources[..p.n],
-                &p.avoid,
-                job.w_new,
-                cfg,
-                p.pointer(job),
-            );
-            let Some(k) = self.kids.iter().copied().min_by(by_p) else {
+            let (k, parent, pprob) = if let Some(p) = pending.take() {
+                self.collect_kids(
+                    sam,
+                    &p.sources[..p.n],
+                    &p.avoid,
+                    job.w_new,
+                    cfg,
+                    p.pointer(job),
+                );
+                let Some(k) = self.kids.iter().copied().min_by(by_p) else {
+                    break;
+                };
+                (k, p.parent, p.pprob)
+            } else if let Some(st) = step.take() {
+                let (Some(k), other) = st.kids(job, cfg) else {
+                    break;
+                };
+                let k = match other {
+                    Some(o) if by_p(&o, &k) == Ordering::Less => o,
+                    _ => k,
+                };
+                (k, st.parent, st.pprob)
+            } else {
                 break;
             };
-            let score = p.pprob * k.p;
+            let score = pprob * k.p;
             if score < cfg.min_prob || score <= 0.0 {
                 break;
             }
             let id = self.nodes.len() as u32;
             self.nodes.push(Node {
                 tok: k.tok,
-                parent: p.parent,
+                parent,
                 prob: score,
             });
             if self.nodes.len() >= job.budget {
                 break;
             }
-            let Some(next) = Pending::under(job, cfg, id, score, k.to, k.ptr) else {
+            let Some(next) = Step::of(job, cfg, id, score, k.to, k.ptr) else {
                 break;
             };
-            let st = (next.n == 1).then_some(next.sources[0].0);
             // Yield (to the other lanes, while the children load) only before a state with several
             // transitions: a state's one child, and the pointer's next entry, mostly sit next to
             // what was just read (a response's states and log entries are created in order).
-            if let Some(s) = st.filter(|&s| sam.degree(s) > 1) {
-                sam.prefetch_expansion(s);
-                self.pending = Some(next);
+            if next.state != NONE && sam.degree(next.state) > 1 {
+                sam.prefetch_expansion(next.state);
+                self.pending = Some(next.pending());
                 return false;
             }
-            pending = Some(next);
+            if cfg.blend == 0 {
+                step = Some(next);
+            } else {
+                pending = Some(next.pending());
+            }
         }
         self.out.clear();
         self.out.extend_from_slice(&self.nodes);
@@ -812,30 +843,7 @@ impl Growth {
     #[inline]
     fn offer_step(&mut self, job: &Job, cfg: &DraftConfig, st: Step, per_node: usize) -> Option<Cand> {
         let sam = job.sam;
-        // What `collect_kids` lists for one source of weight 1 with one transition: its child
-        // (`estimate`'s one-child case), then the pointer's mixture.
-        let mut kid = if st.state == NONE {
-            None
-        } else {
-            one_child_estimate(sam, st.state, job.w_new, cfg).map(|(k, _)| k)
-        };
-        let mut other = None;
-        if let (Some((clock, lam)), Some(pt)) = (st.ptr, job.pointer) {
-            if let Some(e) = pt.log.get(clock) {
-                match kid.as_mut() {
-                    Some(k) => {
-                        k.p *= 1.0 - lam;
-                        if k.tok == e.tok {
-                            k.p += lam;
-                            k.ptr = clock;
-                        } else {
-                            other = Some(Kid::pointer(e.tok, clock, lam));
-                        }
-                    }
-                    None => kid = Some(Kid::pointer(e.tok, clock, lam)),
-                }
-            }
-        }
+        let (kid, other) = st.kids(job, cfg);
         let k = kid?;
         if let Some(o) = other {
             self.kids.clear();
