@@ -57,7 +57,6 @@
 //!    The drafts are exactly those drafted one at a time.
 
 use std::cmp::Ordering;
-use std::collections::BinaryHeap;
 
 use crate::follow::Log;
 use crate::sam::{prefetch, Sam, NONE};
@@ -240,6 +239,66 @@ impl Ord for Cand {
         self.score
             .total_cmp(&o.score)
             .then_with(|| o.seq.cmp(&self.seq))
+    }
+}
+
+/// The frontier: a binary max-heap of candidates. `std`'s `BinaryHeap` stores a pushed element
+/// and reads it back whole to sift it up, and that read waited on the element's field-by-field
+/// stores; here an element is held in registers while it sifts and written once. The order of
+/// `Cand` is total (no two candidates share a sequence number), so the pops are the same.
+#[derive(Default)]
+struct Frontier {
+    v: Vec<Cand>,
+}
+
+impl Frontier {
+    fn clear(&mut self) {
+        self.v.clear();
+    }
+
+    fn peek(&self) -> Option<&Cand> {
+        self.v.first()
+    }
+
+    #[inline(always)]
+    fn push(&mut self, c: Cand) {
+        let mut i = self.v.len();
+        self.v.push(c);
+        while i > 0 {
+            let up = (i - 1) / 2;
+            if self.v[up] >= c {
+                break;
+            }
+            self.v[i] = self.v[up];
+            i = up;
+        }
+        self.v[i] = c;
+    }
+
+    #[inline(always)]
+    fn pop(&mut self) -> Option<Cand> {
+        let last = self.v.pop()?;
+        let Some(&top) = self.v.first() else {
+            return Some(last);
+        };
+        // Sift `last` down from the root.
+        let n = self.v.len();
+        let mut i = 0;
+        loop {
+            let l = 2 * i + 1;
+            if l >= n {
+                break;
+            }
+            let r = l + 1;
+            let big = if r < n && self.v[r] > self.v[l] { r } else { l };
+            if self.v[big] <= last {
+                break;
+            }
+            self.v[i] = self.v[big];
+            i = big;
+        }
+        self.v[i] = last;
+        Some(top)
     }
 }
 
@@ -468,7 +527,7 @@ enum Flow {
 /// Scratch space and progress of one growing draft.
 #[derive(Default)]
 struct Growth {
-    heap: BinaryHeap<Cand>,
+    heap: Frontier,
     kids: Vec<Kid>,
     /// Nodes in growth order (parents before children), then reordered to BFS.
     nodes: Vec<Node>,
@@ -1428,6 +1487,46 @@ mod tests {
             check::<i32>(d);
             check::<u8>(d);
             check::<bool>(d);
+        }
+    }
+
+    #[test]
+    fn frontier_pops_like_std_binary_heap() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..200 {
+            let mut ours = Frontier::default();
+            let mut std_heap = std::collections::BinaryHeap::new();
+            let mut seq = 0;
+            for _ in 0..rnd(80) {
+                if rnd(3) == 0 {
+                    let (a, b) = (ours.pop(), std_heap.pop());
+                    assert_eq!(a.map(|c| (c.score, c.seq)), b.map(|c: Cand| (c.score, c.seq)));
+                } else {
+                    // Few distinct scores, so ties are ordered by sequence number.
+                    let c = Cand {
+                        score: rnd(5) as f32 / 4.0,
+                        seq,
+                        parent: 0,
+                        tok: seq,
+                        state: NONE,
+                        ptr: NONE,
+                    };
+                    seq += 1;
+                    ours.push(c);
+                    std_heap.push(c);
+                }
+                assert_eq!(ours.peek().map(|c| c.seq), std_heap.peek().map(|c| c.seq));
+            }
+            while let Some(b) = std_heap.pop() {
+                assert_eq!(ours.pop().map(|c| c.seq), Some(b.seq));
+            }
+            assert!(ours.pop().is_none());
         }
     }
 
