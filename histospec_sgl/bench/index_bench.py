@@ -14,8 +14,10 @@ Metrics (keys of ``--json``):
   tokens + 1 (``update_ms_mean`` and ``update_ms_p99`` with the steps where a group's vectors
   grow: W1's groups are all the same size, so they grow in the same step).
   ``batch_draft_ms_cached``: the last step's tree draft repeated with nothing appended in
-  between, so the automaton states it reads stay in cache: the compute part of a draft (the gap to
-  ``batch_draft_ms_per_step`` is waiting on memory). ``batch_chain_ms_alone``: the chain call in
+  between, so the automaton states it reads stay in cache (the gap to ``batch_draft_ms_per_step``
+  is waiting on memory), though the 256 groups' pages still miss the TLB.
+  ``batch_draft_ms_compute``: the same call with its 256 slots filled by 8 of the requests (each
+  drafted 32 times), whose reads all stay in the first-level caches and the TLB: the compute part. ``batch_chain_ms_alone``: the chain call in
   half as many further steps without tree drafts (in the paired steps each chain follows a tree
   draft that has just read many of the same states).
 - ``threads`` and ``batch_draft_ms_per_step_threaded``, ``batch_chain_ms_per_step_threaded``,
@@ -162,6 +164,13 @@ def latency(
         t0 = time.perf_counter()
         ix.draft_batch(rids, D, tok, mask)
         t_cached.append(time.perf_counter() - t0)
+    # Compute alone: 8 requests fill the 256 slots, so everything they read stays close.
+    tiled = np.resize(rids[: min(8, n)], n)
+    t_compute = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        ix.draft_batch(tiled, D, tok, mask)
+        t_compute.append(time.perf_counter() - t0)
     # Chains alone: above, each chain reads states the step's tree draft has just brought into
     # cache; a decoder uses one or the other.
     t_alone = []
@@ -181,6 +190,7 @@ def latency(
         "batch_draft_ms_p99": p99(t_int),
         "batch_draft_ms_one_by_one": ms(t_seq),
         "batch_draft_ms_cached": ms(t_cached),
+        "batch_draft_ms_compute": ms(t_compute),
         "batch_chain_ms_per_step": ms(t_chain),
         "batch_chain_ms_alone": ms(t_alone),
         "update_ms_per_step": ms(t_upd),
@@ -395,6 +405,7 @@ def run(
         "batch_chain_ms_per_step",
         "batch_chain_ms_alone",
         "batch_draft_ms_cached",
+        "batch_draft_ms_compute",
         "threads",
         "batch_draft_ms_per_step_threaded",
         "batch_chain_ms_per_step_threaded",
