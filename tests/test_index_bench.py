@@ -46,6 +46,7 @@ def test_latency_reports_median_mean_and_p99_of_the_update():
     ix, _, _ = index_bench.ingest(w, {})
     r = index_bench.latency(ix, w, steps=6)
     assert r["latency_requests"] == 4 and r["latency_steps"] == 6
-    for k in ("batch_draft_ms_per_step", "batch_draft_ms_compute", "batch_chain_ms_per_step", "update_ms_per_step", "update_ms_mean"):
+    for k in ("batch_draft_ms_per_step", "batch_draft_ms_compute", "batch_chain_ms_per_step",
+              "update_ms_per_step", "update_ms_mean"):
         assert r[k] > 0, k
     assert r["update_ms_per_step"] <= r["update_ms_p99"] and r["update_ms_mean"] <= r["update_ms_p99"]

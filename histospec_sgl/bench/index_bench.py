@@ -17,9 +17,9 @@ Metrics (keys of ``--json``):
   between, so the automaton states it reads stay in cache (the gap to ``batch_draft_ms_per_step``
   is waiting on memory), though the 256 groups' pages still miss the TLB.
   ``batch_draft_ms_compute``: the same call with its 256 slots filled by 8 of the requests (each
-  drafted 32 times), whose reads all stay in the first-level caches and the TLB: the compute part. ``batch_chain_ms_alone``: the chain call in
-  half as many further steps without tree drafts (in the paired steps each chain follows a tree
-  draft that has just read many of the same states).
+  drafted 32 times), whose reads all stay in the first-level caches and the TLB: the compute part.
+  ``batch_chain_ms_alone``: the chain call in half as many further steps without tree drafts (in
+  the paired steps each chain follows a tree draft that has just read many of the same states).
 - ``threads`` and ``batch_draft_ms_per_step_threaded``, ``batch_chain_ms_per_step_threaded``,
   ``update_ms_per_step_threaded`` (with ``--threads N``, N > 1): the same steps with the index's
   batch calls split across N threads (``HistoryIndex(threads=N)``). The targets are for one thread.
