@@ -436,7 +436,14 @@ impl Step {
     /// continuation the longest suffix that has one, and the pointer's path going on with the
     /// source's next token. `None` when neither has anything to offer.
     #[inline]
-    fn of(job: &Job, cfg: &DraftConfig, parent: u32, pprob: f32, state: u32, ptr: u32) -> Option<Self> {
+    fn of(
+        job: &Job,
+        cfg: &DraftConfig,
+        parent: u32,
+        pprob: f32,
+        state: u32,
+        ptr: u32,
+    ) -> Option<Self> {
         let sam = job.sam;
         let st = if state == NONE {
             NONE
@@ -900,7 +907,13 @@ impl Growth {
     /// pointer; no blending): the same candidates, without the general merging. A lone
     /// candidate, the usual case, never goes through `kids`.
     #[inline]
-    fn offer_step(&mut self, job: &Job, cfg: &DraftConfig, st: Step, per_node: usize) -> Option<Cand> {
+    fn offer_step(
+        &mut self,
+        job: &Job,
+        cfg: &DraftConfig,
+        st: Step,
+        per_node: usize,
+    ) -> Option<Cand> {
         let sam = job.sam;
         let (kid, other) = st.kids(job, cfg);
         let k = kid?;
@@ -1506,7 +1519,10 @@ mod tests {
             for _ in 0..rnd(80) {
                 if rnd(3) == 0 {
                     let (a, b) = (ours.pop(), std_heap.pop());
-                    assert_eq!(a.map(|c| (c.score, c.seq)), b.map(|c: Cand| (c.score, c.seq)));
+                    assert_eq!(
+                        a.map(|c| (c.score, c.seq)),
+                        b.map(|c: Cand| (c.score, c.seq))
+                    );
                 } else {
                     // Few distinct scores, so ties are ordered by sequence number.
                     let c = Cand {
@@ -1552,7 +1568,11 @@ mod tests {
                 g.depth.push(0);
                 for i in 1..n {
                     // Mostly chains, sometimes a branch off an earlier node.
-                    let parent = if rnd(4) == 0 { rnd(i as u64) as u32 } else { i as u32 - 1 };
+                    let parent = if rnd(4) == 0 {
+                        rnd(i as u64) as u32
+                    } else {
+                        i as u32 - 1
+                    };
                     g.nodes.push(Node {
                         tok: i as u32,
                         parent,
@@ -1565,7 +1585,10 @@ mod tests {
                 let depth_of = |tok: u32| g.depth[tok as usize];
                 for (i, w) in g.out.windows(2).enumerate() {
                     let (a, b) = (depth_of(w[0].tok), depth_of(w[1].tok));
-                    assert!(a < b || (a == b && w[0].tok < w[1].tok), "not stable by depth at {i}");
+                    assert!(
+                        a < b || (a == b && w[0].tok < w[1].tok),
+                        "not stable by depth at {i}"
+                    );
                 }
                 for node in &g.out[1..] {
                     let parent = &g.out[node.parent as usize];
