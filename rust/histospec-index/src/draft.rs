@@ -923,23 +923,7 @@ impl Growth {
             self.kids.push(o);
             return self.offer_kids(sam, st.parent, st.pprob, per_node, cfg);
         }
-        // `offer_kids` for one kid.
-        let score = st.pprob * k.p;
-        if score < cfg.min_prob {
-            return None;
-        }
-        if k.to != NONE {
-            sam.prefetch_expansion(k.to);
-        }
-        let c = Cand {
-            score,
-            seq: self.seq,
-            parent: st.parent,
-            tok: k.tok,
-            state: k.to,
-            ptr: k.ptr,
-        };
-        self.seq += 1;
+        let c = self.candidate(sam, k, st.parent, st.pprob, cfg)?;
         if self.heap.peek().is_none_or(|top| c > *top) {
             return Some(c);
         }
@@ -966,32 +950,51 @@ impl Growth {
             self.kids.truncate(m);
         }
         sort_small(&mut self.kids, by_p);
-        for k in &self.kids {
-            let score = pprob * k.p;
-            if score < cfg.min_prob {
+        let lone = self.kids.len() == 1;
+        for i in 0..self.kids.len() {
+            let Some(c) = self.candidate(sam, self.kids[i], parent, pprob, cfg) else {
                 break;
-            }
-            if k.to != NONE {
-                sam.prefetch_expansion(k.to);
-            }
-            let c = Cand {
-                score,
-                seq: self.seq,
-                parent,
-                tok: k.tok,
-                state: k.to,
-                ptr: k.ptr,
             };
-            self.seq += 1;
             // A lone child that outranks the whole frontier is what the next pop would return:
             // hand it over without the push and the pop (most nodes of a history of similar
             // responses have one child).
-            if self.kids.len() == 1 && self.heap.peek().is_none_or(|top| c > *top) {
+            if lone && self.heap.peek().is_none_or(|top| c > *top) {
                 return Some(c);
             }
             self.heap.push(c);
         }
         None
+    }
+
+    /// Kid `k` as the next candidate under `parent` (probability `pprob`), its expansion
+    /// prefetched; `None` when it is below `min_prob` (and so are the kids after it, which come
+    /// in order).
+    #[inline(always)]
+    fn candidate(
+        &mut self,
+        sam: &Sam,
+        k: Kid,
+        parent: u32,
+        pprob: f32,
+        cfg: &DraftConfig,
+    ) -> Option<Cand> {
+        let score = pprob * k.p;
+        if score < cfg.min_prob {
+            return None;
+        }
+        if k.to != NONE {
+            sam.prefetch_expansion(k.to);
+        }
+        let c = Cand {
+            score,
+            seq: self.seq,
+            parent,
+            tok: k.tok,
+            state: k.to,
+            ptr: k.ptr,
+        };
+        self.seq += 1;
+        Some(c)
     }
 
     /// The candidates [`Growth::offer`] chooses from, in `kids`: the children of the weighted
