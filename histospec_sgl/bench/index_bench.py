@@ -158,19 +158,19 @@ def latency(
         pos += lens
         t_chain.append(t2 - t1)
         t_upd.append(t4 - t3)
+    def repeated(ids: np.ndarray, times: int = 20) -> list[float]:
+        """Seconds of each of ``times`` tree drafts for ``ids``, nothing appended in between."""
+        ts = []
+        for _ in range(times):
+            t0 = time.perf_counter()
+            ix.draft_batch(ids, D, tok, mask)
+            ts.append(time.perf_counter() - t0)
+        return ts
+
     # The same drafts again with nothing appended in between: their states stay in cache.
-    t_cached = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        ix.draft_batch(rids, D, tok, mask)
-        t_cached.append(time.perf_counter() - t0)
+    t_cached = repeated(rids)
     # Compute alone: 8 requests fill the 256 slots, so everything they read stays close.
-    tiled = np.resize(rids[: min(8, n)], n)
-    t_compute = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        ix.draft_batch(tiled, D, tok, mask)
-        t_compute.append(time.perf_counter() - t0)
+    t_compute = repeated(np.resize(rids[: min(8, n)], n))
     # Chains alone: above, each chain reads states the step's tree draft has just brought into
     # cache; a decoder uses one or the other.
     t_alone = []
