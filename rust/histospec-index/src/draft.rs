@@ -1506,15 +1506,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn frontier_pops_like_std_binary_heap() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = |m: u64| {
+    /// A xorshift64 generator: each call gives a number below its argument (seeded, so the
+    /// tests are repeatable).
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |m: u64| {
             seed ^= seed << 13;
             seed ^= seed >> 7;
             seed ^= seed << 17;
             seed % m
-        };
+        }
+    }
+
+    #[test]
+    fn frontier_pops_like_std_binary_heap() {
+        let mut rnd = xorshift(0x9e37_79b9_7f4a_7c15);
         for _ in 0..200 {
             let mut ours = Frontier::default();
             let mut std_heap = std::collections::BinaryHeap::new();
@@ -1553,13 +1558,7 @@ mod tests {
     fn bfs_reorder_is_a_stable_sort_by_depth() {
         // Random trees in growth order (parents first), small (the stack path, sorted or not)
         // and large (the general path).
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = |m: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % m
-        };
+        let mut rnd = xorshift(0x2545_f491_4f6c_dd1d);
         for n in (1..=70).chain([100, 200]) {
             for _ in 0..20 {
                 let mut g = Growth::default();
