@@ -158,6 +158,7 @@ def latency(
         pos += lens
         t_chain.append(t2 - t1)
         t_upd.append(t4 - t3)
+
     def repeated(ids: np.ndarray, times: int = 20) -> list[float]:
         """Seconds of each of ``times`` tree drafts for ``ids``, nothing appended in between."""
         ts = []
