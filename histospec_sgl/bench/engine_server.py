@@ -1,0 +1,218 @@
+"""A real SGLang HTTP server (``python -m sglang.launch_server``) as a child process, for the engine
+tests and ``histospec-sgl bench engine``: plain decoding, NGRAM or HISTORY, on a GPU or on a CPU.
+
+On a CPU, SGLang's engine needs the verification pieces it lacks there (tree attention for the verify
+forward of its ``torch_native`` backend, plain-torch restatements of a few sgl-kernel ops, sampling
+verification); they live in a histospec-sgl checkout's ``tests/_cpu_engine`` and ``tests/_stubs``,
+never in the wheel, and :func:`cpu_engine_env` puts them on the server's ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+METHODS = ("plain", "ngram", "history")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def checkout_root() -> Path | None:
+    """The histospec-sgl checkout that holds the CPU-engine stand-ins (the working directory or the
+    one this module was loaded from), or None."""
+    for c in (Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[2]):
+        if (c / "tests" / "_cpu_engine" / "histospec_cpu_engine.py").exists():
+            return c
+    return None
+
+
+def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment an SGLang server needs to run speculative verification on a CPU."""
+    root = root or checkout_root()
+    if root is None:
+        raise RuntimeError(
+            "SGLang's engine on a CPU needs the stand-ins in a histospec-sgl checkout (tests/_cpu_engine, "
+            "tests/_stubs): run from the repository root, or use --device cuda on a GPU machine")
+    env = dict(os.environ if base is None else base)
+    paths = [str(root / "tests" / "_stubs"), str(root / "tests" / "_cpu_engine")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # NGRAM JIT-compiles its corpus with ninja, which the environment's bin folder holds.
+    env["PATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(python)), env.get("PATH", "")])
+    # SGLang 0.5.17's NGRAM JIT sources use size_t without <cstddef>, which g++ 12 rejects.
+    env.setdefault("CXX", "c++ -include cstddef")
+    return env
+
+
+def server_args(model: str | os.PathLike[str], method: str, *, port: int, device: str = "cpu",
+                draft_tokens: int = 8, dtype: str = "float32", max_running: int = 64,
+                max_total_tokens: int = 65536, tp: int = 1, extra: list[str] | None = None) -> list[str]:
+    """``sglang.launch_server`` arguments for one method (token ids in and out, no tokenizer)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
+    args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+            "--dtype", dtype, "--max-running-requests", str(max_running), "--log-level", "warning",
+            "--tp-size", str(tp)]
+    if device == "cpu":
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens",
+                 str(max_total_tokens), "--disable-cuda-graph"]
+    else:
+        args += ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+    if method != "plain":
+        args += ["--speculative-algorithm", method.upper(), "--speculative-num-draft-tokens", str(draft_tokens)]
+    return args + list(extra or [])
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class EngineServer:
+    """One ``sglang.launch_server`` process on loopback; :meth:`start` waits until it generates.
+
+    Args:
+        model: model directory.
+        method: ``plain``, ``ngram`` or ``history``.
+        python: the interpreter that has SGLang (default: this one).
+        device: ``cpu`` (adds the CPU stand-ins, ``torch_native``) or ``cuda``.
+        env: extra environment variables (``HISTOSPEC_*`` settings).
+        log_path: where the server's output goes (default: a temporary file).
+    """
+
+    def __init__(self, model: str | os.PathLike[str], method: str = "plain", *, python: str | None = None,
+                 device: str = "cpu", draft_tokens: int = 8, dtype: str = "float32", max_running: int = 64,
+                 max_total_tokens: int = 65536, tp: int = 1, env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None, log_path: str | os.PathLike[str] | None = None,
+                 startup_timeout: float = 300.0, port: int | None = None):
+        self.python = python or sys.executable
+        self.method = method
+        self.port = port or free_port()
+        self.args = server_args(model, method, port=self.port, device=device, draft_tokens=draft_tokens,
+                                dtype=dtype, max_running=max_running, max_total_tokens=max_total_tokens, tp=tp,
+                                extra=extra_args)
+        base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+        base.update(env or {})
+        if tp > 1 and device == "cpu":
+            # One core per rank; no NCCL on a CPU (the CUDA build of torch would otherwise try it).
+            base.setdefault("SGLANG_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                    for i in range(tp)))
+            base.setdefault("SGLANG_NCCL_SO_PATH", "/nonexistent/libnccl.so.2")
+        self.env = cpu_engine_env(self.python, base=base) if device == "cpu" else base
+        self.env.setdefault("PYTHONUNBUFFERED", "1")
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix=f"sglang-{method}-",
+                                                                              suffix=".log")[1])
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineServer:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineError(f"the {self.method} server exited with {self.proc.returncode} while starting:\n"
+                                  f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise EngineError(f"the {self.method} server did not come up in {self.startup_timeout:.0f} s:\n"
+                          f"{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def _post(self, path: str, body: Any, timeout: float) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                text = r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise EngineError(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from e
+        return json.loads(text) if text.strip() else None
+
+    def generate(self, input_ids: list[list[int]], sampling_params: dict[str, Any] | list[dict[str, Any]], *,
+                 rids: list[str] | None = None, timeout: float = 900.0, **extra: Any) -> list[dict[str, Any]]:
+        """One ``/generate`` call for a batch of prompts (token ids); SGLang schedules them together."""
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params, **extra}
+        if rids is not None:
+            body["rid"] = rids
+        out = self._post("/generate", body, timeout)
+        return out if isinstance(out, list) else [out]
+
+    def abort(self, rid: str) -> None:
+        self._post("/abort_request", {"rid": rid}, 30)
+
+    def flush_cache(self) -> None:
+        with urllib.request.urlopen(self.url + "/flush_cache", timeout=120) as r:
+            if r.status != 200:
+                raise EngineError(f"flush_cache: HTTP {r.status}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """Ends the server and every process it started (SIGTERM, then SIGKILL after 15 s)."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                os.killpg(self.proc.pid, signal.SIGKILL)  # children left behind
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+            break
+        self.proc = None
+
+    def __enter__(self) -> EngineServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def verify_steps(out: dict[str, Any]) -> int:
+    """Forward passes that produced a response's tokens: ``spec_verify_ct`` where SGLang reports it
+    (speculative decoding), else one per completion token."""
+    meta = out.get("meta_info", {})
+    ct = meta.get("spec_verify_ct")
+    return int(ct) if ct else int(meta.get("completion_tokens", len(out.get("output_ids", []))))
