@@ -24,11 +24,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import pytest
 from _contract import check_contract
+from conftest import SGLANG_0523, sglang_missing as _sglang_missing
 
 from histospec_sgl import HistoryIndex
 from histospec_sgl.cli import main as cli_main
@@ -36,7 +36,6 @@ from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse
 from histospec_sgl.plugin.drafter import BatchDrafter, SwitchOff, group_of
 
 ROOT = Path(__file__).resolve().parents[1]
-SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 SAMPLE = ROOT / "histospec_sgl" / "data" / "humaneval_sample.jsonl.gz"
 
 
@@ -293,22 +292,6 @@ def test_launch_server_help_and_errors():
 
 
 # -- real SGLang, in fresh subprocesses ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sglang_py() -> Path:
-    if not SGLANG_PY.exists():
-        _sglang_missing(".venv-sglang is missing: scripts/setup_sglang_env.sh did not run",
-                        "needs .venv-sglang (real SGLang 0.5.17; bash scripts/setup_sglang_env.sh)")
-    return SGLANG_PY
-
-
-def _sglang_missing(fail: str, skip: str) -> NoReturn:
-    """Where scripts/test.sh set up SGLang (HISTOSPEC_REQUIRE_SGLANG=1), a missing piece fails the
-    test; elsewhere it skips it, saying why."""
-    if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":
-        pytest.fail(fail)
-    pytest.skip(skip)
 
 
 @pytest.fixture(scope="module")
@@ -736,7 +719,6 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
 
 
 #: SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh, to lay over the 0.5.17 environment.
-SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
 
 
 def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:

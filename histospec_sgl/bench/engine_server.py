@@ -56,7 +56,7 @@ def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] |
     # NGRAM JIT-compiles its corpus with ninja, which the environment's bin folder holds.
     env["PATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(python)), env.get("PATH", "")])
     # SGLang 0.5.17's NGRAM JIT sources use size_t without <cstddef>, which g++ 12 rejects.
-    env.setdefault("CXX", "c++ -include cstddef")
+    env.setdefault("CXX", str(root / "tests" / "_cpu_engine" / "cxx"))
     return env
 
 
@@ -172,10 +172,18 @@ class EngineServer:
     def abort(self, rid: str) -> None:
         self._post("/abort_request", {"rid": rid}, 30)
 
-    def flush_cache(self) -> None:
-        with urllib.request.urlopen(self.url + "/flush_cache", timeout=120) as r:
-            if r.status != 200:
-                raise EngineError(f"flush_cache: HTTP {r.status}")
+    def flush_cache(self, timeout: float = 60.0) -> None:
+        """SGLang's ``/flush_cache`` (what trainers call after a weight update). The server refuses
+        while a request is still being finalized, so this waits up to ``timeout`` for it to be idle."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/flush_cache?timeout={timeout:.0f}", timeout=timeout + 30):
+                    return
+            except urllib.error.HTTPError as e:
+                if e.code != 400 or time.monotonic() > deadline:
+                    raise EngineError(f"flush_cache: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+                time.sleep(0.2)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:

@@ -1,0 +1,161 @@
+"""A real model decoding through ``--speculative-algorithm HISTORY``: SGLang's own server and Engine
+processes, scheduler, radix cache, memory pools, Llama model code, logits processor, sampler and NGRAM's
+whole verify path, on this machine's CPU, with a small Llama built locally
+(:mod:`histospec_sgl.bench.engine_models`).
+
+What is stood in, in test support only (``tests/_cpu_engine``, ``tests/_stubs``; see their
+docstrings): tree attention for the verify forward of SGLang's ``torch_native`` backend, SGLang's
+sampling-verify branch on CPU, and plain-torch restatements of the sgl-kernel ops SGLang calls there.
+Each is shown load-bearing here: ``CPU_ENGINE_BROKEN`` breaks one, and the checks that pass without it
+fail with it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, sglang_missing
+
+from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, verify_steps
+
+D = 8
+
+
+def _build_model(py: Path, kind: str, **params) -> Path:
+    code = ("import json, sys; from histospec_sgl.bench.engine_models import ensure; "
+            "print(ensure(sys.argv[1], log=lambda m: None, **json.loads(sys.argv[2])))")
+    r = subprocess.run([str(py), "-c", code, kind, json.dumps(params)], capture_output=True, text=True,
+                       timeout=900, cwd=str(ROOT / "tests"))
+    if r.returncode:
+        sglang_missing(f"building the {kind} model failed:\n{r.stderr[-3000:]}", "no torch/transformers")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def greedy_model(sglang_py) -> Path:
+    """Random weights, float32: greedy continuations are deterministic, so every method must agree."""
+    return _build_model(sglang_py, "random")
+
+
+@pytest.fixture(scope="module")
+def peaked_model(sglang_py) -> Path:
+    """Random weights over 24 tokens with a sharpened output layer: a few likely tokens per step, so
+    samples at temperature 1 repeat each other (drafts get accepted) and their distribution can be
+    estimated from a few thousand samples."""
+    return _build_model(sglang_py, "random", vocab=24, logit_scale=12.0, seed=1)
+
+
+def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab - 1) for _ in range(rng.randrange(12, 40))] for _ in range(n)]
+
+
+def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
+    tag = kw.pop("tag", method)
+    return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
+                        log_path=tmp_path / f"server-{tag}.log", **kw)
+
+
+def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48) -> list[dict]:
+    """Pass 1 and 2 (each: two prompts at batch 1, then all prompts as one batch), flush_cache, pass 3."""
+    sp = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
+    passes = []
+    for i in range(3):
+        if i == 2:
+            srv.flush_cache()
+        outs = [srv.generate([p], sp)[0] for p in prompts[:2]] + srv.generate(prompts, sp)
+        passes.append({"outputs": [o["output_ids"] for o in outs],
+                       "tokens": sum(len(o["output_ids"]) for o in outs),
+                       "steps": sum(verify_steps(o) for o in outs)})
+    return passes
+
+
+def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
+    plain = runs["plain"][0]["outputs"]
+    assert all(len(o) == 48 for o in plain)
+    for method, passes in runs.items():
+        for i, p in enumerate(passes):
+            assert p["outputs"] == plain, f"{method} pass {i + 1} differs from plain decoding"
+    assert runs["plain"][0]["steps"] == runs["plain"][0]["tokens"]
+    hist = runs["history"]
+    # Pass 2 drafts each response whole from pass 1's: d tokens per verify step.
+    assert hist[1]["tokens"] / hist[1]["steps"] >= d - 0.5, hist[1]
+    # flush_cache (SGLang runs it after every weight update) keeps HISTORY's history, not NGRAM's.
+    assert hist[2]["tokens"] / hist[2]["steps"] >= d - 0.5, hist[2]
+    assert runs["ngram"][2]["steps"] > 2 * hist[2]["steps"]
+
+
+def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp_path):
+    """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens equal plain
+    decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so does a pass
+    after flush_cache."""
+    prompts = _prompts(8)
+    runs = {}
+    for method in ("plain", "ngram", "history"):
+        with _server(sglang_py, greedy_model, method, tmp_path, max_running=8) as srv:
+            runs[method] = _greedy_passes(srv, prompts)
+    _check_greedy(runs)
+
+
+def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
+    """The same over HTTP on SGLang 0.5.23, laid over the 0.5.17 environment (its Rust radix tree is
+    built for a newer torch, so it runs SGLang's Python radix tree)."""
+    env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
+    prompts = _prompts(8, seed=1)
+    runs = {}
+    for method in ("plain", "ngram", "history"):
+        with _server(sglang_py, greedy_model, method, tmp_path, max_running=8, env=env) as srv:
+            runs[method] = _greedy_passes(srv, prompts)
+    _check_greedy(runs)
+    version = subprocess.run([str(sglang_py), "-c", "import sglang; print(sglang.__version__)"], text=True,
+                             capture_output=True, env=cpu_engine_env(str(sglang_py), base={**env}), check=True)
+    assert version.stdout.strip() == "0.5.23"
+
+
+def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = None) -> dict:
+    spec = {"model": str(model), "prompts": _prompts(8, seed=2), "methods": ["plain", "ngram", "history"],
+            "max_new_tokens": 48, "draft_tokens": D, "snapshot": str(tmp_path / "history.snap")}
+    import os
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    base.update(extra_env or {})
+    r = subprocess.run([str(py), str(ROOT / "tests" / "cpu_engine_api.py"), json.dumps(spec)], capture_output=True,
+                       text=True, timeout=900, env=cpu_engine_env(str(py), base=base), cwd=str(tmp_path))
+    lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
+    return json.loads(lines[-1][7:])
+
+
+def _check_engine_api(res: dict) -> None:
+    plain = res["plain"]["passes"][0]
+    for method in ("plain", "ngram", "history"):
+        for i, p in enumerate(res[method]["passes"]):
+            assert p["bs1"] == plain["bs1"] and p["bs_all"] == plain["bs_all"], (method, i)
+    hist = res["history"]
+    for p in hist["passes"][1:]:  # pass 2, and pass 3 after histospec_save, histospec_version, flush_cache
+        assert p["tokens"] / p["steps"] >= D - 0.5, p
+    # A fresh engine drafts little; after histospec_load of the snapshot it drafts whole responses.
+    assert hist["loaded"]["bs_all"] == plain["bs_all"]
+    assert hist["loaded"]["tokens"] / hist["loaded"]["steps"] >= D - 0.5
+    assert hist["fresh"]["tokens"] / hist["fresh"]["steps"] < hist["loaded"]["tokens"] / hist["loaded"]["steps"]
+
+
+def test_greedy_engine_api_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp_path):
+    """``sgl.Engine`` (what trainers embed): the same identities, plus the collective RPCs
+    (histospec_save, histospec_version, histospec_load into a fresh engine)."""
+    res = _engine_api(sglang_py, greedy_model, tmp_path)
+    assert res["sglang"] == "0.5.17"
+    _check_engine_api(res)
+
+
+def test_greedy_engine_api_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
+    res = _engine_api(sglang_py, greedy_model, tmp_path, {"PYTHONPATH": str(sglang_0523),
+                                                          "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"})
+    assert res["sglang"] == "0.5.23"
+    _check_engine_api(res)
