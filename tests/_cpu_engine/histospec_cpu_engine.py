@@ -24,9 +24,9 @@ in plain torch:
 
 ``CPU_ENGINE_BROKEN`` deliberately breaks one piece, to show that the tests would notice:
 ``mask`` (a causal mask in place of the tree mask), ``greedy-verify`` (SGLang's stock CPU behaviour:
-sampled requests verified greedily) or ``padding`` (HISTORY's unused draft slots become siblings of
-the first drafted node carrying its token: duplicate siblings, which sampling verification counts
-twice).
+sampled requests verified greedily) or ``padding`` (the last leaves of each HISTORY draft, its pads when
+it is short, are re-hung under the root carrying node 1's token: duplicate siblings, which sampling
+verification counts several times).
 """
 
 from __future__ import annotations
@@ -158,22 +158,26 @@ def _allow_torch_native_on_cpu() -> None:
 
 
 def _duplicate_pads(result: Any, worker: Any, batch: Any) -> Any:
-    """The trailing chain of token-0 pads (the slots the drafter left unused) is re-hung under the
-    root, each pad carrying node 1's token: node 1's token then appears several times among the
-    root's children."""
+    """A padding scheme that repeats a drafted token: the last ``DUPLICATES`` leaves of each tree (the
+    token-0 pads of a short draft, else the deepest drafted nodes) are re-hung under the root, each
+    carrying node 1's token, so that token appears several times among the root's children."""
     tokens, mask = result
     d = worker.draft_token_num
     bs = len(batch.reqs)
     t = tokens.reshape(bs, d).copy()
     m = mask.reshape(bs, d, d).copy()
     for b in range(bs):
-        if d < 3 or t[b, 1] == 0:
+        if t[b, 1] == 0:  # nothing drafted
             continue
-        i = d - 1
-        while i >= 2 and t[b, i] == 0 and m[b, i, i - 1] and m[b, i].sum() == m[b, i - 1].sum() + 1:
-            i -= 1
-        for pad in range(i + 1, d):
-            t[b, pad] = t[b, 1]
-            m[b, pad] = 0
-            m[b, pad, 0] = m[b, pad, pad] = 1
+        moved = 0
+        for i in range(d - 1, 1, -1):
+            if moved == DUPLICATES or m[b, i + 1:, i].any():  # stop at the first node with children
+                break
+            t[b, i] = t[b, 1]
+            m[b, i] = 0
+            m[b, i, 0] = m[b, i, i] = 1
+            moved += 1
     return t.reshape(-1), m.reshape(-1)
+
+
+DUPLICATES = 3
