@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -242,3 +243,126 @@ def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(sglang_py
                  env={"HISTOSPEC_LENIENCE": "4"}) as srv:
         _, lenient = _sample(srv, SAMPLED, rounds=8)
     assert lenient > exact + 0.3, (lenient, exact)
+
+
+# -- load and faults -----------------------------------------------------------------------------
+
+
+def _load_requests(prompts: list[list[int]], n: int, seed: int = 3) -> list[dict]:
+    """``n`` mixed requests over ``prompts`` (each prompt comes back several times, so its group has
+    history): greedy of four lengths, greedy with stop tokens, sampled, and long ones aborted."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        kind = ("greedy",) * 6 + ("stop", "sampled", "abort", "greedy-eos")
+        k = kind[i % len(kind)]
+        sp: dict = {"temperature": 0.0, "max_new_tokens": rng.choice([8, 16, 32, 48]), "ignore_eos": True}
+        if k == "stop":
+            sp["stop_token_ids"] = [rng.randrange(2, 500) for _ in range(20)]
+        elif k == "sampled":
+            sp.update(temperature=1.0, max_new_tokens=16)
+        elif k == "abort":
+            sp.update(max_new_tokens=400)
+        elif k == "greedy-eos":
+            sp.update(max_new_tokens=24, ignore_eos=False)
+        reqs.append({"rid": f"load-{i}", "prompt": prompts[rng.randrange(len(prompts))], "sp": sp, "kind": k})
+    return reqs
+
+
+def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
+    """500 mixed requests, 12 at a time, against a HISTORY server synced with a draft server, while
+    flush_cache runs, the draft server is killed (SIGKILL) and restarted on its port, and 20 records
+    of other prompts are bulk-published to it mid-run. Every request completes (no hang, no crash),
+    aborted ones end as aborted, every greedy response equals plain decoding, and the published
+    history reaches the engine. Then the snapshot written at flush_cache starts a new server, whose
+    first pass drafts from it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from histospec_sgl.sync.client import HistoryPublisher
+    from histospec_sgl.sync.process import DraftServerProcess, wait_port_free
+
+    prompts, published = _prompts(40, seed=4), _prompts(20, seed=5)
+    reqs = _load_requests(prompts, 500)
+    greedy = [r for r in reqs if r["sp"]["temperature"] == 0.0 and r["kind"] != "abort"]
+    pub_sp = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    with _server(sglang_py, greedy_model, "plain", tmp_path, max_running=16) as srv:
+        want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, srv.generate(
+            [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
+        want_published = [o["output_ids"] for o in srv.generate(published, pub_sp)]
+
+    data = tmp_path / "draft-server"
+    snapshot = tmp_path / "history.snap"
+    ds = DraftServerProcess(data_dir=data, log=tmp_path / "draft-server.log")
+    port = ds.port
+    env = {"HISTOSPEC_DRAFT_SERVER": ds.address, "HISTOSPEC_SNAPSHOT_PATH": str(snapshot)}
+    got: dict[str, dict] = {}
+    done = threading.Semaphore(0)
+    events = []
+    try:
+        with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
+            def one(r: dict) -> None:
+                try:
+                    if r["kind"] == "abort":
+                        threading.Timer(0.3, lambda: srv.abort(r["rid"])).start()
+                    got[r["rid"]] = srv.generate([r["prompt"]], r["sp"], rids=[r["rid"]], timeout=300)[0]
+                finally:
+                    done.release()
+
+            flusher = threading.Thread(target=srv.flush_cache)  # waits for idle: beside the requests
+
+            def faults() -> None:
+                nonlocal ds
+                for count in range(1, len(reqs) + 1):
+                    done.acquire()
+                    if count == 100:
+                        flusher.start()
+                        events.append("flush_cache")
+                    elif count == 200:
+                        ds.kill()
+                        events.append("draft server killed")
+                    elif count == 300:
+                        wait_port_free(port)
+                        ds = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data,
+                                                log=tmp_path / "draft-server-2.log")
+                        events.append("draft server restarted")
+                    elif count == 350:
+                        with HistoryPublisher(ds.address) as pub:
+                            for p, resp in zip(published, want_published):
+                                pub.publish(p, resp, version=1)
+                            pub.flush()
+                        events.append("bulk history published")
+
+            watcher = threading.Thread(target=faults)
+            watcher.start()
+            with ThreadPoolExecutor(12) as pool:
+                list(pool.map(one, reqs))
+            watcher.join(120)
+            flusher.join(120)
+            assert events == ["flush_cache", "draft server killed", "draft server restarted",
+                              "bulk history published"]
+            assert len(got) == 500 and srv.alive()
+            for r in greedy:
+                assert got[r["rid"]]["output_ids"] == want[r["rid"]], r
+            aborted = [got[r["rid"]] for r in reqs if r["kind"] == "abort"]
+            assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in aborted)
+            assert all(len(o["output_ids"]) < 400 for o in aborted)
+            # History published to the draft server (never generated here) drafts these whole, once
+            # the engine's subscription has caught up (it reconnects with up to 2 s of backoff).
+            time.sleep(3)
+            srv.generate(prompts[:1], pub_sp)  # a few steps: their boundaries apply what arrived
+            outs = srv.generate(published, pub_sp)
+            assert [o["output_ids"] for o in outs] == want_published
+            tps = sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs)
+            assert tps >= D - 1, tps
+            srv.flush_cache()  # saves the snapshot
+            assert "Traceback" not in srv.log_tail(10 ** 7)
+    finally:
+        ds.kill()
+    assert snapshot.exists()
+    first = [r for r in greedy if r["sp"]["max_new_tokens"] == 48][:8]
+    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, tag="reloaded",
+                 env={"HISTOSPEC_HISTORY_LOAD": str(snapshot)}) as srv:
+        outs = srv.generate([r["prompt"] for r in first], [r["sp"] for r in first])
+    assert [o["output_ids"] for o in outs] == [want[r["rid"]] for r in first]
+    assert sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs) >= D - 1

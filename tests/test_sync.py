@@ -548,6 +548,7 @@ def test_engine_sync_applies_the_same_records_on_every_tp_rank(server, monkeypat
     for t in ts:
         t.join(60)
     assert sums[0] == sums[1]
+    assert syncs[0].drain(30) and syncs[0].unpublished == 0
     assert other.stats()["records"] == 300
     assert syncs[1].publisher is None
     for s in syncs:
@@ -558,3 +559,43 @@ def test_engine_sync_applies_the_same_records_on_every_tp_rank(server, monkeypat
     e.close()
     monkeypatch.delenv("HISTOSPEC_DRAFT_SERVER")
     assert EngineSync.from_env(HistoryIndex()) is None
+
+
+def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path):
+    """An engine's step boundary must not stall while its draft server is down: finished responses
+    queue in memory and the records it has go on being applied. Once the server is back on its port,
+    the queued responses are published and records published by others meanwhile reach the index."""
+    from histospec_sgl.sync.engine import EngineSync
+
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    port = srv.port
+    idx = HistoryIndex()
+    sync = EngineSync(srv.address, idx)
+    recs = _records(40, seed=11)
+    try:
+        for p, r in recs[:10]:
+            sync.finished(p, r, version=0)
+        assert sync.drain(30)
+        srv.kill()
+        t0 = time.monotonic()
+        for step in range(20):
+            sync.finished(*recs[10 + step], version=1)
+            sync.step_boundary()
+        assert time.monotonic() - t0 < 2.0, "a step boundary waited on the dead server"
+        assert sync.unpublished == 20
+        wait_port_free(port)
+        srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, log=tmp_path / "server2.log")
+        with HistoryPublisher(srv.address) as other:
+            for p, r in recs[30:]:
+                other.publish(p, r, version=1)
+        assert sync.drain(30) and sync.unpublished == 0
+        deadline = time.monotonic() + 30
+        while idx.stats()["responses"] < 40 and time.monotonic() < deadline:
+            sync.step_boundary()
+            time.sleep(0.05)
+        assert idx.stats()["responses"] == 40
+        assert sync.publisher is not None and sync.publisher.stats()["records"] == 40
+    finally:
+        sync.close(timeout=1)
+        srv.kill()

@@ -72,6 +72,10 @@ class _Client:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 20_000),
+            # Reconnect within seconds of a restarted server (gRPC's default backoff grows to 2 minutes).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2_000),
             *channel_options,
         ]
         if tls_root_certificates is not None:

@@ -1,7 +1,9 @@
 """The draft-server hook an engine worker calls (the SGLang worker of issue 4 uses it when
 ``HISTOSPEC_DRAFT_SERVER`` is set).
 
-- Finished responses are published by TP rank 0 only (batched; sent at the next step boundary).
+- Finished responses are published by TP rank 0 only, batched, by a background thread that retries
+  while the server is unreachable: a decode step never waits on the network (records queue in
+  memory meanwhile, and go out in order once the server is back).
   With a draft server the worker finishes its requests with ``keep=False``: its own responses come
   back through the subscription like everyone else's, so every replica holds the same history in the
   same order.
@@ -15,12 +17,18 @@ Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVE
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.sync.client import HistoryPublisher, HistorySubscriber
+from histospec_sgl.sync.client import RETRYABLE, HistoryPublisher, HistorySubscriber, PublishError
+
+log = logging.getLogger("histospec_sgl.sync")
 
 ENV_ADDRESS = "HISTOSPEC_DRAFT_SERVER"
 ENV_TOKEN_FILE = "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"
@@ -36,6 +44,7 @@ class EngineSync:
         tp_rank: this rank; rank 0 publishes and decides the apply point.
         broadcast: ``f(value_on_rank0) -> value`` on every rank (identity for TP=1).
         apply_timeout: seconds a rank waits for records rank 0 has already received.
+        publish_timeout: seconds per publish attempt (the background thread retries with backoff).
     """
 
     def __init__(
@@ -49,6 +58,7 @@ class EngineSync:
         tls_root_certificates: bytes | None = None,
         apply_timeout: float = 60.0,
         publisher_id: str | None = None,
+        publish_timeout: float = 10.0,
     ):
         self.tp_rank = tp_rank
         self.broadcast = broadcast or (lambda v: v)
@@ -63,11 +73,22 @@ class EngineSync:
                 tls_root_certificates=tls_root_certificates,
                 batch_records=1 << 30,
                 batch_tokens=1 << 62,
+                max_attempts=1,
+                timeout=publish_timeout,
                 id_prefix=publisher_id,
             )
             if tp_rank == 0
             else None
         )
+        self.publish_failures = 0
+        self.refused_records = 0
+        self._queue: list[tuple[tuple, dict]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if self.publisher is not None:
+            self._thread = threading.Thread(target=self._publish_loop, name="histospec-publisher", daemon=True)
+            self._thread.start()
 
     @classmethod
     def from_env(cls, index: Any, **kw: Any) -> EngineSync | None:
@@ -83,22 +104,88 @@ class EngineSync:
 
     def finished(self, prompt_ids: Any, response_ids: Any, *, version: int, sample_index: int = 0,
                  group: int | None = None, logprobs: Any = None, reward: float | None = None) -> None:
-        """Queues a finished response for publishing (rank 0; other ranks ignore it)."""
-        if self.publisher is not None:
-            self.publisher.publish(prompt_ids, response_ids, group=group, version=version,
-                                   sample_index=sample_index, logprobs=logprobs, reward=reward)
+        """Queues a finished response for publishing (rank 0; other ranks ignore it). Never blocks."""
+        if self.publisher is None:
+            return
+        with self._cond:
+            self._queue.append(((prompt_ids, response_ids), dict(group=group, version=version,
+                                                                 sample_index=sample_index, logprobs=logprobs,
+                                                                 reward=reward)))
+            self._cond.notify_all()
 
     def step_boundary(self) -> int:
-        """Publishes what finished (rank 0), then applies the server's records up to the point rank 0
-        has received, on every rank; returns how many records were applied here."""
-        if self.publisher is not None:
-            self.publisher.flush()
+        """Applies the server's records up to the point rank 0 has received, on every rank; returns
+        how many records were applied here. Publishing runs beside it and never delays it."""
         if self.subscriber.error is not None:
             raise self.subscriber.error
         target = self.broadcast(self.subscriber.received_sequence if self.tp_rank == 0 else 0)
         return self.subscriber.poll(through_sequence=target, timeout=self.apply_timeout)
 
-    def close(self) -> None:
+    @property
+    def unpublished(self) -> int:
+        """Finished responses not yet acknowledged by the server."""
+        with self._cond:
+            return len(self._queue) + (self.publisher.queued if self.publisher is not None else 0)
+
+    def drain(self, timeout: float) -> bool:
+        """Waits until everything finished so far is acknowledged; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._queue or (self.publisher is not None and self.publisher.queued):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
+
+    def _publish_loop(self) -> None:
+        assert self.publisher is not None
+        pause = 0.05
+        while True:
+            with self._cond:
+                while not self._queue and not self.publisher.queued and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._queue and not self.publisher.queued:
+                    return
+                # Handed to the publisher under the lock, so that drain() never sees them in neither.
+                for (prompt, response), kw in self._queue:
+                    self.publisher.publish(prompt, response, **kw)
+                self._queue = []
+            try:
+                self.publisher.flush()
+                pause = 0.05
+                with self._cond:
+                    self._cond.notify_all()
+            except PublishError as e:
+                if e.code is not None and e.code not in RETRYABLE:
+                    # Retrying cannot fix a refusal (a bad record, a wrong token): say so and move on.
+                    self.refused_records += self.publisher.discard()
+                    log.error("histospec: %s; these records are dropped", e)
+                    continue
+                self.publish_failures += 1
+                if self.publish_failures <= 3 or self.publish_failures % 100 == 0:
+                    log.warning("histospec: draft server unreachable (%s); %d records wait to be published",
+                                e, self.unpublished)
+                with self._cond:
+                    if self._stop:
+                        return
+                    self._cond.wait(pause * (0.5 + random.random()))
+                pause = min(pause * 2, 2.0)
+            except Exception:
+                self.refused_records += self.publisher.discard()
+                log.exception("histospec: publishing failed; these records are dropped")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Publishes what is queued (waiting up to ``timeout`` for the server), then closes."""
+        if self._thread is not None:
+            if not self.drain(timeout):
+                log.warning("histospec: closing with %d finished responses not published (server unreachable)",
+                            self.unpublished)
+            with self._cond:
+                self._stop = True
+                self._cond.notify_all()
+            self._thread.join(timeout)
         if self.publisher is not None:
+            self.publisher.discard()
             self.publisher.close()
         self.subscriber.close()
