@@ -152,6 +152,25 @@ def _bench_sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_engine(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import engine_bench
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        r = engine_bench.run(model=args.model, methods=tuple(args.methods.split(",")),
+                             batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
+                             siblings=args.siblings, max_new_tokens=args.max_new_tokens,
+                             draft_tokens=args.draft_tokens, device=args.device, python=args.python,
+                             switch_off=args.switch_off, log=progress, log_dir=args.log_dir)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report(r, engine_bench.print_table, args.json)
+    return 0
+
+
 def _kv(text: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -443,6 +462,27 @@ def build_parser() -> argparse.ArgumentParser:
     by.add_argument("--durable", action="store_true", help="give the server a data dir (fsync before ack)")
     by.add_argument("--seed", type=int, default=0)
     by.set_defaults(func=_bench_sync)
+    be = bsub.add_parser("engine", help="plain decoding, NGRAM and HISTORY on a real SGLang server (CPU or GPU)")
+    be.add_argument("--json", metavar="PATH")
+    be.add_argument("--model", default="rhyme",
+                    help="rhyme (a small Llama trained on the shipped HumanEval completions, built and cached on "
+                    "first use), random (random weights), or a model directory")
+    be.add_argument("--methods", default="plain,ngram,history,history_switchoff",
+                    help="comma list of plain, ngram, history, history_switchoff")
+    be.add_argument("--batch-sizes", type=_counts, default=[1, 4, 16, 64])
+    be.add_argument("--temperatures", type=_floats, default=[0.0, 1.0])
+    be.add_argument("--siblings", type=int, default=8, help="samples per prompt in the sibling rows (sampled only)")
+    be.add_argument("--max-new-tokens", type=int, default=128)
+    be.add_argument("--draft-tokens", type=int, default=8, help="d, the verify width of NGRAM and HISTORY")
+    be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: SGLang's torch_native backend with the checkout's CPU stand-ins (tests/_cpu_engine); "
+                    "cuda: FlashInfer and CUDA graphs")
+    be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
+    be.add_argument("--switch-off", type=_kv, metavar="K=V,...",
+                    help="history_switchoff's HISTOSPEC_* settings (default HISTOSPEC_MIN_ACCEPT=1.0,"
+                    "HISTOSPEC_NARROW_VERIFY=1)")
+    be.add_argument("--log-dir", help="keep each server's log here")
+    be.set_defaults(func=_bench_engine)
     return ap
 
 

@@ -385,3 +385,32 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
         outs = srv.generate([r["prompt"] for r in first], [r["sp"] for r in first])
     assert [o["output_ids"] for o in outs] == [want[r["rid"]] for r in first]
     assert sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs) >= D - 1
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+
+
+def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
+    """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a
+    row for every method, pass, batch size, temperature and sibling count; on the second greedy pass
+    HISTORY emits more than one token per forward pass and plain decoding exactly one."""
+    out = tmp_path / "engine.json"
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--model", str(greedy_model),
+                        "--methods", "plain,history", "--batch-sizes", "1,4", "--temperatures", "0,1",
+                        "--siblings", "4", "--max-new-tokens", "24", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert {"machine", "model", "rows", "settings", "command"} <= res.keys()
+    assert res["machine"]["sglang"] == "0.5.17" and res["model"]["kind"] == "random"
+    points = {(x["method"], x["pass"], x["batch_size"], x["temperature"], x["siblings"]) for x in res["rows"]}
+    want = {(m, p, b, t, n) for m in ("plain", "history") for p in (1, 2) for b in (1, 4) for t in (0.0, 1.0)
+            for n in ((1, 4) if t and b == 4 else (1,))}
+    assert points == want
+    for x in res["rows"]:
+        assert x["tokens_per_s"] > 0 and x["vs_plain"] > 0 and x["verify_cost"] > 0
+        if x["method"] == "plain":
+            assert x["tokens_per_step"] == 1.0
+        elif x["pass"] == 2 and x["temperature"] == 0.0:
+            assert x["tokens_per_step"] > 2.0, x
+    assert "history" in r.stdout and "tokens_per_step" in r.stdout

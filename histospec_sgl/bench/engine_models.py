@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="build (or find) a cached test model and print its directory")
     ap.add_argument("kind", choices=["random", "rhyme"])
     args = ap.parse_args(argv)
-    print(ensure(args.kind))
+    print(ensure(args.kind, log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0
 
 

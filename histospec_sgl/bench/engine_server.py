@@ -125,6 +125,7 @@ class EngineServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -42,26 +42,30 @@ def verify_tree_greedy_cpu(predicts, accept_index, accept_token_num, candidates,
     token equals the target's argmax at the last accepted node (first child, then next siblings)."""
     bs, d = candidates.shape
     steps = accept_index.shape[1]
-    flat_target = target_predict.reshape(-1)
+    cand, index = candidates.tolist(), retrive_index.tolist()
+    first, sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    target = target_predict.reshape(-1).tolist()
+    at, values = [], []
     for b in range(bs):
-        last = int(retrive_index[b, 0])
-        accept_index[b, 0] = last
-        n, cur = 0, 0
+        last = index[b][0]
+        accepted = [last]
+        cur = 0
         for _ in range(1, steps):
-            cur = int(retrive_next_token[b, cur])
-            while cur != -1:
-                want = int(flat_target[last])
-                if int(candidates[b, cur]) == want:
-                    predicts[last] = want
-                    n += 1
-                    accept_index[b, n] = int(retrive_index[b, cur])
-                    last = int(retrive_index[b, cur])
-                    break
-                cur = int(retrive_next_sibling[b, cur])
+            cur = first[b][cur]
+            want = target[last]
+            while cur != -1 and cand[b][cur] != want:
+                cur = sibling[b][cur]
             if cur == -1:
                 break
-        accept_token_num[b] = n
-        predicts[last] = flat_target[last]
+            at.append(last)
+            values.append(want)
+            last = index[b][cur]
+            accepted.append(last)
+        at.append(last)
+        values.append(target[last])
+        accept_index[b, : len(accepted)] = torch.tensor(accepted, dtype=accept_index.dtype)
+        accept_token_num[b] = len(accepted) - 1
+    predicts[torch.tensor(at, dtype=torch.long)] = torch.tensor(values, dtype=predicts.dtype)
 
 
 def _unreachable(name):
@@ -136,34 +140,41 @@ def tree_speculative_sampling_target_only(predicts, accept_index, accept_token_n
     steps = accept_index.shape[1]
     acc = float(threshold_acc)
     single = float(threshold_single)
+    cand, index = candidates.tolist(), retrive_index.tolist()
+    first, sibling = retrive_next_token.tolist(), retrive_next_sibling.tolist()
+    coins, final_coins = uniform_samples.tolist(), uniform_samples_for_final_sampling.reshape(-1).tolist()
     for b in range(bs):
-        last = int(retrive_index[b, 0])
-        accept_index[b, 0] = last
-        n, cur, parent = 0, 0, 0
-        coin = float(uniform_samples[b, 0])
+        last = index[b][0]
+        accepted = [last]
+        cur, parent = 0, 0
+        coin = coins[b][0]
+        rejected: list[int] = []
         for _ in range(1, steps):
-            cur = int(retrive_next_token[b, cur])
+            cur = first[b][cur]
             mass = 0.0
             while cur != -1:
-                token = int(candidates[b, cur])
+                token = cand[b][cur]
                 p = float(target_probs[b, parent, token])
                 mass += p
                 if coin <= mass / acc or p >= single:
-                    coin = float(uniform_samples[b, cur])
+                    coin = coins[b][cur]
                     predicts[last] = token
-                    n += 1
-                    accept_index[b, n] = int(retrive_index[b, cur])
-                    last = int(retrive_index[b, cur])
+                    last = index[b][cur]
+                    accepted.append(last)
                     parent = cur
+                    rejected = []
                     break
-                draft_probs[b, parent, token] = target_probs[b, parent, token]
-                cur = int(retrive_next_sibling[b, cur])
+                rejected.append(token)
+                cur = sibling[b][cur]
             if cur == -1:
                 break
-        accept_token_num[b] = n
+        accept_index[b, : len(accepted)] = torch.tensor(accepted, dtype=accept_index.dtype)
+        accept_token_num[b] = len(accepted) - 1
+        if rejected:
+            draft_probs[b, parent, rejected] = target_probs[b, parent, rejected]
         rest = (target_probs[b, parent] - draft_probs[b, parent]).clamp(min=0).double()
         cdf = rest.cumsum(0)
-        u = float(uniform_samples_for_final_sampling[b]) * float(cdf[-1])
+        u = final_coins[b] * float(cdf[-1])
         token = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True)[0])
         predicts[last] = min(token, rest.numel() - 1)
 

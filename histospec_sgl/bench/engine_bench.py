@@ -1,0 +1,185 @@
+"""``histospec-sgl bench engine``: tokens/s and tokens per verify step of plain decoding, NGRAM and
+HISTORY on a real SGLang server, on a first and a second pass over the same requests, at several batch
+sizes, greedy and sampled, with independent requests and with n siblings per prompt.
+
+Every method runs in its own server (:class:`~histospec_sgl.bench.engine_server.EngineServer`); the
+rows of one method share it. Before each row's first pass the server's cache is flushed (NGRAM's
+corpus and the radix cache go; HISTORY keeps its history, so each row's requests carry their own
+``custom_params.histospec_group`` and start with none). The second pass repeats the same requests:
+what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
+``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other.
+
+``tokens_per_step`` is completion tokens over forward passes (SGLang's ``spec_verify_ct``, 1 per token
+for plain decoding); ``step_ms`` the row's wall time over the longest request's forward passes, so
+``verify_cost`` (a speculative method's step time over plain decoding's in the same row) is the cost
+of one verify step relative to one decode step at that batch size: the profile a rollout simulator
+needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWITCH_OFF`, or ``--switch-off``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from histospec_sgl.bench.engine_server import EngineServer, verify_steps
+
+METHODS = ("plain", "ngram", "history", "history_switchoff")
+#: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
+#: is accepted (a verify step costs about two decode steps on this CPU engine), and verify steps
+#: without drafts at width 1, the cost of a plain decode step.
+SWITCH_OFF = {"HISTOSPEC_MIN_ACCEPT": "1.0", "HISTOSPEC_NARROW_VERIFY": "1"}
+SINGLE_REPEATS = 4
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version()}
+    for pkg in ("sglang", "torch", "histospec-sgl"):
+        try:
+            info[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            info[pkg] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return info
+
+
+def _model(spec: str, log: Callable[[str], None]) -> tuple[Path, list[list[int]], dict[str, Any]]:
+    """The model directory, the prompts, and what to record about them."""
+    from histospec_sgl.bench import engine_models
+
+    if spec in ("rhyme", "random"):
+        path = engine_models.ensure(spec, log=log)
+    else:
+        path = Path(spec)
+    info_file = path / "histospec_model.json"
+    info = json.loads(info_file.read_text()) if info_file.exists() else {"path": str(path)}
+    info["path"] = str(path)
+    if info.get("kind") == "rhyme":
+        prompts = engine_models.rhyme_prompts()
+    else:
+        import random
+
+        rng = random.Random(0)
+        vocab = int(info.get("params", {}).get("vocab", 512))
+        prompts = [[rng.randrange(2, vocab - 1) for _ in range(rng.randrange(16, 64))] for _ in range(24)]
+    return path, prompts, info
+
+
+def _requests(prompts: list[list[int]], batch: int, siblings: int, row: str) -> tuple[list[list[int]], list[str]]:
+    """``batch`` requests: distinct contexts (prompt r, cut by r // len(prompts) tokens so that repeats
+    differ), or ``batch // siblings`` prompts with ``siblings`` samples each; and each one's group."""
+    ids, groups = [], []
+    for r in range(batch):
+        if siblings > 1:
+            p, cut = r // siblings, 0
+        else:
+            p, cut = r % len(prompts), r // len(prompts)
+        prompt = prompts[p % len(prompts)]
+        ids.append(prompt[: max(4, len(prompt) - cut)])
+        groups.append(f"{row}:{p}:{cut}")
+    return ids, groups
+
+
+def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]], one_by_one: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    if one_by_one:
+        outs = [srv.generate([i], [p])[0] for i, p in zip(ids, params)]
+    else:
+        outs = srv.generate(ids, params)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o["output_ids"]) for o in outs)
+    steps = [verify_steps(o) for o in outs]
+    # Forward passes the row waited for: one request after another, or the longest of a batch.
+    passes = sum(steps) if one_by_one else max(steps)
+    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
+            "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
+            "step_ms": round(1000 * wall / max(1, passes), 3)}
+
+
+def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
+        temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
+        draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
+        switch_off: dict[str, str] | None = None,
+        log: Callable[[str], None] = print, log_dir: str | None = None) -> dict[str, Any]:
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}: expected some of {', '.join(METHODS)}")
+    path, prompts, model_info = _model(model, log)
+    ignore_eos = model_info.get("kind") != "rhyme"  # the rhyme model ends its completions itself
+    rows: list[dict[str, Any]] = []
+    settings = {"batch_sizes": list(batch_sizes), "temperatures": list(temperatures), "siblings": siblings,
+                "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
+                "ignore_eos": ignore_eos, "switch_off": {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}}
+    for method in methods:
+        env = settings["switch_off"] if method == "history_switchoff" else {}
+        algo = "history" if method.startswith("history") else method
+        log(f"[bench engine] {method}: starting the server")
+        with EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
+                          dtype="float32" if device == "cpu" else "bfloat16",
+                          max_running=max(batch_sizes), env=env,
+                          log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None) as srv:
+            srv.generate([prompts[0]], {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
+            for temp in temperatures:
+                for batch in batch_sizes:
+                    for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
+                        n = SINGLE_REPEATS if batch == 1 else batch
+                        row_id = f"{method}-{temp}-{batch}-{sib}"
+                        ids, groups = _requests(prompts, n, sib, row_id)
+                        params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+                                   "custom_params": {"histospec_group": g}} for g in groups]
+                        srv.flush_cache()
+                        for pass_no in (1, 2):
+                            r = _timed(srv, ids, params, one_by_one=batch == 1)
+                            rows.append({"method": method, "pass": pass_no, "batch_size": batch,
+                                         "temperature": temp, "siblings": sib, **r})
+                            log(f"[bench engine] {method} pass {pass_no} bs {batch} T {temp} n {sib}: "
+                                f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
+    _ratios(rows)
+    return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_plain`` (tokens/s over plain decoding's) and ``verify_cost`` (step time over plain's) for
+    every row that has a plain row with the same pass, batch size, temperature and siblings."""
+    key = ("pass", "batch_size", "temperature", "siblings")
+    plain = {tuple(r[k] for k in key): r for r in rows if r["method"] == "plain"}
+    for r in rows:
+        base = plain.get(tuple(r[k] for k in key))
+        if base is not None:
+            r["vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            r["verify_cost"] = round(r["step_ms"] / base["step_ms"], 3)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    m = result["machine"]
+    print(f"histospec-sgl bench engine: {result['model'].get('kind', result['model']['path'])} model, "
+          f"{result['device']} ({m['cpu']}, {m['cores']} cores), sglang {m['sglang']}, "
+          f"d={result['settings']['draft_tokens']}")
+    cols = ["method", "pass", "batch_size", "temperature", "siblings", "tokens_per_s", "tokens_per_step",
+            "step_ms", "vs_plain", "verify_cost"]
+    rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["siblings"], r["batch_size"], r["pass"],
+                                                 METHODS.index(r["method"])))
+    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for x in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(x, widths)))
