@@ -4,7 +4,7 @@ the CPU stand-ins on ``PYTHONPATH`` (``histospec_sgl.bench.engine_server.cpu_eng
 
 Usage: python cpu_engine_api.py SPEC_JSON, where SPEC_JSON has ``model``, ``prompts`` (token-id
 lists; the first two also go one at a time), ``methods``, ``max_new_tokens``, ``draft_tokens`` and
-``snapshot`` (a path for HISTORY's snapshot).
+``snapshot`` (a path for HISTORY's snapshot); ``reload`` (default true) adds the second HISTORY engine.
 
 For each method: two passes (batch 1, then all prompts as one batch). For HISTORY also: the index saved
 by ``collective_rpc("histospec_save")``, the policy version set by ``histospec_version``,
@@ -58,7 +58,7 @@ def main() -> None:
                 run["passes"].append(_pass(engine, prompts, sp))
         finally:
             engine.shutdown()
-        if method == "history":
+        if method == "history" and spec.get("reload", True):
             engine = sgl.Engine(**kw)
             try:
                 run["fresh"] = _pass(engine, prompts[2:3], sp)

@@ -26,6 +26,8 @@ from conftest import ROOT, sglang_missing
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, verify_steps
 
 D = 8
+#: Each test starts two to four SGLang servers (10-25 s each on two cores).
+pytestmark = pytest.mark.timeout(900)
 
 
 def _build_model(py: Path, kind: str, **params) -> Path:
@@ -138,8 +140,9 @@ def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_
     assert version.stdout.strip() == "0.5.23"
 
 
-def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = None) -> dict:
-    spec = {"model": str(model), "prompts": _prompts(8, seed=2), "methods": ["plain", "ngram", "history"],
+def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = None,
+                methods: tuple[str, ...] = ("plain", "ngram", "history"), reload: bool = True) -> dict:
+    spec = {"model": str(model), "prompts": _prompts(8, seed=2), "methods": list(methods), "reload": reload,
             "max_new_tokens": 48, "draft_tokens": D, "snapshot": str(tmp_path / "history.snap")}
     import os
 
@@ -155,11 +158,13 @@ def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = 
 def _check_engine_api(res: dict) -> None:
     plain = res["plain"]["passes"][0]
     for method in ("plain", "ngram", "history"):
-        for i, p in enumerate(res[method]["passes"]):
+        for i, p in enumerate(res.get(method, {}).get("passes", [])):
             assert p["bs1"] == plain["bs1"] and p["bs_all"] == plain["bs_all"], (method, i)
     hist = res["history"]
     for p in hist["passes"][1:]:  # pass 2, and pass 3 after histospec_save, histospec_version, flush_cache
         assert p["tokens"] / p["steps"] >= D - 0.5, p
+    if "loaded" not in hist:
+        return
     # A fresh engine drafts little; after histospec_load of the snapshot it drafts whole responses.
     assert hist["loaded"]["bs_all"] == plain["bs_all"]
     assert hist["loaded"]["tokens"] / hist["loaded"]["steps"] >= D - 0.5
@@ -175,8 +180,11 @@ def test_greedy_engine_api_history_equals_plain_and_ngram(sglang_py, greedy_mode
 
 
 def test_greedy_engine_api_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
+    """``sgl.Engine`` on 0.5.23: HISTORY equals plain decoding (NGRAM's equality on 0.5.23 is checked over
+    HTTP above), with the collective RPCs and flush_cache."""
     res = _engine_api(sglang_py, greedy_model, tmp_path, {"PYTHONPATH": str(sglang_0523),
-                                                          "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"})
+                                                          "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"},
+                      methods=("plain", "history"), reload=False)
     assert res["sglang"] == "0.5.23"
     _check_engine_api(res)
 
