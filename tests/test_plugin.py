@@ -261,9 +261,34 @@ def test_switch_off_by_measured_acceptance():
         sw.observe(accepted=2, request_steps=32)  # 0.06 accepted per request-step
     decisions = [sw.should_draft(32) for _ in range(8)]
     assert decisions.count(True) == 2  # probes only
-    for _ in range(8):
-        sw.observe(accepted=64, request_steps=32)
-    assert sw.should_draft(32)
+    # One probe that reaches the threshold switches drafting back on with a fresh window.
+    sw.observe(accepted=64, request_steps=32)
+    assert sw.mean_accept == 2.0
+    assert all(sw.should_draft(32) for _ in range(8))
+
+
+def test_steps_verified_without_drafts_do_not_count_as_rejections():
+    """While switched off, the verify steps that carried no drafts accept nothing; they must not enter
+    the acceptance window, or a probe could never bring drafting back."""
+    dr = BatchDrafter(8, HistoryConfig(min_accept=1.0, probe_every=4))
+    prompt, resp = list(range(10, 40)), list(range(100, 160))
+    dr.add_finished(prompt, resp, None)
+    dr.sync_batch([("r", prompt, [], (), None)])
+    for _ in range(8):  # measured: nothing accepted
+        dr.draft(["r"])
+        dr.observe_step([0])
+    assert dr.switch.mean_accept == 0.0
+    window = list(dr.switch._acc)
+    for _ in range(3):  # switched off: these steps draft nothing and measure nothing
+        dr.draft(["r"])
+        assert not dr.drafting
+        dr.observe_step([0])
+    assert dr.switch._acc == window
+    while not dr.drafting:  # until the probe
+        dr.observe_step([0])
+        dr.draft(["r"])
+    dr.observe_step([7])
+    assert dr.switch.mean_accept == 7.0 and dr.switch.should_draft(1)
 
 
 # -- the launcher (no SGLang needed up to the exec) --------------------------------------------------

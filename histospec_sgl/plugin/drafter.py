@@ -20,6 +20,8 @@ and applies the switch-off rule.
 
 from __future__ import annotations
 
+import collections
+
 import dataclasses
 import gzip
 import hashlib
@@ -115,10 +117,19 @@ class SwitchOff:
         return sum(self._acc) / len(self._acc) if self._acc else None
 
     def observe(self, accepted: int, request_steps: int) -> None:
-        """One drafted step's outcome: accepted draft tokens over its request-steps."""
-        if request_steps:
-            self._acc.append(accepted / request_steps)
-            del self._acc[: -self.window]
+        """One drafted step's outcome: accepted draft tokens over its request-steps. A probe (a step
+        drafted while switched off) that reaches ``min_accept`` switches drafting back on at once and
+        starts a fresh window, so acceptance that came back is not averaged with the old."""
+        if not request_steps:
+            return
+        rate = accepted / request_steps
+        mean = self.mean_accept
+        if (self.min_accept > 0 and mean is not None and mean < self.min_accept and rate >= self.min_accept
+                and len(self._acc) >= min(8, self.window)):
+            self._acc = []
+            self._off_steps = 0
+        self._acc.append(rate)
+        del self._acc[: -self.window]
 
     def should_draft(self, batch_size: int) -> bool:
         if self.max_batch and batch_size > self.max_batch:
@@ -155,6 +166,9 @@ class BatchDrafter:
         self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
         #: Whether the last :meth:`draft` drafted (False: the switch-off rule held it off).
         self.drafting = True
+        # Whether each drafted-for step not yet verified drafted (overlap scheduling verifies a step
+        # after the next one is drafted).
+        self._drafted_steps: collections.deque[bool] = collections.deque(maxlen=4)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
         self._finished: dict[str, RequestStats] = {}
@@ -307,6 +321,7 @@ class BatchDrafter:
         tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
         lives = [self._live[r] for r in rids]
         drafting = self.drafting = self.switch.should_draft(bs)
+        self._drafted_steps.append(drafting)
         if drafting:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
@@ -338,7 +353,10 @@ class BatchDrafter:
         """Accepted draft tokens per request of a verified batch (SGLang's
         ``on_verify_complete_cpu``); feeds the switch-off rule."""
         acc = list(accepted)
-        self.switch.observe(sum(acc), len(acc))
+        # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
+        drafted = self._drafted_steps.popleft() if self._drafted_steps else True
+        if drafted:
+            self.switch.observe(sum(acc), len(acc))
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""
