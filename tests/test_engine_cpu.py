@@ -289,7 +289,7 @@ def _load_requests(prompts: list[list[int]], n: int, seed: int = 3) -> list[dict
         elif k == "sampled":
             sp.update(temperature=1.0, max_new_tokens=16)
         elif k == "abort":
-            sp.update(max_new_tokens=400)
+            sp.update(max_new_tokens=1500)
         elif k == "greedy-eos":
             sp.update(max_new_tokens=24, ignore_eos=False)
         reqs.append({"rid": f"load-{i}", "prompt": prompts[rng.randrange(len(prompts))], "sp": sp, "kind": k})
@@ -329,11 +329,19 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
     try:
         with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
             def one(r: dict) -> None:
+                answered = threading.Event()
+
+                def abort_until_answered() -> None:
+                    # An abort that reaches the server before the request does is a no-op: repeat it.
+                    while not answered.wait(0.2):
+                        srv.abort(r["rid"])
+
                 try:
                     if r["kind"] == "abort":
-                        threading.Timer(0.3, lambda: srv.abort(r["rid"])).start()
+                        threading.Thread(target=abort_until_answered, daemon=True).start()
                     got[r["rid"]] = srv.generate([r["prompt"]], r["sp"], rids=[r["rid"]], timeout=300)[0]
                 finally:
+                    answered.set()
                     done.release()
 
             flusher = threading.Thread(target=srv.flush_cache)  # waits for idle: beside the requests
