@@ -163,7 +163,8 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
                              siblings=args.siblings, max_new_tokens=args.max_new_tokens,
                              draft_tokens=args.draft_tokens, device=args.device, python=args.python,
-                             switch_off=args.switch_off, log=progress, log_dir=args.log_dir)
+                             switch_off=args.switch_off, repeats=args.repeats, log=progress,
+                             log_dir=args.log_dir)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -407,11 +408,65 @@ def _add_draft_server(sub: Any) -> None:
     ds.set_defaults(func=_draft_server)
 
 
+def _ray_draft_server(args: argparse.Namespace) -> int:
+    try:
+        import ray
+    except ImportError:
+        print("error: `histospec-sgl ray` needs Ray (pip install ray)", file=sys.stderr)
+        return 2
+    from histospec_sgl.integrations import ray_draft_server as rds
+
+    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
+             logging_level="WARNING")
+    try:
+        if args.stop:
+            found = rds.stop(args.name, args.namespace)
+            print(f"stopped {args.namespace}/{args.name}" if found else f"no actor {args.namespace}/{args.name}")
+            return 0 if found else 1
+        extra = []
+        if args.auth_token_file:
+            extra += ["--auth-token-file", args.auth_token_file]
+        if args.max_tokens:
+            extra += ["--max-tokens", str(args.max_tokens)]
+        _, address = rds.get_or_create(name=args.name, namespace=args.namespace, listen=args.listen,
+                                       data_dir=args.data_dir, extra=extra, log=args.log)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(address)
+    print(f"# engines: HISTOSPEC_DRAFT_SERVER={address} (or HISTOSPEC_DRAFT_SERVER_ACTOR={args.namespace}/{args.name}) "
+          "in the job's runtime_env env_vars", file=sys.stderr)
+    return 0
+
+
+def _add_ray(sub: Any) -> None:
+    rp = sub.add_parser("ray", help="histospec-sgl on a Ray cluster")
+    rsub = rp.add_subparsers(dest="ray", required=True)
+    rd = rsub.add_parser(
+        "draft-server", help="start (or find) the draft server as a detached, named actor on the head node",
+        description="Starts the draft server as a detached Ray actor pinned to the head node (num_cpus=0) and "
+        "prints its address; a second call prints the running one's. Engines find it through "
+        "HISTOSPEC_DRAFT_SERVER=<address> in the job's runtime env, or HISTOSPEC_DRAFT_SERVER_ACTOR=ns/name.")
+    rd.add_argument("--address", default="auto", help="Ray cluster to connect to (default auto: the running one)")
+    rd.add_argument("--name", default="histospec-draft-server")
+    rd.add_argument("--namespace", default="histospec")
+    rd.add_argument("--listen", default="0.0.0.0:50061", help="host:port the server binds on the head node")
+    rd.add_argument("--data-dir", metavar="D", help="durable history on the head node (recommended)")
+    rd.add_argument("--auth-token-file", metavar="F", help="a token file on the head node")
+    rd.add_argument("--max-tokens", type=int, default=0, help="retention, as for draft-server")
+    rd.add_argument("--log", metavar="F", help="the server's stderr, on the head node")
+    rd.add_argument("--stop", action="store_true", help="stop the running actor instead")
+    rd.set_defaults(func=_ray_draft_server)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="histospec-sgl", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     _add_replay(sub)
     _add_draft_server(sub)
+    _add_ray(sub)
     sub.add_parser("launch-server", add_help=False,
                    help="start SGLang with --speculative-algorithm HISTORY (see launch-server --help)")
     bench = sub.add_parser("bench", help="benchmarks")
@@ -481,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--switch-off", type=_kv, metavar="K=V,...",
                     help="history_switchoff's HISTOSPEC_* settings (default HISTOSPEC_MIN_ACCEPT=1.0,"
                     "HISTOSPEC_NARROW_VERIFY=1)")
+    be.add_argument("--repeats", type=int, default=1,
+                    help="run every row this many times (fresh groups each time) and report the medians")
     be.add_argument("--log-dir", help="keep each server's log here")
     be.set_defaults(func=_bench_engine)
     return ap

@@ -2,10 +2,13 @@
 HISTORY on a real SGLang server, on a first and a second pass over the same requests, at several batch
 sizes, greedy and sampled, with independent requests and with n siblings per prompt.
 
-Every method runs in its own server (:class:`~histospec_sgl.bench.engine_server.EngineServer`); the
-rows of one method share it. Before each row's first pass the server's cache is flushed (NGRAM's
-corpus and the radix cache go; HISTORY keeps its history, so each row's requests carry their own
-``custom_params.histospec_group`` and start with none). The second pass repeats the same requests:
+Every method runs in its own server (:class:`~histospec_sgl.bench.engine_server.EngineServer`), all
+started at once and idle-sleeping (``--sleep-on-idle``) while another one runs, so that the methods of
+a row are timed one right after the other (in an order that rotates) and the ratios between them see
+the same machine. Before each row's first pass every server's cache is flushed (NGRAM's corpus and the
+radix cache go; HISTORY keeps its history, so each row's requests carry their own
+``custom_params.histospec_group`` and start with none). With ``repeats`` > 1 each row runs that many
+times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run). The second pass repeats the same requests:
 what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
 ``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other.
 
@@ -18,6 +21,7 @@ needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWI
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -118,43 +122,71 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
-        switch_off: dict[str, str] | None = None,
+        switch_off: dict[str, str] | None = None, repeats: int = 1,
         log: Callable[[str], None] = print, log_dir: str | None = None) -> dict[str, Any]:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: expected some of {', '.join(METHODS)}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     path, prompts, model_info = _model(model, log)
     ignore_eos = model_info.get("kind") != "rhyme"  # the rhyme model ends its completions itself
-    rows: list[dict[str, Any]] = []
     settings = {"batch_sizes": list(batch_sizes), "temperatures": list(temperatures), "siblings": siblings,
                 "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
-                "ignore_eos": ignore_eos, "switch_off": {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}}
-    for method in methods:
-        env = settings["switch_off"] if method == "history_switchoff" else {}
-        algo = "history" if method.startswith("history") else method
-        log(f"[bench engine] {method}: starting the server")
-        with EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
-                          dtype="float32" if device == "cpu" else "bfloat16",
-                          max_running=max(batch_sizes), env=env,
-                          log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None) as srv:
+                "ignore_eos": ignore_eos, "repeats": repeats,
+                "switch_off": {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}}
+    runs: dict[tuple, list[dict[str, Any]]] = {}
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, EngineServer] = {}
+        for method in methods:
+            env = settings["switch_off"] if method == "history_switchoff" else {}
+            algo = "history" if method.startswith("history") else method
+            log(f"[bench engine] {method}: starting the server")
+            srv = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
+                               dtype="float32" if device == "cpu" else "bfloat16",
+                               max_running=max(batch_sizes), env=env, extra_args=["--sleep-on-idle"],
+                               log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
+            servers[method] = stack.enter_context(srv)
             srv.generate([prompts[0]], {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
-            for temp in temperatures:
-                for batch in batch_sizes:
-                    for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
+        order = list(methods)
+        for temp in temperatures:
+            for batch in batch_sizes:
+                for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
+                    for rep in range(repeats):
                         n = SINGLE_REPEATS if batch == 1 else batch
-                        row_id = f"{method}-{temp}-{batch}-{sib}"
-                        ids, groups = _requests(prompts, n, sib, row_id)
-                        params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
-                                   "custom_params": {"histospec_group": g}} for g in groups]
-                        srv.flush_cache()
+                        params_of = {}
+                        for method, srv in servers.items():
+                            ids, groups = _requests(prompts, n, sib, f"{method}-{temp}-{batch}-{sib}-{rep}")
+                            params_of[method] = (ids, [{"temperature": temp, "max_new_tokens": max_new_tokens,
+                                                        "ignore_eos": ignore_eos,
+                                                        "custom_params": {"histospec_group": g}} for g in groups])
+                            srv.flush_cache()
                         for pass_no in (1, 2):
-                            r = _timed(srv, ids, params, one_by_one=batch == 1)
-                            rows.append({"method": method, "pass": pass_no, "batch_size": batch,
-                                         "temperature": temp, "siblings": sib, **r})
-                            log(f"[bench engine] {method} pass {pass_no} bs {batch} T {temp} n {sib}: "
-                                f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
+                            for method in order:
+                                ids, params = params_of[method]
+                                r = _timed(servers[method], ids, params, one_by_one=batch == 1)
+                                runs.setdefault((method, pass_no, batch, temp, sib), []).append(r)
+                                log(f"[bench engine] {method} pass {pass_no} bs {batch} T {temp} n {sib} "
+                                    f"run {rep + 1}/{repeats}: {r['tokens_per_s']:.1f} tok/s, "
+                                    f"{r['tokens_per_step']:.2f} tok/step")
+                            order = order[1:] + order[:1]  # no method always runs first
+    rows = [{"method": m, "pass": p, "batch_size": b, "temperature": t, "siblings": n, **_median(rs)}
+            for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from ``repeats`` timings of it: the median of each number, and every run's tokens/s."""
+    out: dict[str, Any] = {}
+    for k in runs[0]:
+        vals = sorted(r[k] for r in runs)
+        mid = len(vals) // 2
+        out[k] = vals[mid] if len(vals) % 2 else round((vals[mid - 1] + vals[mid]) / 2, 4)
+        if all(isinstance(v, int) for v in vals):
+            out[k] = int(out[k])
+    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    return out
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
