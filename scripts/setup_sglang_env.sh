@@ -51,6 +51,11 @@ if [ ! -f "$ARCTIC_STAMP" ]; then
   "$VENV/bin/python" -c "from arctic_inference.suffix_decoding._C import SuffixTree; SuffixTree(64)"
   touch "$ARCTIC_STAMP"
 fi
+# Ray for the trainer-integration tests (tests/test_ray.py: a local cluster, engine actors, the
+# draft-server actor).
+RAY_VERSION=2.60.0
+"$VENV/bin/python" -c "import ray, sys; sys.exit(ray.__version__ != '$RAY_VERSION')" 2>/dev/null \
+  || "$VENV/bin/python" -m pip install -q "ray==$RAY_VERSION"
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
 "$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"

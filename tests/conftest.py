@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 from typing import NoReturn
 
@@ -36,3 +38,20 @@ def sglang_0523(sglang_py: Path) -> Path:
         sglang_missing(f"{SGLANG_0523} is missing: scripts/setup_sglang_env.sh did not finish",
                        "needs SGLang 0.5.23 unpacked by scripts/setup_sglang_env.sh")
     return SGLANG_0523
+
+
+def build_model(py: Path, kind: str, **params) -> Path:
+    """A local test model (histospec_sgl.bench.engine_models, built once and cached), by ``py``."""
+    code = ("import json, sys; from histospec_sgl.bench.engine_models import ensure; "
+            "print(ensure(sys.argv[1], log=lambda m: None, **json.loads(sys.argv[2])))")
+    r = subprocess.run([str(py), "-c", code, kind, json.dumps(params)], capture_output=True, text=True,
+                       timeout=900, cwd=str(ROOT / "tests"))
+    if r.returncode:
+        sglang_missing(f"building the {kind} model failed:\n{r.stderr[-3000:]}", "no torch/transformers")
+    return Path(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def greedy_model(sglang_py: Path) -> Path:
+    """Random weights, float32: greedy continuations are deterministic, so every method must agree."""
+    return build_model(sglang_py, "random")

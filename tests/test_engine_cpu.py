@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, sglang_missing
+from conftest import ROOT, build_model, sglang_missing
 
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, verify_steps
 
@@ -30,28 +30,12 @@ D = 8
 pytestmark = pytest.mark.timeout(900)
 
 
-def _build_model(py: Path, kind: str, **params) -> Path:
-    code = ("import json, sys; from histospec_sgl.bench.engine_models import ensure; "
-            "print(ensure(sys.argv[1], log=lambda m: None, **json.loads(sys.argv[2])))")
-    r = subprocess.run([str(py), "-c", code, kind, json.dumps(params)], capture_output=True, text=True,
-                       timeout=900, cwd=str(ROOT / "tests"))
-    if r.returncode:
-        sglang_missing(f"building the {kind} model failed:\n{r.stderr[-3000:]}", "no torch/transformers")
-    return Path(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def greedy_model(sglang_py) -> Path:
-    """Random weights, float32: greedy continuations are deterministic, so every method must agree."""
-    return _build_model(sglang_py, "random")
-
-
 @pytest.fixture(scope="module")
 def peaked_model(sglang_py) -> Path:
     """Random weights over 24 tokens with a sharpened output layer: a few likely tokens per step, so
     samples at temperature 1 repeat each other (drafts get accepted) and their distribution can be
     estimated from a few thousand samples."""
-    return _build_model(sglang_py, "random", vocab=24, logit_scale=12.0, seed=1)
+    return build_model(sglang_py, "random", vocab=24, logit_scale=12.0, seed=1)
 
 
 def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:

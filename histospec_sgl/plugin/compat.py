@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from importlib import metadata
 from typing import Any
 
@@ -72,6 +73,12 @@ def validate_server_args(server_args: Any) -> None:
     """
     from histospec_sgl.plugin.config import HistoryConfig
 
+    if os.environ.get("HISTOSPEC_DRAFT_SERVER_ACTOR") and not os.environ.get("HISTOSPEC_DRAFT_SERVER"):
+        # In a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is connected:
+        # the SGLang processes started from here inherit the address.
+        from histospec_sgl.integrations.ray_draft_server import resolve_env
+
+        resolve_env()
     HistoryConfig.from_env()
     view = _resolved(server_args)
     wrong = {}

@@ -140,6 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
 ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
     "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE",
     "HISTOSPEC_DRAFT_SERVER_CA",
+    # namespace/name of a draft-server Ray actor (histospec_sgl.integrations.ray_draft_server)
+    "HISTOSPEC_DRAFT_SERVER_ACTOR",
 }
 
 

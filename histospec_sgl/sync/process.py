@@ -22,6 +22,8 @@ class DraftServerProcess:
         listen: address to bind (port 0: a free one, read back from the ready line).
         data_dir, auth_token_file, max_tokens, max_records, extra: passed as the CLI flags.
         log: file to collect the server's stderr (None: inherit).
+        die_with_parent: the server gets SIGTERM when the process that started it dies (Linux), so a
+            killed owner (a Ray actor) does not leave it holding the port.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class DraftServerProcess:
         extra: list[str] | None = None,
         log: str | os.PathLike[str] | None = None,
         startup_timeout: float = 30.0,
+        die_with_parent: bool = False,
     ):
         cmd = [sys.executable, "-m", "histospec_sgl.cli", "draft-server", "--listen", listen]
         if data_dir is not None:
@@ -48,7 +51,8 @@ class DraftServerProcess:
         cmd += extra or []
         self.cmd = cmd
         self._log = open(log, "ab") if log is not None else None  # noqa: SIM115 (closed in wait())
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     preexec_fn=_term_with_parent if die_with_parent else None)
         self.address = self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> str:
@@ -103,6 +107,16 @@ class DraftServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux: the owner's stop() still ends it
+        pass
 
 
 def wait_port_free(port: int, timeout: float = 10.0) -> None:

@@ -1,0 +1,20 @@
+"""verl's plugin entry point (``[project.entry-points."verl.plugins"] histospec``).
+
+verl imports every ``verl.plugins`` entry point when ``verl`` is imported, in every process (unless
+``VERL_USE_EXTERNAL_PLUGINS=none``), and its SGLang server actor imports verl before it builds
+SGLang's ``ServerArgs``. Importing this package registers ``--speculative-algorithm HISTORY`` with
+SGLang there, so the override ::
+
+    +actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_algorithm=HISTORY
+
+works with no other change. Without SGLang (a trainer-only process) it does nothing. It never raises:
+verl logs entry-point errors only at debug level, so a failure is logged here as a warning.
+
+The SPEC-RL agent loop and the prompt-affinity router live in submodules that import verl.
+"""
+
+from __future__ import annotations
+
+from histospec_sgl.integrations.ray_setup import setup as _setup
+
+REGISTERED = _setup()

@@ -1,0 +1,118 @@
+"""Drivers for tests/test_ray.py, run by .venv-sglang's interpreter (Ray and SGLang live there).
+
+The model directory (a local test model: ServerArgs reads its config) comes in
+``HISTOSPEC_TEST_MODEL``.
+
+``python ray_cluster_script.py hook``: on a local Ray cluster, an engine actor (its own
+``runtime_env``, as slime's and verl's engine actors have) builds SGLang's ``ServerArgs`` with
+``speculative_algorithm="HISTORY"``: once on a cluster started without the setup hook, once with it.
+Prints one JSON line.
+
+``python ray_cluster_script.py engine ADDRESS``: connects to a running cluster; an engine actor that
+only knows ``HISTOSPEC_DRAFT_SERVER_ACTOR`` builds ``ServerArgs`` (the plugin resolves the actor to an
+address there), starts the engine-side sync with an index and waits until a record published by this
+driver reaches it. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import ray
+
+HOOK = "histospec_sgl.integrations.ray_setup.setup"
+
+
+def _server_args(**extra: object) -> dict:
+    """SGLang's ServerArgs as an engine actor builds them (slime: ``ServerArgs(**kwargs)``)."""
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        sa = ServerArgs(model_path=os.environ["HISTOSPEC_TEST_MODEL"], speculative_algorithm="HISTORY", device="cuda",
+                        load_format="dummy", skip_tokenizer_init=True, **extra)
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, "algorithm": str(sa.speculative_algorithm),
+            "attention_backend": sa.attention_backend, "draft_tokens": sa.speculative_num_draft_tokens}
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """Stands where slime's SGLangEngine / verl's SGLangHttpServer actor builds ServerArgs."""
+
+    def server_args(self) -> dict:
+        return _server_args()
+
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    def receive(self, prompt: list[int], timeout: float) -> dict:
+        from histospec_sgl import HistoryIndex
+        from histospec_sgl.sync.engine import EngineSync
+
+        index = HistoryIndex()
+        sync = EngineSync.from_env(index)
+        if sync is None:
+            return {"responses": 0, "error": "no HISTOSPEC_DRAFT_SERVER in the engine's environment"}
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                sync.step_boundary()
+                if index.stats()["responses"] >= 1:
+                    break
+                time.sleep(0.05)
+            return {"responses": index.stats()["responses"], "address": sync.address if hasattr(sync, "address")
+                    else os.environ.get("HISTOSPEC_DRAFT_SERVER")}
+        finally:
+            sync.close()
+
+
+def hook() -> None:
+    out = {}
+    for with_hook in (False, True):
+        runtime_env = {"worker_process_setup_hook": HOOK} if with_hook else {}
+        ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
+        try:
+            actor = EngineActor.options(runtime_env={"env_vars": {"HISTOSPEC_TEST_ACTOR": "1"}}).remote()
+            out["with_hook" if with_hook else "without_hook"] = ray.get(actor.server_args.remote(), timeout=120)
+        finally:
+            ray.shutdown()
+    print(json.dumps(out))
+
+
+def engine(address: str) -> None:
+    from histospec_sgl.integrations import ray_draft_server as rds
+    from histospec_sgl.sync.client import HistoryPublisher
+
+    # The job's runtime env, as `ray job submit --runtime-env-json` gives it to slime's and verl's actors.
+    ray.init(address=address, log_to_driver=False, runtime_env={"worker_process_setup_hook": HOOK})
+    try:
+        server = rds.lookup()
+        again, pid = None, None
+        if server is not None:
+            actor, again = rds.get_or_create(listen="127.0.0.1:0")  # the running one, not a second
+            pid = ray.get(actor.pid.remote())
+        prompt = [11, 12, 13, 14]
+        if server is not None:
+            with HistoryPublisher(server) as pub:
+                pub.publish(prompt, [21, 22, 23, 24, 25], version=3)
+                pub.flush()
+        env = {"HISTOSPEC_DRAFT_SERVER_ACTOR": f"{rds.NAMESPACE}/{rds.NAME}"}
+        eng = EngineActor.options(runtime_env={"env_vars": env}).remote()
+        args = ray.get(eng.server_args.remote(), timeout=120)
+        resolved = ray.get(eng.env.remote("HISTOSPEC_DRAFT_SERVER"))
+        got = ray.get(eng.receive.remote(prompt, 30.0), timeout=120)
+        print(json.dumps({"lookup": server, "again": again, "server_pid": pid, "server_args": args,
+                          "resolved": resolved, "received": got}))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "hook":
+        hook()
+    else:
+        engine(sys.argv[2])

@@ -1,0 +1,100 @@
+"""histospec-sgl on Ray (Ray 2.60 and SGLang 0.5.17 in .venv-sglang, a real local cluster):
+
+- inside an engine actor that builds SGLang's ``ServerArgs`` itself (slime, verl), HISTORY is an
+  unknown algorithm without the setup hook and resolves with it;
+- ``histospec-sgl ray draft-server`` starts the draft server once as a detached, named actor that
+  outlives the driver that made it; a second call finds it; an engine actor that knows only the
+  actor's name resolves its address while building ``ServerArgs`` and receives published history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, sglang_missing
+from histospec_sgl.bench.engine_server import free_port
+
+SCRIPT = Path(__file__).with_name("ray_cluster_script.py")
+
+
+@pytest.fixture(scope="module")
+def ray_py(sglang_py: Path) -> Path:
+    r = subprocess.run([str(sglang_py), "-c", "import ray"], capture_output=True)
+    if r.returncode != 0:
+        sglang_missing("Ray is missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
+                       "needs Ray in .venv-sglang (bash scripts/setup_sglang_env.sh)")
+    return sglang_py
+
+
+def _env(model: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    # A loopback test cluster: no token auth (Ray 2.60 turns it on by default), no usage reporting.
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_DOCKER_CPU_WARNING="1", RAY_AUTH_MODE="disabled",
+               PYTHONPATH=str(ROOT), HISTOSPEC_TEST_MODEL=str(model))
+    return env
+
+
+def _run(py: Path, model: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(py), *args], capture_output=True, text=True, timeout=timeout, env=_env(model),
+                          cwd=ROOT)
+
+
+def _last_json(r: subprocess.CompletedProcess) -> dict:
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_history_resolves_in_an_engine_actor_only_with_the_setup_hook(ray_py, greedy_model):
+    out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "hook"))
+    assert out["without_hook"]["ok"] is False
+    assert "Unknown speculative algorithm name" in out["without_hook"]["error"]
+    assert out["with_hook"]["ok"] is True, out["with_hook"]
+    assert "HISTORY" in out["with_hook"]["algorithm"]
+    assert out["with_hook"]["attention_backend"] == "flashinfer"
+
+
+def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py, greedy_model, tmp_path):
+    port = free_port()
+    ray_bin = ray_py.parent / "ray"
+    head = f"127.0.0.1:{port}"
+    temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must fit in 107 bytes
+    start = subprocess.run(
+        [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2",
+         "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=180, env=_env(greedy_model))
+    assert start.returncode == 0, start.stdout[-3000:] + start.stderr[-3000:]
+    data = tmp_path / "history"
+    try:
+        cli = ["-m", "histospec_sgl.cli", "ray", "draft-server", "--address", head, "--listen", "127.0.0.1:0",
+               "--data-dir", str(data)]
+        first = _run(ray_py, greedy_model, *cli)
+        assert first.returncode == 0, first.stderr[-4000:]
+        address = first.stdout.strip().splitlines()[-1]
+        assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
+        # The driver that created it has exited; a second call finds the same server.
+        second = _run(ray_py, greedy_model, *cli)
+        assert second.returncode == 0, second.stderr[-4000:]
+        assert second.stdout.strip().splitlines()[-1] == address
+        assert (data / "ray-actor-listen").read_text().strip() == address
+
+        out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "engine", head))
+        assert out["lookup"] == address and out["again"] == address
+        assert out["server_args"]["ok"] is True, out["server_args"]
+        assert out["resolved"] == address  # set by the plugin inside the engine actor
+        assert out["received"]["responses"] == 1, out["received"]
+
+        stop_cli = ["-m", "histospec_sgl.cli", "ray", "draft-server", "--address", head, "--stop"]
+        stop = _run(ray_py, greedy_model, *stop_cli)
+        assert stop.returncode == 0, stop.stderr[-4000:]
+        gone = _run(ray_py, greedy_model, *stop_cli)
+        assert gone.returncode == 1 and "no actor" in gone.stdout
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120, env=_env(greedy_model))
+        shutil.rmtree(temp, ignore_errors=True)
