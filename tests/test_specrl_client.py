@@ -43,6 +43,7 @@ class Policy:
             self.logits += np.random.default_rng(seed + 1).normal(size=self.logits.shape) * shift
 
     def logp(self, ctx: list[int]) -> np.ndarray:
+        ctx = [0, 0, *ctx]  # contexts shorter than two tokens (scoring from the prompt's start)
         z = self.logits[(ctx[-2] % V) * V + ctx[-1] % V]
         return z - np.log(np.exp(z - z.max()).sum()) - z.max()
 
@@ -127,7 +128,7 @@ class FakeSGLang:
             start = body.get("logprob_start_len", -1)
             if start == -1:
                 start = len(ids)
-            start -= self.offset
+            start = max(0, start - self.offset)
             meta["input_token_logprobs"] = [
                 [None if i == 0 else float(self.policy.logp(ids[:i])[ids[i]]), ids[i], None] for i in range(start, len(ids))]
             meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(out, lps)]

@@ -90,7 +90,7 @@ def accept_length(outs: list[dict]) -> float | None:
 
 def specrl_alignment(base: str, prompts: list[list[int]], max_new: int, out: Path) -> dict:
     """Issue 6 on a real server: generate with log-probs, then score prompt + response in one prefill
-    (logprob_start_len = len(prompt)); the scored log-probs must line up with the response and equal
+    (logprob_start_len = len(prompt) - 1: a cached prefix has no logits); the scored log-probs must line up with the response and equal
     the generation's own. The raw responses are kept as fixtures for CPU tests."""
     from histospec_sgl.specrl.client import scored_logprobs
 
@@ -100,7 +100,7 @@ def specrl_alignment(base: str, prompts: list[list[int]], max_new: int, out: Pat
                                         "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new,
                                                             "ignore_eos": True}})
         ids = gen["output_ids"]
-        sc = post(base + "/generate", {"input_ids": p + ids, "return_logprob": True, "logprob_start_len": len(p),
+        sc = post(base + "/generate", {"input_ids": p + ids, "return_logprob": True, "logprob_start_len": len(p) - 1,
                                        "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}})
         raw.append({"prompt_ids": p, "generate": gen, "score": sc})
         new = scored_logprobs(sc["meta_info"], ids)
