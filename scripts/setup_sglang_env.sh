@@ -51,11 +51,16 @@ if [ ! -f "$ARCTIC_STAMP" ]; then
   "$VENV/bin/python" -c "from arctic_inference.suffix_decoding._C import SuffixTree; SuffixTree(64)"
   touch "$ARCTIC_STAMP"
 fi
-# Ray for the trainer-integration tests (tests/test_ray.py: a local cluster, engine actors, the
-# draft-server actor).
-RAY_VERSION=2.60.0
-"$VENV/bin/python" -c "import ray, sys; sys.exit(ray.__version__ != '$RAY_VERSION')" 2>/dev/null \
-  || "$VENV/bin/python" -m pip install -q "ray==$RAY_VERSION"
+# The trainer-integration tests: Ray (a local cluster, engine actors, the draft-server actor),
+# sglang-router (slime's router, in front of the CPU server) and the two packages slime's rollout
+# imports that SGLang does not (slime itself is not on PyPI: the tests read its source from
+# ../shared/trainers/slime).
+TRAINER_STAMP="$VENV/.histospec-trainers-1"
+if [ ! -f "$TRAINER_STAMP" ]; then
+  echo "[setup-sglang] installing Ray, sglang-router and slime's rollout dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11"
+  touch "$TRAINER_STAMP"
+fi
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
 "$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"

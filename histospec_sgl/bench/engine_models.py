@@ -34,7 +34,8 @@ SAMPLE = Path(__file__).resolve().parents[1] / "data" / "humaneval_sample.jsonl.
 #: Raised when a recipe changes, so that cached models are rebuilt.
 RECIPE_VERSION = 1
 RANDOM_DEFAULTS: dict[str, Any] = dict(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2,
-                                       intermediate=688, dtype="float32", logit_scale=1.0, seed=0)
+                                       intermediate=688, dtype="float32", logit_scale=1.0, seed=0,
+                                       tokenizer=None)
 RHYME_DEFAULTS: dict[str, Any] = dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688,
                                       steps=700, batch=16, max_len=192, lr=2e-3, seed=0)
 #: Token id of the end of a completion in the rhyme model's compact vocabulary.
@@ -94,11 +95,24 @@ def _save(model: Any, out: Path, dtype: str) -> None:
 
 
 def build_random(out: Path, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                 intermediate: int, dtype: str, logit_scale: float, seed: int,
+                 intermediate: int, dtype: str, logit_scale: float, seed: int, tokenizer: str | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Random weights. ``tokenizer``: a directory with a Hugging Face ``tokenizer.json`` (and its
+    ``tokenizer_config.json``) copied beside the weights, so that servers and trainers that speak text
+    can use the model; ``vocab`` must cover it."""
     import torch
     from transformers import LlamaForCausalLM
 
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
+
+        size = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+        if size > vocab:
+            raise ValueError(f"the tokenizer in {tokenizer} has {size} tokens; give vocab >= {size}")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (Path(tokenizer) / name).exists():
+                shutil.copyfile(Path(tokenizer) / name, out / name)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_config(vocab, hidden, layers, heads, kv_heads, intermediate, dtype, eos=vocab - 1))
     with torch.no_grad():

@@ -62,12 +62,14 @@ def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] |
 
 def server_args(model: str | os.PathLike[str], method: str, *, port: int, device: str = "cpu",
                 draft_tokens: int = 8, dtype: str = "float32", max_running: int = 64,
-                max_total_tokens: int = 65536, tp: int = 1, extra: list[str] | None = None) -> list[str]:
-    """``sglang.launch_server`` arguments for one method (token ids in and out, no tokenizer)."""
+                max_total_tokens: int = 65536, tp: int = 1, extra: list[str] | None = None,
+                tokenizer: bool = False) -> list[str]:
+    """``sglang.launch_server`` arguments for one method (token ids in and out, no tokenizer, unless
+    ``tokenizer``: then the model directory's tokenizer, and text too)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
-    args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
-            "--dtype", dtype, "--max-running-requests", str(max_running), "--log-level", "warning",
+    args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+            *([] if tokenizer else ["--skip-tokenizer-init"]), "--dtype", dtype, "--max-running-requests", str(max_running), "--log-level", "warning",
             "--tp-size", str(tp)]
     if device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens",
@@ -93,19 +95,20 @@ class EngineServer:
         device: ``cpu`` (adds the CPU stand-ins, ``torch_native``) or ``cuda``.
         env: extra environment variables (``HISTOSPEC_*`` settings).
         log_path: where the server's output goes (default: a temporary file).
+        tokenizer: load the model directory's tokenizer (default: token ids only).
     """
 
     def __init__(self, model: str | os.PathLike[str], method: str = "plain", *, python: str | None = None,
                  device: str = "cpu", draft_tokens: int = 8, dtype: str = "float32", max_running: int = 64,
                  max_total_tokens: int = 65536, tp: int = 1, env: dict[str, str] | None = None,
                  extra_args: list[str] | None = None, log_path: str | os.PathLike[str] | None = None,
-                 startup_timeout: float = 300.0, port: int | None = None):
+                 startup_timeout: float = 300.0, port: int | None = None, tokenizer: bool = False):
         self.python = python or sys.executable
         self.method = method
         self.port = port or free_port()
         self.args = server_args(model, method, port=self.port, device=device, draft_tokens=draft_tokens,
                                 dtype=dtype, max_running=max_running, max_total_tokens=max_total_tokens, tp=tp,
-                                extra=extra_args)
+                                extra=extra_args, tokenizer=tokenizer)
         base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
         base.update(env or {})
         if tp > 1 and device == "cpu":

@@ -142,6 +142,8 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
     "HISTOSPEC_DRAFT_SERVER_CA",
     # namespace/name of a draft-server Ray actor (histospec_sgl.integrations.ray_draft_server)
     "HISTOSPEC_DRAFT_SERVER_ACTOR",
+    # the generate slime's adapter hands requests to (histospec_sgl.integrations.slime)
+    "HISTOSPEC_SLIME_INNER_GENERATE",
 }
 
 

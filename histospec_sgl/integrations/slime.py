@@ -1,0 +1,303 @@
+"""slime: HISTORY drafting and SPEC-RL rollouts through slime's own hooks.
+
+Two functions for slime's command line (slime imports them by path)::
+
+    --custom-generate-function-path histospec_sgl.integrations.slime.generate
+    --rollout-all-samples-process-path histospec_sgl.integrations.slime.record
+    --custom-config-path histospec.yaml
+
+:func:`generate` keeps a prompt's samples together: it sets the sample's routing key
+(``session_id``, which slime sends as ``X-SMG-Routing-Key`` under ``--router-policy
+consistent_hashing``) and ``custom_params.histospec_group`` to the prompt's group, so the n samples
+of a group and its later epochs land on the same engine and draft from each other. Then:
+
+- ``histospec_mode: history`` (default): hands the request to the inner generate (slime's own
+  ``slime.rollout.sglang_rollout.generate`` unless ``histospec_inner_generate_path`` names another),
+  which decodes with ``--sglang-speculative-algorithm HISTORY`` on the engines;
+- ``histospec_mode: specrl``: reuses the group's previous response for this sample slot
+  (:class:`~histospec_sgl.specrl.client.SpecRLRollout`): scores it under the current policy, cuts at
+  the first rejected token and continues from there, all through slime's HTTP client to its router.
+  The sample is filled as slime's generate fills it: prompt and response tokens, the current
+  policy's log-prob of every response token, loss mask, status from the finish reason, weight
+  version, and ``metadata["histospec"]`` with the reused/generated counts. Evaluation requests are
+  always generated normally.
+
+:func:`record` runs after every rollout with all of its samples: finished ones (not aborted) become
+the previous responses of the next epoch, with their log-probs, sample slot and the policy version
+that sampled them (slime's ``weight_versions``), published to the draft server when one is set
+(the one store every engine and trainer shares) or kept in this process otherwise.
+
+Settings: keys of the ``--custom-config-path`` YAML (slime sets each as an ``args`` attribute):
+
+=================================  ==============================================================
+``histospec_mode``                 ``history`` (default) or ``specrl``
+``histospec_lenience``             SPEC-RL's ℓ >= 1 (default ``HISTOSPEC_LENIENCE`` or 1: exact)
+``histospec_draft_server``         host:port of the draft server (default ``HISTOSPEC_DRAFT_SERVER``)
+``histospec_inner_generate_path``  the generate to hand requests to (default
+                                   ``HISTOSPEC_SLIME_INNER_GENERATE`` or slime's own)
+``histospec_seed``                 seed of SPEC-RL's acceptance draws (default 0)
+=================================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("histospec_sgl.integrations")
+
+DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
+MODES = ("history", "specrl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    mode: str = "history"
+    lenience: float = 1.0
+    draft_server: str | None = None
+    inner_generate_path: str = DEFAULT_INNER
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: Any) -> Settings:
+        mode = str(getattr(args, "histospec_mode", None) or "history").strip().lower()
+        if mode not in MODES:
+            raise ValueError(f"histospec_mode must be one of {', '.join(MODES)}, not {mode!r}")
+        lenience = getattr(args, "histospec_lenience", None) or os.environ.get("HISTOSPEC_LENIENCE") or 1.0
+        from histospec_sgl.specrl.acceptance import check_lenience
+
+        return cls(
+            mode=mode,
+            lenience=check_lenience(float(lenience)),
+            draft_server=(getattr(args, "histospec_draft_server", None)
+                          or os.environ.get("HISTOSPEC_DRAFT_SERVER") or None),
+            inner_generate_path=(getattr(args, "histospec_inner_generate_path", None)
+                                 or os.environ.get("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
+            seed=int(getattr(args, "histospec_seed", None) or 0),
+        )
+
+
+def sample_group(sample: Any) -> int:
+    """A sample's history group: ``metadata["histospec_group"]`` if set, else BLAKE2b-64 of its
+    prompt (text, or the chat messages as canonical JSON): the same for its n siblings and in every
+    epoch, without tokenizing."""
+    meta = getattr(sample, "metadata", None) or {}
+    if "histospec_group" in meta:
+        return int(meta["histospec_group"])
+    prompt = sample.prompt
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def sample_slot(args: Any, sample: Any) -> int:
+    """The sample's position in its group: slime numbers samples consecutively, n per group."""
+    n = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    index = getattr(sample, "index", None)
+    return int(index) % n if index is not None else 0
+
+
+def sample_version(sample: Any) -> int:
+    """The policy version that sampled it: slime's last weight version (an int when SGLang reports
+    one), else the rollout id, else 0."""
+    for v in reversed(getattr(sample, "weight_versions", None) or []):
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            continue
+    rid = getattr(sample, "rollout_id", None)
+    return int(rid) if rid is not None else 0
+
+
+# -- the previous-response store ------------------------------------------------------------------
+
+
+class _Store:
+    """Previous responses for SPEC-RL: the draft server's records (read once per rollout, after each
+    :func:`record`) or, without a draft server, what :func:`record` kept in this process."""
+
+    def __init__(self) -> None:
+        from histospec_sgl.specrl.client import PreviousResponses
+
+        self._lock = threading.Lock()
+        self.local = PreviousResponses()
+        self._remote: PreviousResponses | None = None
+        self._publishers: dict[str, Any] = {}
+
+    def previous(self, settings: Settings, group: int, slot: int) -> Any:
+        if settings.draft_server:
+            with self._lock:
+                if self._remote is None:
+                    from histospec_sgl.specrl.client import PreviousResponses
+
+                    self._remote = PreviousResponses.from_draft_server(settings.draft_server)
+                remote = self._remote
+            found = remote.get(group, slot)
+            if found is not None:
+                return found
+        return self.local.get(group, slot)
+
+    def publisher(self, address: str) -> Any:
+        with self._lock:
+            pub = self._publishers.get(address)
+            if pub is None:
+                from histospec_sgl.sync.client import HistoryPublisher
+
+                pub = self._publishers[address] = HistoryPublisher(address)
+            return pub
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._remote = None
+
+
+_STORE: _Store | None = None
+_STORE_LOCK = threading.Lock()
+
+
+def store() -> _Store:
+    global _STORE
+    with _STORE_LOCK:
+        if _STORE is None:
+            _STORE = _Store()
+        return _STORE
+
+
+# -- generate ---------------------------------------------------------------------------------------
+
+
+def _load_inner(path: str) -> Any:
+    from slime.utils.misc import load_function
+
+    fn = load_function(path)
+    if fn is generate:
+        raise ValueError("histospec_inner_generate_path points back at histospec_sgl.integrations.slime.generate")
+    return fn
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> Any:
+    """slime's ``--custom-generate-function-path``; see the module docstring."""
+    settings = Settings.from_args(args)
+    group = sample_group(sample)
+    sample.session_id = f"{group:016x}"  # the routing key: one engine per prompt
+    params = dict(sampling_params)
+    params["custom_params"] = {**(params.get("custom_params") or {}), "histospec_group": group}
+    if settings.mode == "history" or evaluation:
+        inner = _load_inner(settings.inner_generate_path)
+        if "evaluation" in inspect.signature(inner).parameters:
+            return await inner(args, sample, params, evaluation=evaluation)
+        return await inner(args, sample, params)
+    return await _specrl_generate(args, sample, params, settings, group)
+
+
+async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], settings: Settings, group: int) -> Any:
+    from slime.rollout.sglang_rollout import GenerateState, _prepare_prompt_ids
+    from slime.utils.http_utils import post
+    from slime.utils.types import Sample
+
+    from histospec_sgl.specrl.client import RolloutRequest, SpecRLRollout
+
+    assert sample.status in (Sample.Status.PENDING, Sample.Status.ABORTED), f"Sample status is {sample.status}"
+    state = GenerateState(args)
+    prompt_ids = list(_prepare_prompt_ids(sample, state.tokenizer, state.processor))
+    params["max_new_tokens"] = int(params["max_new_tokens"]) - sample.response_length
+    if params["max_new_tokens"] <= 0:
+        sample.status = Sample.Status.TRUNCATED
+        return sample
+    if sample.response_length:  # a partial rollout resumed: continue it as slime's generate would
+        prompt_ids = list(sample.tokens)
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    headers = ({"X-SMG-Routing-Key": sample.session_id}
+               if getattr(args, "router_policy", None) == "consistent_hashing" else None)
+
+    async def backend(payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return await asyncio.wait_for(post(url, payload, headers=headers), timeout)
+
+    slot = sample_slot(args, sample)
+    previous = None if sample.response_length else store().previous(settings, group, slot)
+    seed = np.random.SeedSequence([settings.seed, group & 0xFFFFFFFF, group >> 32, slot,
+                                   int(getattr(sample, "index", 0) or 0)])
+    client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1)
+    (res,) = await client.rollout([RolloutRequest(prompt_ids, params, previous, name=str(sample.index),
+                                                  group=group, sample_index=slot)])
+    if not sample.tokens:
+        sample.tokens = prompt_ids
+    meta = dict(res.meta_info or {})
+    meta["finish_reason"] = {"type": res.finish_reason or "length"}
+    # The scoring pass's counters describe the prompt, not this response.
+    for key in ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens"):
+        if res.generated == 0:
+            meta.pop(key, None)
+    skip = bool(params.get("skip_special_tokens", True))
+    text = state.tokenizer.decode(res.response_ids, skip_special_tokens=skip) if res.response_ids else ""
+    sample.append_response_tokens(args, tokens=res.response_ids, log_probs=res.logprobs, trainable=True,
+                                  meta_info=meta, text=text)
+    sample.metadata["histospec"] = {"reused": res.reused, "generated": res.generated,
+                                    "previous_len": res.previous_len}
+    return sample
+
+
+# -- record -----------------------------------------------------------------------------------------
+
+
+def _flatten(items: Any) -> list[Any]:
+    out: list[Any] = []
+    for x in items:
+        if isinstance(x, (list, tuple)):
+            out.extend(_flatten(x))
+        else:
+            out.append(x)
+    return out
+
+
+def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
+    """slime's ``--rollout-all-samples-process-path``: finished samples (not aborted, with a
+    response and its log-probs) become history and previous responses; see the module docstring."""
+    from slime.utils.types import Sample
+
+    from histospec_sgl.specrl.client import Previous
+
+    settings = Settings.from_args(args)
+    st = store()
+    pub = st.publisher(settings.draft_server) if settings.draft_server else None
+    kept = 0
+    for sample in _flatten(all_samples):
+        n = int(sample.response_length or 0)
+        if sample.status == Sample.Status.ABORTED or n == 0 or len(sample.tokens) < n:
+            continue
+        prompt_ids, response_ids = list(sample.tokens[:-n]), list(sample.tokens[-n:])
+        logprobs = list(sample.rollout_log_probs or [])[-n:] if sample.rollout_log_probs else None
+        if logprobs is not None and len(logprobs) != n:
+            logprobs = None
+        group, slot, version = sample_group(sample), sample_slot(args, sample), sample_version(sample)
+        finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}.get(sample.status)
+        if pub is not None:
+            pub.publish(prompt_ids, response_ids, group=group, version=version, sample_index=slot,
+                        logprobs=logprobs, reward=_reward(args, sample))
+        if logprobs is not None:
+            st.local.put(group, slot, Previous(response_ids, logprobs, finish, version))
+        kept += 1
+    if pub is not None:
+        pub.flush()
+    st.invalidate()  # the next rollout reads the draft server's records afresh
+    logger.info("histospec: recorded %d finished samples%s", kept,
+                f" on the draft server {settings.draft_server}" if pub is not None else "")
+
+
+def _reward(args: Any, sample: Any) -> float | None:
+    r = sample.reward
+    if isinstance(r, dict):
+        key = getattr(args, "reward_key", None)
+        r = r.get(key) if key else None
+    try:
+        return float(r) if r is not None else None
+    except (TypeError, ValueError):
+        return None

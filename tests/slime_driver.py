@@ -1,0 +1,82 @@
+"""Drives slime's real rollout (``slime.rollout.sglang_rollout.generate_rollout`` with its
+``RolloutDataSourceWithBuffer``) for two epochs through ``histospec_sgl.integrations.slime``, against
+a real SGLang server behind a real sglang-router. Run by tests/test_slime.py with .venv-sglang's
+interpreter and slime's source on ``PYTHONPATH``.
+
+    python slime_driver.py MODE ROUTER_URL MODEL_DIR PROMPTS_JSONL DRAFT_SERVER OUT_JSON
+
+Prints nothing useful; writes, per epoch, every sample's fields the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from argparse import Namespace
+from urllib.parse import urlsplit
+
+
+async def reward(args, sample) -> float:
+    """``--custom-rm-path``: a rule on the response (slime calls it for every finished sample)."""
+    return float(len(sample.response) % 2)
+
+
+def make_args(mode: str, router: str, model: str, prompts: str, draft_server: str) -> Namespace:
+    """The fields slime's parser would give (it needs Megatron to run; the values are its defaults or
+    what a GRPO job on one engine would pass)."""
+    url = urlsplit(router)
+    return Namespace(
+        # rollout
+        rollout_global_dataset=True, prompt_data=prompts, input_key="prompt", label_key="label",
+        metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=False,
+        apply_chat_template_kwargs={}, rollout_shuffle=False, rollout_seed=42, rollout_max_prompt_len=None,
+        rollout_batch_size=4, over_sampling_batch_size=4, n_samples_per_prompt=4,
+        rollout_max_response_len=24, rollout_temperature=1.0 if mode == "specrl" else 0.0, rollout_top_p=1.0,
+        rollout_top_k=-1, rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
+        partial_rollout=False, mask_offpolicy_in_partial_rollout=False, dynamic_sampling_filter_path=None,
+        rollout_sample_filter_path=None, buffer_filter_path=None, rollout_sample_hook_path=None,
+        rollout_all_samples_process_path="histospec_sgl.integrations.slime.record",
+        custom_generate_function_path="histospec_sgl.integrations.slime.generate",
+        use_rollout_routing_replay=False, dump_details=None, ci_test=False, load=None, save=None,
+        # reward
+        custom_rm_path="slime_driver.reward", rm_type=None, rm_url=None, group_rm=False, reward_key=None,
+        eval_reward_key=None,
+        # engines and router
+        hf_checkpoint=model, sglang_router_ip=url.hostname, sglang_router_port=url.port,
+        sglang_server_concurrency=16, rollout_num_engines=1, sglang_dp_size=None, use_distributed_post=False,
+        router_policy="consistent_hashing", sglang_speculative_algorithm="HISTORY",
+        sglang_enable_deterministic_inference=False, num_gpus_per_node=1,
+        # histospec.yaml (--custom-config-path sets these on args)
+        histospec_mode=mode, histospec_draft_server=draft_server, histospec_lenience=1.0, histospec_seed=7,
+    )
+
+
+def main() -> None:
+    mode, router, model, prompts, draft_server, out_path = sys.argv[1:7]
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+    from slime.rollout.sglang_rollout import generate_rollout
+    from slime.utils.http_utils import init_http_client
+
+    args = make_args(mode, router, model, prompts, draft_server)
+    init_http_client(args)
+    data_source = RolloutDataSourceWithBuffer(args)
+    epochs = []
+    for rollout_id in range(2):
+        output = generate_rollout(args, rollout_id, data_source)
+        rows = []
+        for group in output.samples:
+            for s in group:
+                rows.append({
+                    "index": s.index, "group_index": s.group_index, "prompt": s.prompt, "tokens": s.tokens,
+                    "response": s.response, "response_length": s.response_length, "loss_mask": s.loss_mask,
+                    "rollout_log_probs": s.rollout_log_probs, "status": s.status.value, "reward": s.reward,
+                    "session_id": s.session_id, "spec_info": s.spec_info.to_dict(),
+                    "weight_versions": s.weight_versions, "histospec": s.metadata.get("histospec"),
+                })
+        epochs.append({"rollout_id": rollout_id, "epoch_id": data_source.epoch_id, "samples": rows})
+    with open(out_path, "w") as f:
+        json.dump({"epochs": epochs}, f)
+
+
+if __name__ == "__main__":
+    main()
