@@ -339,3 +339,34 @@ def test_engine_backend(policy_pair):
     reqs = _requests(12, old, np.random.default_rng(0))
     roll = SpecRLRollout(engine_backend(Engine()), rng=np.random.default_rng(0))
     _check_current_policy_logprobs(roll.rollout_sync(reqs), reqs, new)
+
+
+def test_previous_responses_follow_a_draft_server_live(tmp_path):
+    """follow(): the store mirrors the server's records as they are published, keeps the newest
+    version per (group, slot), and catches up after the server restarts on its port."""
+    from histospec_sgl.sync.client import HistoryPublisher
+    from histospec_sgl.sync.process import DraftServerProcess, wait_port_free
+
+    data = tmp_path / "data"
+    ds = DraftServerProcess(data_dir=data, log=tmp_path / "server.log")
+    store = PreviousResponses.follow(ds.address)
+    try:
+        with HistoryPublisher(ds.address) as pub:
+            pub.publish([1, 2, 3], [4, 5], group=77, sample_index=0, logprobs=[-0.1, -0.2], version=1)
+            pub.publish([1, 2, 3], [6, 7, 8], group=77, sample_index=1, logprobs=[-0.3, -0.4, -0.5], version=1)
+            pub.flush()
+            store.wait_for(pub.last_sequence, timeout=30)
+        assert store.get(77, 0).response_ids == [4, 5] and store.get(77, 1).version == 1
+        port = ds.port
+        ds.kill()
+        wait_port_free(port)
+        ds = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data, log=tmp_path / "server-2.log")
+        with HistoryPublisher(ds.address) as pub:
+            pub.publish([1, 2, 3], [9], group=77, sample_index=0, logprobs=[-0.7], version=2)
+            pub.flush()
+            store.wait_for(pub.last_sequence, timeout=30)
+        assert store.get(77, 0).response_ids == [9] and store.get(77, 0).version == 2
+        assert store.get(77, 1).response_ids == [6, 7, 8]
+    finally:
+        store.close()
+        ds.kill()

@@ -121,26 +121,30 @@ def sample_version(sample: Any) -> int:
 
 
 class _Store:
-    """Previous responses for SPEC-RL: the draft server's records (read once per rollout, after each
-    :func:`record`) or, without a draft server, what :func:`record` kept in this process."""
+    """Previous responses for SPEC-RL: a live mirror of the draft server's records
+    (:meth:`PreviousResponses.follow`), or, without a draft server, what :func:`record` kept in this
+    process."""
 
     def __init__(self) -> None:
         from histospec_sgl.specrl.client import PreviousResponses
 
         self._lock = threading.Lock()
         self.local = PreviousResponses()
-        self._remote: PreviousResponses | None = None
+        self._followers: dict[str, Any] = {}
         self._publishers: dict[str, Any] = {}
+
+    def follower(self, address: str) -> Any:
+        with self._lock:
+            store = self._followers.get(address)
+            if store is None:
+                from histospec_sgl.specrl.client import PreviousResponses
+
+                store = self._followers[address] = PreviousResponses.follow(address)
+            return store
 
     def previous(self, settings: Settings, group: int, slot: int) -> Any:
         if settings.draft_server:
-            with self._lock:
-                if self._remote is None:
-                    from histospec_sgl.specrl.client import PreviousResponses
-
-                    self._remote = PreviousResponses.from_draft_server(settings.draft_server)
-                remote = self._remote
-            found = remote.get(group, slot)
+            found = self.follower(settings.draft_server).get(group, slot)
             if found is not None:
                 return found
         return self.local.get(group, slot)
@@ -153,10 +157,6 @@ class _Store:
 
                 pub = self._publishers[address] = HistoryPublisher(address)
             return pub
-
-    def invalidate(self) -> None:
-        with self._lock:
-            self._remote = None
 
 
 _STORE: _Store | None = None
@@ -287,7 +287,9 @@ def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
         kept += 1
     if pub is not None:
         pub.flush()
-    st.invalidate()  # the next rollout reads the draft server's records afresh
+        if settings.mode == "specrl" and pub.last_sequence:
+            # The next rollout starts right after this returns: have its previous responses here.
+            st.follower(settings.draft_server).wait_for(pub.last_sequence, timeout=60)
     logger.info("histospec: recorded %d finished samples%s", kept,
                 f" on the draft server {settings.draft_server}" if pub is not None else "")
 

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import threading
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -111,18 +112,21 @@ class RolloutCounters:
 
 
 class PreviousResponses:
-    """The latest response per (group, sample index), kept for the next epoch."""
+    """The latest response per (group, sample index), kept for the next epoch (thread-safe)."""
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[Any, int], Previous] = {}
+        self._lock = threading.Lock()
+        self._subscriber: Any = None
 
     def get(self, group: Any, sample_index: int = 0) -> Previous | None:
         return self._by_key.get((group, sample_index))
 
     def put(self, group: Any, sample_index: int, previous: Previous) -> None:
-        old = self._by_key.get((group, sample_index))
-        if old is None or old.version is None or previous.version is None or previous.version >= old.version:
-            self._by_key[(group, sample_index)] = previous
+        with self._lock:
+            old = self._by_key.get((group, sample_index))
+            if old is None or old.version is None or previous.version is None or previous.version >= old.version:
+                self._by_key[(group, sample_index)] = previous
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -140,6 +144,31 @@ class PreviousResponses:
                               r.get("finish_reason"), r.get("version")))
             n += 1
         return n
+
+    @classmethod
+    def follow(cls, address: str, *, auth_token: str | None = None,
+               tls_root_certificates: bytes | None = None) -> PreviousResponses:
+        """A store that mirrors a draft server: its snapshot, then every record published after it,
+        applied by a background subscription (reconnecting when the server restarts) until
+        :meth:`close`. Every trainer process of a job sees the same previous responses, whichever
+        engine or process sampled them."""
+        from histospec_sgl.sync.client import HistorySubscriber
+
+        store = cls()
+        store._subscriber = HistorySubscriber(address, store, auth_token=auth_token,
+                                              tls_root_certificates=tls_root_certificates, background=True).start()
+        return store
+
+    def wait_for(self, sequence: int, timeout: float = 30.0) -> None:
+        """Blocks until the followed server's records up to ``sequence`` are in the store."""
+        if self._subscriber is None:
+            raise RuntimeError("wait_for() is for stores made by follow()")
+        self._subscriber.wait_applied(sequence, timeout)
+
+    def close(self) -> None:
+        if self._subscriber is not None:
+            self._subscriber.close()
+            self._subscriber = None
 
     @classmethod
     def from_draft_server(cls, address: str, *, auth_token: str | None = None,

@@ -280,7 +280,10 @@ class HistorySubscriber(_Client):
     - ``background=True`` (a standalone replica): the receiving thread applies them itself.
 
     Args:
-        index: the index to feed (None: receive and decode only, for measuring delivery).
+        index: the index to feed; or any object with ``add_records(records)``, which gets the decoded
+            records (dicts, as :func:`histospec_sgl._core.decode_records` makes them) in order, e.g. a
+            :class:`~histospec_sgl.specrl.client.PreviousResponses`; None: receive and decode only,
+            for measuring delivery.
         after_sequence: records up to this sequence are already in ``index`` (0: none).
         max_buffered: messages held before the stream is paused (back-pressure to the server).
         channel_options: extra grpcio channel options.
@@ -445,6 +448,15 @@ class HistorySubscriber(_Client):
             if self.index is None:  # receive-only (measures delivery without index building)
                 last, mark = _core.wire_span(data, kind)
                 r = {"applied": max(0, last - self._applied), "rejected": 0, "last_sequence": last, "more": False}
+            elif not isinstance(self.index, _core.HistoryIndex):  # a record sink: add_records(records)
+                d = _core.decode_records(data, kind)
+                fresh = [x for x in d["records"] if x["sequence"] > self._applied
+                         and (through is None or x["sequence"] <= through)]
+                self.index.add_records(fresh)
+                mark = d["head_sequence"] if kind == "subscribe" else d["through_sequence"]
+                r = {"applied": len(fresh), "rejected": 0,
+                     "last_sequence": max([self._applied, *(x["sequence"] for x in fresh)]),
+                     "more": through is not None and any(x["sequence"] > through for x in d["records"])}
             else:
                 r = _core.apply_records(self.index, data, kind, self._applied, through)
                 mark = r["head_sequence"] if kind == "subscribe" else r["through_sequence"]
