@@ -52,13 +52,18 @@ if [ ! -f "$ARCTIC_STAMP" ]; then
   touch "$ARCTIC_STAMP"
 fi
 # The trainer-integration tests: Ray (a local cluster, engine actors, the draft-server actor),
-# sglang-router (slime's router, in front of the CPU server) and the two packages slime's rollout
+# sglang-router (slime's router, in front of the CPU server), the two packages slime's rollout
 # imports that SGLang does not (slime itself is not on PyPI: the tests read its source from
-# ../shared/trainers/slime).
-TRAINER_STAMP="$VENV/.histospec-trainers-1"
+# ../shared/trainers/slime), and verl.
+# verl 0.9.1 without its dependencies (they would replace torch and sglang's pins), plus what its
+# agent loop, rollout server and Hydra config import.
+TRAINER_STAMP="$VENV/.histospec-trainers-2"
 if [ ! -f "$TRAINER_STAMP" ]; then
-  echo "[setup-sglang] installing Ray, sglang-router and slime's rollout dependencies into $VENV"
-  "$VENV/bin/python" -m pip install -q "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11"
+  echo "[setup-sglang] installing Ray, sglang-router, verl and the trainers' rollout dependencies into $VENV"
+  "$VENV/bin/python" -m pip install -q "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11" \
+    "hydra-core==1.3.8" "omegaconf==2.3.1" "codetiming==1.4.0" "pandas==3.1.1" "cachetools==8.0.2" \
+    "tensordict==0.10.0" "datasets==5.2.0"
+  "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1"
   touch "$TRAINER_STAMP"
 fi
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).

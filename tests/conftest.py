@@ -55,3 +55,44 @@ def build_model(py: Path, kind: str, **params) -> Path:
 def greedy_model(sglang_py: Path) -> Path:
     """Random weights, float32: greedy continuations are deterministic, so every method must agree."""
     return build_model(sglang_py, "random")
+
+
+def shared_path(*parts: str) -> Path | None:
+    """A path in the shared folder beside the checkout (trainer sources, data; never copied here):
+    ``$HISTOSPEC_SHARED``, ``../shared`` or ``/work/shared``."""
+    for base in (os.environ.get("HISTOSPEC_SHARED"), ROOT.parent / "shared", Path("/work/shared")):
+        if base and Path(base).joinpath(*parts).exists():
+            return Path(base).joinpath(*parts)
+    return None
+
+
+@pytest.fixture(scope="session")
+def text_model() -> Path:
+    """Random weights with the Qwen3 tokenizer (151,936 ids, 64 wide): the trainers' text paths
+    (tokenize, chat template, detokenize) run for real."""
+    if not SGLANG_PY.exists():
+        sglang_missing(".venv-sglang is missing", "needs .venv-sglang")
+    qwen = shared_path("data", "tokenizers", "qwen3")
+    if qwen is None:
+        sglang_missing("the Qwen3 tokenizer is missing from ../shared/data/tokenizers", "needs the Qwen3 tokenizer")
+    return build_model(SGLANG_PY, "random", vocab=151936, hidden=64, layers=2, heads=2, kv_heads=1,
+                       intermediate=128, tokenizer=str(qwen))
+
+
+@pytest.fixture(scope="session")
+def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One SGLang server on CPU decoding with HISTORY, with the text model's tokenizer, synced with a
+    draft server; shared by the trainer tests."""
+    from histospec_sgl.bench.engine_server import EngineServer
+    from histospec_sgl.sync.process import DraftServerProcess
+
+    tmp = tmp_path_factory.mktemp("text-engine")
+    ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
+    srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
+                       env={"HISTOSPEC_DRAFT_SERVER": ds.address}, log_path=tmp / "sglang.log")
+    try:
+        srv.start()
+        yield {"server": srv, "draft_server": ds, "model": text_model}
+    finally:
+        srv.stop()
+        ds.kill()

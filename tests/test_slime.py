@@ -24,24 +24,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, build_model, sglang_missing
-from histospec_sgl.bench.engine_server import EngineServer, free_port
-from histospec_sgl.sync.process import DraftServerProcess
+from conftest import ROOT, shared_path, sglang_missing
+from histospec_sgl.bench.engine_server import free_port
 
 pytestmark = pytest.mark.timeout(900)
 DRIVER = Path(__file__).with_name("slime_driver.py")
 
 
-def _shared(*parts: str) -> Path | None:
-    for base in (os.environ.get("HISTOSPEC_SHARED"), ROOT.parent / "shared", Path("/work/shared")):
-        if base and (Path(base).joinpath(*parts)).exists():
-            return Path(base).joinpath(*parts)
-    return None
-
-
 @pytest.fixture(scope="module")
 def slime_src(sglang_py) -> Path:
-    src = Path(os.environ["HISTOSPEC_SLIME_SRC"]) if os.environ.get("HISTOSPEC_SLIME_SRC") else _shared(
+    src = Path(os.environ["HISTOSPEC_SLIME_SRC"]) if os.environ.get("HISTOSPEC_SLIME_SRC") else shared_path(
         "trainers", "slime")
     if src is None or not (src / "slime" / "rollout" / "sglang_rollout.py").exists():
         sglang_missing("slime's source is missing: set HISTOSPEC_SLIME_SRC or put it in ../shared/trainers/slime",
@@ -51,15 +43,6 @@ def slime_src(sglang_py) -> Path:
         sglang_missing("slime's dependencies are missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
                        "needs slime's dependencies in .venv-sglang")
     return src
-
-
-@pytest.fixture(scope="module")
-def text_model(sglang_py) -> Path:
-    qwen = _shared("data", "tokenizers", "qwen3")
-    if qwen is None:
-        sglang_missing("the Qwen3 tokenizer is missing from ../shared/data/tokenizers", "needs the Qwen3 tokenizer")
-    return build_model(sglang_py, "random", vocab=151936, hidden=64, layers=2, heads=2, kv_heads=1,
-                       intermediate=128, tokenizer=str(qwen))
 
 
 def _group(prompt: str) -> int:
@@ -80,30 +63,22 @@ def _wait_http(url: str, timeout: float = 120) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(sglang_py, slime_src, text_model, tmp_path_factory):
-    """A draft server, a HISTORY server synced with it, and sglang-router in front."""
+def stack(sglang_py, slime_src, text_engine, tmp_path_factory):
+    """sglang-router in front of the shared HISTORY server (synced with the draft server)."""
     tmp = tmp_path_factory.mktemp("slime")
-    ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
-    srv = EngineServer(text_model, "history", python=str(sglang_py), tokenizer=True, max_running=32,
-                       env={"HISTOSPEC_DRAFT_SERVER": ds.address}, log_path=tmp / "sglang.log")
-    router = None
+    srv = text_engine["server"]
+    port = free_port()
+    with open(tmp / "router.log", "wb") as log:
+        router = subprocess.Popen(
+            [str(sglang_py), "-m", "sglang_router.launch_router", "--worker-urls", srv.url, "--host",
+             "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        srv.start()
-        port = free_port()
-        with open(tmp / "router.log", "wb") as log:
-            router = subprocess.Popen(
-                [str(sglang_py), "-m", "sglang_router.launch_router", "--worker-urls", srv.url, "--host",
-                 "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait_http(f"http://127.0.0.1:{port}/workers")
-        yield {"router": f"http://127.0.0.1:{port}", "server": srv, "draft_server": ds, "tmp": tmp,
-               "model": text_model, "slime": slime_src}
+        yield {**text_engine, "router": f"http://127.0.0.1:{port}", "tmp": tmp, "slime": slime_src}
     finally:
-        if router is not None:
-            router.kill()
-            router.wait(30)
-        srv.stop()
-        ds.kill()
+        router.kill()
+        router.wait(30)
 
 
 def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str]) -> list[dict]:

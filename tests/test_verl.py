@@ -1,0 +1,96 @@
+"""verl 0.9.1 (from PyPI, in .venv-sglang) through ``histospec_sgl.integrations.verl``:
+
+- the ``verl.plugins`` entry point: after ``import verl``, SGLang's ``ServerArgs`` built from verl's
+  own Hydra config with ``+actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_algorithm=
+  HISTORY`` resolves to HISTORY; with verl's plugins turned off it is unknown (so the entry point is
+  what registers it);
+- SPEC-RL: two epochs of verl's real ``AgentLoopWorker.generate_sequences`` running the
+  ``histospec_specrl`` agent loop from examples/verl/agent_loops.yaml, verl's ``LLMServerClient``,
+  the prompt-affinity balancer made by verl's router factory from examples/verl/router.yaml, and two
+  rollout-server actors that are verl's ``SGLangHttpServer`` with only its in-process engine stood
+  in by the real CPU SGLang server (over HTTP), on a local Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, sglang_missing
+
+pytestmark = pytest.mark.timeout(600)
+DRIVER = Path(__file__).with_name("verl_driver.py")
+
+
+@pytest.fixture(scope="module")
+def verl_py(sglang_py) -> Path:
+    r = subprocess.run([str(sglang_py), "-c", "import verl, ray, hydra"], capture_output=True)
+    if r.returncode:
+        sglang_missing("verl is missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
+                       "needs verl in .venv-sglang (bash scripts/setup_sglang_env.sh)")
+    return sglang_py
+
+
+def _driver(py: Path, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HISTOSPEC_", "VERL_"))}
+    base.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), **(env or {}))
+    out = Path(args[-1])
+    r = subprocess.run([str(py), str(DRIVER), *args], capture_output=True, text=True, timeout=540, env=base, cwd=cwd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp_path):
+    on = _driver(verl_py, "compose", str(text_model), str(tmp_path / "on.json"))
+    assert on["engine_kwargs"] == {"speculative_algorithm": "HISTORY", "speculative_num_draft_tokens": 8}
+    assert on["entry_point_loaded"] is True
+    assert on["server_args"] == {"ok": True, "algorithm": on["server_args"]["algorithm"], "draft_tokens": 8}
+    assert "HISTORY" in on["server_args"]["algorithm"]
+    off = _driver(verl_py, "compose", str(text_model), str(tmp_path / "off.json"),
+                  env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert off["entry_point_loaded"] is False
+    assert "Unknown speculative algorithm name: HISTORY" in off["server_args"]["error"]
+
+
+def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
+    srv, ds = text_engine["server"], text_engine["draft_server"]
+    out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, ds.address, str(tmp_path / "out.json"))
+    first, second = out["epochs"]
+    assert len(first) == len(second) == 16
+    for rows in (first, second):
+        for prompt in range(4):
+            mine = [r for r in rows if r["index"] == prompt]
+            # verl ran the group's 4 samples; the slot counter gave them 4 distinct slots.
+            assert sorted(r["slot"] for r in mine) == [0, 1, 2, 3]
+        for r in rows:
+            n = len(r["response_ids"])
+            assert n > 0 and r["response_mask"] == [1] * n and len(r["rollout_log_probs"]) == n
+            assert r["reused"] + r["generated"] == n
+    assert all(r["previous_len"] == 0 and r["global_steps"] == 1 for r in first)
+    assert all(r["previous_len"] > 0 and r["global_steps"] == 2 for r in second)
+    # The policy did not change between the epochs: every previous token is accepted.
+    assert sum(r["reused"] for r in second) == sum(r["previous_len"] for r in second)
+    prev = {(r["index"], r["slot"]): r["response_ids"] for r in first}
+    for r in second:
+        assert r["response_ids"][: r["reused"]] == prev[(r["index"], r["slot"])][: r["reused"]]
+    # The log-probs verl trains on are the current policy's: score each response afresh.
+    for r in second[:4] + first[:4]:
+        scored = srv._post("/generate", {"input_ids": r["prompt_ids"] + r["response_ids"], "return_logprob": True,
+                                         "logprob_start_len": len(r["prompt_ids"]) - 1,
+                                         "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}, 120)
+        lps = [e[0] for e in scored["meta_info"]["input_token_logprobs"]][-len(r["response_ids"]):]
+        assert max(abs(a - b) for a, b in zip(lps, r["rollout_log_probs"])) < 1e-3
+    # Prompt affinity: every call for a prompt (scoring, continuation, both epochs) hit one server.
+    where: dict[tuple, set] = {}
+    prompts = {tuple(r["prompt_ids"]) for r in first}
+    for sid, calls in out["served"].items():
+        for ids in calls:
+            for p in prompts:
+                if tuple(ids[: len(p)]) == p:
+                    where.setdefault(p, set()).add(sid)
+    assert len(where) == 4 and all(len(s) == 1 for s in where.values()), where
+    assert out["balancer"]["fallbacks"] == 0 and out["balancer"]["affinity_hits"] > 0

@@ -1,0 +1,182 @@
+"""Drives verl's real rollout path through histospec-sgl's verl integration, for tests/test_verl.py
+(run by .venv-sglang's interpreter, with verl 0.9.1 and Ray installed there).
+
+    python verl_driver.py compose MODEL OUT_JSON
+        verl's Hydra config (its own ppo_trainer.yaml) with the HISTORY override composes and
+        validates into a RolloutConfig.
+    python verl_driver.py specrl MODEL SGLANG_URL DRAFT_SERVER OUT_JSON
+        Two epochs of verl's AgentLoopWorker.generate_sequences with the SPEC-RL agent loop, its
+        LLMServerClient, the prompt-affinity balancer made by verl's router factory, and two rollout
+        server actors that are verl's SGLangHttpServer with only the in-process SGLang engine stood in
+        by a real SGLang server over HTTP (verl's server needs a GPU engine in its own process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "verl"
+
+
+def compose(model: str, overrides: list[str]) -> Any:
+    import verl
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return hydra_compose("ppo_trainer", overrides=[
+            f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=sglang",
+            "+actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_algorithm=HISTORY",
+            "+actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_num_draft_tokens=8",
+            "data.max_prompt_length=64", "data.max_response_length=24", "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.calculate_log_probs=True",
+            "actor_rollout_ref.rollout.max_model_len=128", *overrides])
+
+
+def cmd_compose(model: str, out: str) -> None:
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = compose(model, [])
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    # What SGLangHttpServer does with it in its actor: engine_kwargs.sglang into ServerArgs.
+    from sglang.srt.server_args import ServerArgs
+
+    kwargs = dict(rollout.engine_kwargs["sglang"])
+    try:
+        sa = ServerArgs(model_path=model, device="cuda", load_format="dummy", skip_tokenizer_init=True, **kwargs)
+        resolved = {"ok": True, "algorithm": str(sa.speculative_algorithm), "draft_tokens": sa.speculative_num_draft_tokens}
+    except Exception as e:
+        resolved = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    Path(out).write_text(json.dumps({"engine_kwargs": dict(rollout.engine_kwargs["sglang"]), "server_args": resolved,
+                                     "entry_point_loaded": "histospec_sgl.integrations.verl" in sys.modules}))
+
+
+class HttpTokenizerManager:
+    """Where verl's SGLangHttpServer holds SGLang's in-process TokenizerManager: the same request
+    (``GenerateReqInput``) to a real SGLang server's ``/generate``; the same answer dict."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    async def generate_request(self, obj: Any, request: Any = None):
+        fields = ("rid", "input_ids", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num")
+        body = {f: getattr(obj, f) for f in fields if getattr(obj, f, None) is not None}
+
+        def post() -> dict:
+            req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return json.loads(r.read())
+
+        yield await asyncio.to_thread(post)
+
+
+def server_class() -> type:
+    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
+
+    class CpuSGLangServer(SGLangHttpServer):
+        """verl's rollout server; only its constructor (which launches SGLang in-process on a GPU)
+        is replaced. ``generate`` and ``set_global_steps`` are verl's."""
+
+        def __init__(self, rollout_config: Any, model_config: Any, url: str, replica_rank: int):
+            from verl.utils.config import omega_conf_to_dataclass
+
+            self.config = omega_conf_to_dataclass(rollout_config)
+            self.model_config = omega_conf_to_dataclass(model_config)
+            self.replica_rank = replica_rank
+            self.node_rank = 0
+            self.global_steps = None
+            self._disaggregation_role = None
+            self._pd_decode_peers = []
+            self.tokenizer_manager = HttpTokenizerManager(url)
+            self.served: list[list[int]] = []
+
+        async def generate(self, prompt_ids, sampling_params, request_id, **kwargs):
+            self.served.append([int(t) for t in prompt_ids])
+            return await super().generate(prompt_ids, sampling_params, request_id, **kwargs)
+
+        def served_prompts(self) -> list[list[int]]:
+            return self.served
+
+    return CpuSGLangServer
+
+
+async def two_epochs(cfg: Any, url: str, prompts: list[str]) -> dict:
+    import numpy as np
+    import ray
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.router import get_router_handle
+
+    cls = ray.remote(server_class())
+    servers = {f"replica-{i}": cls.remote(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, url, i) for i in range(2)}
+    balancer = get_router_handle(servers, router_config_path=cfg.actor_rollout_ref.rollout.router_config_path)
+    worker = AgentLoopWorker(cfg, LLMServerClient(cfg, balancer))
+    n = cfg.actor_rollout_ref.rollout.n
+    epochs = []
+    for step in (1, 2):
+        await asyncio.gather(*(s.set_global_steps.remote(step) for s in servers.values()))
+        batch = DataProto.from_dict(non_tensors={
+            "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts] + [None], dtype=object)[:-1],
+            "index": np.arange(len(prompts)),
+        }, meta_info={"global_steps": step, "validate": False})
+        batch = batch.repeat(repeat_times=n, interleave=True)
+        out = await worker.generate_sequences(batch)
+        rows = []
+        for i in range(len(out)):
+            mask = out.batch["response_mask"][i].tolist()
+            length = int(sum(mask))
+            rows.append({
+                "index": int(out.non_tensor_batch["index"][i]),
+                "prompt_ids": [int(t) for t, m in zip(out.batch["prompts"][i].tolist(),
+                                                       out.batch["attention_mask"][i][: out.batch["prompts"].shape[1]].tolist()) if m],
+                "response_ids": out.batch["responses"][i][:length].tolist(),
+                "response_mask": mask[:length],
+                "rollout_log_probs": out.batch["rollout_log_probs"][i][:length].tolist(),
+                "reused": int(out.non_tensor_batch["histospec_reused"][i]),
+                "generated": int(out.non_tensor_batch["histospec_generated"][i]),
+                "previous_len": int(out.non_tensor_batch["histospec_previous_len"][i]),
+                "slot": int(out.non_tensor_batch["histospec_slot"][i]),
+                "global_steps": int(out.non_tensor_batch["global_steps"][i]) if "global_steps" in out.non_tensor_batch
+                else None,
+            })
+        epochs.append(rows)
+    served = {sid: await s.served_prompts.remote() for sid, s in servers.items()}
+    stats = await balancer.affinity_stats.remote()
+    return {"epochs": epochs, "served": served, "balancer": stats}
+
+
+def cmd_specrl(model: str, url: str, draft_server: str, out: str) -> None:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server}})
+    os.environ["HISTOSPEC_DRAFT_SERVER"] = draft_server
+    try:
+        cfg = compose(model, [
+            "actor_rollout_ref.rollout.agent.default_agent_loop=histospec_specrl",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLES / 'agent_loops.yaml'}",
+            f"actor_rollout_ref.rollout.router_config_path={EXAMPLES / 'router.yaml'}",
+        ])
+        prompts = ["Write a haiku about rivers.", "What is 17 * 23?", "Name three prime numbers.",
+                   "Translate 'good morning' to French."]
+        result = asyncio.run(two_epochs(cfg, url, prompts))
+    finally:
+        ray.shutdown()
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "compose":
+        cmd_compose(sys.argv[2], sys.argv[3])
+    else:
+        cmd_specrl(*sys.argv[2:6])
