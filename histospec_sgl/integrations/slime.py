@@ -48,10 +48,11 @@ import inspect
 import json
 import logging
 import os
-import threading
 from typing import Any
 
 import numpy as np
+
+from histospec_sgl.integrations.previous import shared
 
 logger = logging.getLogger("histospec_sgl.integrations")
 
@@ -117,60 +118,6 @@ def sample_version(sample: Any) -> int:
     return int(rid) if rid is not None else 0
 
 
-# -- the previous-response store ------------------------------------------------------------------
-
-
-class _Store:
-    """Previous responses for SPEC-RL: a live mirror of the draft server's records
-    (:meth:`PreviousResponses.follow`), or, without a draft server, what :func:`record` kept in this
-    process."""
-
-    def __init__(self) -> None:
-        from histospec_sgl.specrl.client import PreviousResponses
-
-        self._lock = threading.Lock()
-        self.local = PreviousResponses()
-        self._followers: dict[str, Any] = {}
-        self._publishers: dict[str, Any] = {}
-
-    def follower(self, address: str) -> Any:
-        with self._lock:
-            store = self._followers.get(address)
-            if store is None:
-                from histospec_sgl.specrl.client import PreviousResponses
-
-                store = self._followers[address] = PreviousResponses.follow(address)
-            return store
-
-    def previous(self, settings: Settings, group: int, slot: int) -> Any:
-        if settings.draft_server:
-            found = self.follower(settings.draft_server).get(group, slot)
-            if found is not None:
-                return found
-        return self.local.get(group, slot)
-
-    def publisher(self, address: str) -> Any:
-        with self._lock:
-            pub = self._publishers.get(address)
-            if pub is None:
-                from histospec_sgl.sync.client import HistoryPublisher
-
-                pub = self._publishers[address] = HistoryPublisher(address)
-            return pub
-
-
-_STORE: _Store | None = None
-_STORE_LOCK = threading.Lock()
-
-
-def store() -> _Store:
-    global _STORE
-    with _STORE_LOCK:
-        if _STORE is None:
-            _STORE = _Store()
-        return _STORE
-
-
 # -- generate ---------------------------------------------------------------------------------------
 
 
@@ -222,7 +169,7 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
         return await asyncio.wait_for(post(url, payload, headers=headers), timeout)
 
     slot = sample_slot(args, sample)
-    previous = None if sample.response_length else store().previous(settings, group, slot)
+    previous = None if sample.response_length else shared().get(settings.draft_server, group, slot)
     seed = np.random.SeedSequence([settings.seed, group & 0xFFFFFFFF, group >> 32, slot,
                                    int(getattr(sample, "index", 0) or 0)])
     client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1)
@@ -263,35 +210,28 @@ def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
     response and its log-probs) become history and previous responses; see the module docstring."""
     from slime.utils.types import Sample
 
-    from histospec_sgl.specrl.client import Previous
-
     settings = Settings.from_args(args)
-    st = store()
-    pub = st.publisher(settings.draft_server) if settings.draft_server else None
+    st = shared()
     kept = 0
     for sample in _flatten(all_samples):
         n = int(sample.response_length or 0)
         if sample.status == Sample.Status.ABORTED or n == 0 or len(sample.tokens) < n:
             continue
-        prompt_ids, response_ids = list(sample.tokens[:-n]), list(sample.tokens[-n:])
         logprobs = list(sample.rollout_log_probs or [])[-n:] if sample.rollout_log_probs else None
         if logprobs is not None and len(logprobs) != n:
             logprobs = None
-        group, slot, version = sample_group(sample), sample_slot(args, sample), sample_version(sample)
         finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}.get(sample.status)
-        if pub is not None:
-            pub.publish(prompt_ids, response_ids, group=group, version=version, sample_index=slot,
-                        logprobs=logprobs, reward=_reward(args, sample))
-        if logprobs is not None:
-            st.local.put(group, slot, Previous(response_ids, logprobs, finish, version))
-        kept += 1
-    if pub is not None:
+        kept += st.record(settings.draft_server, sample.tokens[:-n], sample.tokens[-n:], logprobs, finish,
+                          group=sample_group(sample), slot=sample_slot(args, sample),
+                          version=sample_version(sample), reward=_reward(args, sample), flush=False)
+    if settings.draft_server and kept:
+        pub = st.publisher(settings.draft_server)
         pub.flush()
         if settings.mode == "specrl" and pub.last_sequence:
             # The next rollout starts right after this returns: have its previous responses here.
             st.follower(settings.draft_server).wait_for(pub.last_sequence, timeout=60)
     logger.info("histospec: recorded %d finished samples%s", kept,
-                f" on the draft server {settings.draft_server}" if pub is not None else "")
+                f" on the draft server {settings.draft_server}" if settings.draft_server else "")
 
 
 def _reward(args: Any, sample: Any) -> float | None:

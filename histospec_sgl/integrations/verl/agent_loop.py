@@ -23,8 +23,8 @@ Arguments from the agent-loop YAML entry: ``lenience`` (ℓ >= 1, default ``HIST
 
 from __future__ import annotations
 
+import asyncio
 import os
-import threading
 from typing import Any
 from uuid import uuid4
 
@@ -33,31 +33,13 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.workers.rollout.replica import TokenOutput
 
 from histospec_sgl import prompt_key
+from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.integrations.verl.router import request_id_for
 from histospec_sgl.specrl.acceptance import check_lenience
-from histospec_sgl.specrl.client import PreviousResponses, RolloutRequest, SpecRLRollout
+from histospec_sgl.specrl.client import RolloutRequest, SpecRLRollout
 
-_shared_lock = threading.Lock()
-_stores: dict[str | None, PreviousResponses] = {}
-_publishers: dict[str, Any] = {}
 _slots = Slots()
-
-
-def _store(address: str | None) -> PreviousResponses:
-    with _shared_lock:
-        if address not in _stores:
-            _stores[address] = PreviousResponses.follow(address) if address else PreviousResponses()
-        return _stores[address]
-
-
-def _publisher(address: str) -> Any:
-    with _shared_lock:
-        if address not in _publishers:
-            from histospec_sgl.sync.client import HistoryPublisher
-
-            _publishers[address] = HistoryPublisher(address)
-        return _publishers[address]
 
 
 def _input_logprobs(out: TokenOutput, input_ids: list[int], start: int) -> list[list[Any]]:
@@ -122,8 +104,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         prompt_ids = [int(t) for t in await self.ct_build_initial_tokens(messages)]
         group = prompt_key(prompt_ids)
         slot = await _slots.take(group, int(self.rollout_config.n))
-        store = _store(self.draft_server)
-        previous = store.get(group, slot)
+        previous = shared().get(self.draft_server, group, slot)
         # The group in the request id keeps scoring and continuation with the prompt's server under
         # the prompt-affinity balancer; any other balancer keys on the id as a sticky session.
         backend = _VerlBackend(self.server_manager, request_id_for(group, uuid4().hex), sampling_params)
@@ -138,7 +119,8 @@ class SpecRLAgentLoop(AgentLoopBase):
         response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
         prompt_ids_out = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
         version = int(backend.extra_fields.get("global_steps") or 0)
-        self._record(store, group, slot, prompt_ids, res, version)
+        await asyncio.to_thread(shared().record, self.draft_server, prompt_ids, res.response_ids, res.logprobs,
+                                res.finish_reason, group=group, slot=slot, version=version)
         extra = dict(backend.extra_fields)
         extra.update({"turn_scores": [], "tool_rewards": [], "histospec_reused": res.reused,
                       "histospec_generated": res.generated, "histospec_previous_len": res.previous_len,
@@ -152,17 +134,3 @@ class SpecRLAgentLoop(AgentLoopBase):
             metrics={"num_preempted": -1},
             extra_fields=extra,
         )
-
-    def _record(self, store: PreviousResponses, group: int, slot: int, prompt_ids: list[int], res: Any,
-                version: int) -> None:
-        from histospec_sgl.specrl.client import Previous
-
-        if not res.response_ids or res.finish_reason == "abort":
-            return
-        if self.draft_server:
-            pub = _publisher(self.draft_server)
-            pub.publish(prompt_ids, res.response_ids, group=group, sample_index=slot, logprobs=res.logprobs,
-                        version=version)
-            pub.flush()
-        else:
-            store.put(group, slot, Previous(res.response_ids, res.logprobs, res.finish_reason, version))
