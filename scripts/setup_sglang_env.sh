@@ -66,6 +66,17 @@ if [ ! -f "$TRAINER_STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1"
   touch "$TRAINER_STAMP"
 fi
+# OpenRLHF 0.11.2 for its SPEC-RL executor test: it drives vLLM only, and vLLM has no CPU build
+# here, so vLLM 0.33.0 is installed without its dependencies for its types (SamplingParams,
+# RequestOutput, Logprob), with the few packages OpenRLHF's and vLLM's imports need beyond the above.
+OPENRLHF_STAMP="$VENV/.histospec-openrlhf-1"
+if [ ! -f "$OPENRLHF_STAMP" ]; then
+  echo "[setup-sglang] installing OpenRLHF 0.11.2 and vLLM 0.33.0 (types only) into $VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps "openrlhf==0.11.2" "vllm==0.33.0"
+  "$VENV/bin/python" -m pip install -q "cbor2==6.3.0" "openai-harmony==0.0.8" "py-cpuinfo==9.0.0" "sympy==1.14.0" "aiohttp==3.14.5"
+  "$VENV/bin/python" -c "import openrlhf.utils.agent, openrlhf.trainer.ppo_utils.samples_generator, vllm.outputs"
+  touch "$OPENRLHF_STAMP"
+fi
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
 "$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"

@@ -24,6 +24,15 @@ def sglang_missing(fail: str, skip: str) -> NoReturn:
     pytest.skip(skip)
 
 
+def require_modules(py: Path, modules: str, what: str) -> Path:
+    """``py`` once it imports ``modules`` (comma-separated), else fails (or skips) naming ``what``."""
+    r = subprocess.run([str(py), "-c", f"import {modules}"], capture_output=True)
+    if r.returncode:
+        sglang_missing(f"{what} missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
+                       f"needs {what} in .venv-sglang (bash scripts/setup_sglang_env.sh)")
+    return py
+
+
 @pytest.fixture(scope="module")
 def sglang_py() -> Path:
     if not SGLANG_PY.exists():

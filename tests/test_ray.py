@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, sglang_missing
+from conftest import ROOT, require_modules
 from histospec_sgl.bench.engine_server import free_port
 
 SCRIPT = Path(__file__).with_name("ray_cluster_script.py")
@@ -26,11 +26,7 @@ SCRIPT = Path(__file__).with_name("ray_cluster_script.py")
 
 @pytest.fixture(scope="module")
 def ray_py(sglang_py: Path) -> Path:
-    r = subprocess.run([str(sglang_py), "-c", "import ray"], capture_output=True)
-    if r.returncode != 0:
-        sglang_missing("Ray is missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
-                       "needs Ray in .venv-sglang (bash scripts/setup_sglang_env.sh)")
-    return sglang_py
+    return require_modules(sglang_py, "ray", "Ray is")
 
 
 def _env(model: Path) -> dict[str, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, shared_path, sglang_missing
+from conftest import ROOT, require_modules, sglang_missing, shared_path
 from histospec_sgl.bench.engine_server import free_port
 
 pytestmark = pytest.mark.timeout(900)
@@ -38,10 +38,7 @@ def slime_src(sglang_py) -> Path:
     if src is None or not (src / "slime" / "rollout" / "sglang_rollout.py").exists():
         sglang_missing("slime's source is missing: set HISTOSPEC_SLIME_SRC or put it in ../shared/trainers/slime",
                        "needs slime's source (HISTOSPEC_SLIME_SRC)")
-    r = subprocess.run([str(sglang_py), "-c", "import sglang_router, pyarrow, pylatexenc"], capture_output=True)
-    if r.returncode:
-        sglang_missing("slime's dependencies are missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
-                       "needs slime's dependencies in .venv-sglang")
+    require_modules(sglang_py, "sglang_router, pyarrow, pylatexenc", "slime's dependencies are")
     return src
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, sglang_missing
+from conftest import ROOT, require_modules
 
 pytestmark = pytest.mark.timeout(600)
 DRIVER = Path(__file__).with_name("verl_driver.py")
@@ -28,11 +28,7 @@ DRIVER = Path(__file__).with_name("verl_driver.py")
 
 @pytest.fixture(scope="module")
 def verl_py(sglang_py) -> Path:
-    r = subprocess.run([str(sglang_py), "-c", "import verl, ray, hydra"], capture_output=True)
-    if r.returncode:
-        sglang_missing("verl is missing from .venv-sglang: scripts/setup_sglang_env.sh did not finish",
-                       "needs verl in .venv-sglang (bash scripts/setup_sglang_env.sh)")
-    return sglang_py
+    return require_modules(sglang_py, "verl, ray, hydra", "verl is")
 
 
 def _driver(py: Path, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> dict:

@@ -144,6 +144,9 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
     "HISTOSPEC_DRAFT_SERVER_ACTOR",
     # the generate slime's adapter hands requests to (histospec_sgl.integrations.slime)
     "HISTOSPEC_SLIME_INNER_GENERATE",
+    # OpenRLHF's SPEC-RL executor (histospec_sgl.integrations.openrlhf_agent)
+    "HISTOSPEC_N_SAMPLES",
+    "HISTOSPEC_REMOTE_RM_URL",
 }
 
 
