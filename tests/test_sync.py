@@ -599,3 +599,38 @@ def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path):
     finally:
         sync.close(timeout=1)
         srv.kill()
+
+
+def test_subscriber_close_returns_at_once_and_stops_its_thread(tmp_path):
+    """close() cancels whichever stream is open, also one being opened as it is called, and wakes a
+    reconnect back-off: it returns in well under a second with the thread stopped, every time."""
+    with DraftServerProcess(log=tmp_path / "server.log") as srv:
+        pub = HistoryPublisher(srv.address)
+        for p, r in _records(2000, seed=3):
+            pub.publish(p, r)
+        pub.flush()
+        pub.close()
+        for i in range(12):
+            background = i % 4 != 3
+            sub = HistorySubscriber(srv.address, HistoryIndex(), background=background).start()
+            if i % 4 == 1:  # idle on its Subscribe stream
+                deadline = time.monotonic() + 30
+                while sub.applied_sequence < 2000 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert sub.applied_sequence == 2000
+            elif i % 4 == 2:  # anywhere between opening its streams
+                time.sleep(0.002 * i)
+            elif i % 4 == 3:  # polled through the snapshot's end, then closed
+                sub.poll(through_sequence=2000, timeout=30)
+                assert sub.applied_sequence == 2000
+            t0 = time.monotonic()
+            sub.close()
+            took = time.monotonic() - t0
+            assert took < 1.0 and not sub._thread.is_alive(), (i, took)
+        address = srv.address
+    # The server is gone: the subscriber is backing off between reconnects.
+    sub = HistorySubscriber(address, HistoryIndex(), background=True, backoff=0.5, max_backoff=5.0).start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    sub.close()
+    assert time.monotonic() - t0 < 1.0 and not sub._thread.is_alive()

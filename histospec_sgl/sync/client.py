@@ -323,6 +323,7 @@ class HistorySubscriber(_Client):
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._call: Any = None
+        self._call_lock = threading.Lock()  # orders close() against the opening of a stream
         self._error: DraftServerError | None = None
         self.applied_records = 0
         self.rejected_records = 0
@@ -340,8 +341,9 @@ class HistorySubscriber(_Client):
 
     def close(self) -> None:
         """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
-        self._stop.set()
-        call = self._call
+        with self._call_lock:  # no stream opens after this, and the one open is cancelled
+            self._stop.set()
+            call = self._call
         if call is not None:
             call.cancel()
         if self._thread.is_alive():
@@ -407,11 +409,15 @@ class HistorySubscriber(_Client):
                     # Counted before its records are handed over: poll() may apply them (and a
                     # caller read this counter) before the stream's end is seen here.
                     self.snapshots += 1
-                    self._call = self._stream("Snapshot", b"")
-                    self._consume("snapshot", self._call)
+                    call = self._open("Snapshot", b"")
+                    if call is None:
+                        return
+                    self._consume("snapshot", call)
                     need_snapshot = False
-                self._call = self._stream("Subscribe", _core.encode_subscribe(self._received + 1))
-                self._consume("subscribe", self._call)
+                call = self._open("Subscribe", _core.encode_subscribe(self._received + 1))
+                if call is None:
+                    return
+                self._consume("subscribe", call)
                 # The server ended the stream (shutdown): reconnect.
             except grpc.RpcError as e:
                 if self._stop.is_set():
@@ -430,8 +436,17 @@ class HistorySubscriber(_Client):
             if self._stop.is_set():
                 return
             self.reconnects += 1
-            time.sleep(pause * (0.5 + random.random()))
+            if self._stop.wait(pause * (0.5 + random.random())):
+                return
             pause = min(pause * 2, self.max_backoff)
+
+    def _open(self, method: str, body: bytes) -> Any:
+        """A new server stream, or None once close() has begun (it cancels the stream it sees)."""
+        with self._call_lock:
+            if self._stop.is_set():
+                return None
+            self._call = self._stream(method, body)
+            return self._call
 
     def _fail(self, e: DraftServerError) -> None:
         log.error("%s", e)
