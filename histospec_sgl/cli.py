@@ -38,12 +38,12 @@ def _report(result: dict[str, Any], print_table: Any, json_path: str | None) -> 
 
 
 def _print_index(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from histospec_sgl.bench.index_bench import TARGETS
+    from histospec_sgl.console import console
 
-    con = Console()
+    con = console()
     t = Table(title="histospec-sgl bench index (one thread unless *_threaded)")
     t.add_column("metric")
     t.add_column("ours", justify="right")
@@ -253,7 +253,7 @@ def _replay(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --plot-dir needs matplotlib in this interpreter (pip install matplotlib)", file=sys.stderr)
+            print("error: --plot-dir needs matplotlib: pip install 'histospec-sgl[bench]'", file=sys.stderr)
             return 2
     try:
         result = run_replay(opts, command=_command())
@@ -575,7 +575,30 @@ def main(argv: list[str] | None = None) -> int:
         note = stale_install_note(Path(histospec_sgl.__file__).parent, Path.cwd())
         if note:
             print(note, file=sys.stderr)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as e:
+        hint = missing_module_hint(e.name)
+        if hint is None:
+            raise
+        print(f"error: {hint}", file=sys.stderr)
+        return 2
+
+
+#: Optional packages a command may need, and how to get them.
+BENCH_EXTRA = ("tokenizers", "matplotlib", "psutil", "rich", "tqdm")
+ENGINE = ("torch", "sglang", "transformers", "sgl_kernel")
+
+
+def missing_module_hint(name: str | None) -> str | None:
+    """One line naming what to install for a missing optional module (None: not an optional one)."""
+    root = (name or "").split(".")[0]
+    if root in BENCH_EXTRA:
+        return f"this command needs {root}: pip install 'histospec-sgl[bench]'"
+    if root in ENGINE:
+        return (f"this command needs SGLang and torch ({root} is missing): pip install sglang, or on a machine "
+                "without a GPU bash scripts/setup_sglang_env.sh and run .venv-sglang/bin/histospec-sgl")
+    return None
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def run(
 
 
 def print_table(r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from histospec_sgl.console import console
 
     c = r["config"]
     t = Table(title=f"SPEC-RL lenience trade-off (synthetic pair: V={c['vocab']}, T={c['length']}, divergence {c['divergence']})")
@@ -72,8 +73,8 @@ def print_table(r: dict[str, Any]) -> None:
             f"{r['divergence_fresh'][i]:.3f}",
             f"{r['divergence_residual'][i]:.3f}",
         )
-    Console().print(t)
-    Console().print(f"TV between the old and new policies themselves: {r['divergence_old_policy']:.3f}. "
+    console().print(t)
+    console().print(f"TV between the old and new policies themselves: {r['divergence_old_policy']:.3f}. "
                     "Every old token is verified once (one scoring pass).")
 
 

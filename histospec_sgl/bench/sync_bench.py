@@ -157,8 +157,9 @@ def run(
 
 
 def print_table(r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from histospec_sgl.console import console
 
     o = r["ours"]
     t = Table(title=f"bench sync: {o['records']} records, {o['tokens'] / 1e6:.2f} M response tokens "
@@ -169,7 +170,7 @@ def print_table(r: dict[str, Any]) -> None:
     t.add_column("each replica s", justify="right")
     for k, s in o["apply_seconds"].items():
         t.add_row(k, f"{o['publish_seconds'][k]:.2f}", f"{s:.2f}", ", ".join(f"{x:.2f}" for x in o["apply_seconds_each"][k]))
-    Console().print(t)
+    console().print(t)
     for k, v in o["receive_only_seconds"].items():
         print(f"delivery to {k} receive-only replicas (decode, no index): {v:.2f} s")
     print(f"publish throughput: {o['publish_tokens_per_s'] / 1e6:.1f} M tokens/s; "

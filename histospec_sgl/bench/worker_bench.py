@@ -118,8 +118,9 @@ def run(batch_sizes: list[int], groups: int = 64, d: int = 12, warm: int = 1000,
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from histospec_sgl.console import console
 
     t = Table(title=f"histospec-sgl bench worker (W1, d={result['draft_tokens']}, "
                     f"responses past {result['warm_tokens']} tokens, {result['threads']} index thread(s); "
@@ -131,4 +132,4 @@ def print_table(result: dict[str, Any]) -> None:
         t.add_row(bs, f"{r['sync_ms_per_step']:.2f}", f"{r['draft_ms_per_step']:.2f}",
                   f"{r['host_ms_per_step']:.2f}", f"{r['sync_one_by_one_ms_per_step']:.2f}",
                   f"{r['tokens_per_request_step']:.2f}")
-    Console().print(t)
+    console().print(t)

@@ -14,11 +14,12 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
+    from histospec_sgl.console import console
+
     cfg = result["config"]
-    con = Console()
+    con = console()
     title = (
         f"replay {cfg['scenario']} on {cfg['preset'] or cfg['input']}: {cfg['replayed_responses']} responses, "
         f"{cfg['cases']} cases, d={cfg['draft_tokens']}{' chain' if cfg['chain'] else ''}"
