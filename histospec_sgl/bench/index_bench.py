@@ -26,9 +26,9 @@ Metrics (keys of ``--json``):
 - ``anon_huge_bytes`` (per workload, after ingest) and ``machine.transparent_hugepages``: how much of
   the process's memory the kernel backs with 2 MiB pages, and its THP mode. Batch draft times depend
   on it: the index's per-group arrays are 0.3-2 MB each, so with the usual allocator almost none of
-  them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, session 12).
+  them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, ``bench index``).
   ``machine.huge_pages``: whether the index put its buffers on huge pages itself
-  (``HISTOSPEC_HUGE_PAGES=1``; bench/RESULTS.md, session 15).
+  (``HISTOSPEC_HUGE_PAGES=1``; bench/RESULTS.md, ``bench index``).
 - ``finish_unkept_ms_per_request_deferred`` / ``_immediate`` and
   ``finish_unkept_rebuilds_per_group_deferred`` / ``_immediate``: a GRPO wave in an engine with a
   draft server, where every request finishes unkept: 32 W1 groups with their history, 16 siblings

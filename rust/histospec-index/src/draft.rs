@@ -37,11 +37,11 @@
 //!    alone when the pointer's weight is at least `hub_follow` (0.1): the hub's continuations
 //!    share the budget thinly, and reading each of them is most of such a root's cost. On W1 this
 //!    took d=16 tokens per step from 6.82 to 6.94 and the one-thread tree step to ~0.75x; on the
-//!    real rollouts it changed tokens per step by -0.14% to -0.01% (bench/RESULTS.md, session 16).
+//!    real rollouts it changed tokens per step by -0.14% to -0.01%.
 //!    `hub_follow_degree` (16) sets how many continuations make a hub for this rule. Lower, it
 //!    pays on histories where each response rewrites one earlier response (W1 at 4: d=16 tokens
 //!    per step 7.05 → 7.12, tree step 0.46 → 0.35 ms) and costs the real rollouts 0.5-1.1%
-//!    (bench/RESULTS.md, session 20), so the default stays at 16.
+//!    (bench/RESULTS.md, "Tried and not kept"), so the default stays at 16.
 //! 5. *Fallback.* A node whose state has no continuation (its match reached the end of a stored
 //!    string) continues from the longest suffix that has one, if that suffix is at least
 //!    `min_match` long.

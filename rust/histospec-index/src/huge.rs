@@ -19,7 +19,7 @@
 //! the update by 23-37% and made ingest into memory the process already holds 20-50% faster, but the
 //! first touch of each fresh huge page costs milliseconds there (the host backs it 4 KiB at a
 //! time), so ingest into fresh memory fell from 5.0 to 1.8 M tokens/s (`bench/RESULTS.md`,
-//! session 15). A long-running engine mostly reuses memory; a short job mostly touches new memory.
+//! `bench index`). A long-running engine mostly reuses memory; a short job mostly touches new memory.
 //! The binaries that hold the index declare the allocator as their `#[global_allocator]`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
