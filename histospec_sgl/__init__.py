@@ -1,8 +1,8 @@
 """histospec-sgl: model-free speculative decoding for RL rollouts, drafted from rollout history.
 
 The core is :class:`HistoryIndex`, a per-prompt suffix-automaton index of earlier responses (and of
-in-flight siblings) that drafts chains or trees for a whole decode batch in one call. See the README
-for the SGLang plugin, the offline replay and the benchmarks.
+in-flight siblings) that drafts chains or trees for a whole decode batch in one call. See README.md
+and docs/ for the SGLang plugin, the offline replay and the benchmarks.
 """
 
 from __future__ import annotations

@@ -281,7 +281,7 @@ def _add_replay(sub: Any) -> None:
         description="Simulate speculative decoding with the history index on logged rollouts, next to peers.",
     )
     src = rp.add_argument_group("input")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in dataset (see README)")
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in dataset (see docs/benchmarks.md)")
     src.add_argument("--input", metavar="PATH", help="a JSONL or JSONL.gz log (with the --*-field mapping)")
     src.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
     src.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO with OpenRLHF 0.11 and SPEC-RL: each sample reuses its slot's response from the last epoch,
 # scored by OpenRLHF's own vLLM engines and cut at the first rejected token. (OpenRLHF drives vLLM
-# only, so HISTORY drafting is not available here; see the README.) On the head node of a Ray
+# only, so HISTORY drafting is not available here; see docs/trainers.md.) On the head node of a Ray
 # cluster, with histospec-sgl installed next to OpenRLHF. MODEL, DATA and the GPU layout are
 # OpenRLHF's own settings (its examples/scripts/train_*_ray.sh).
 set -euo pipefail

@@ -87,7 +87,7 @@ class Setting:
     help: str
 
 
-#: The one table of settings (README "SGLang plugin" renders the same rows).
+#: The one table of settings (docs/plugin.md shows :func:`settings_table`, checked by tests/test_docs.py).
 SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_MAX_RESPONSES", "max_responses", _int(0), 0,
             "retention: keep the last N finished responses per prompt group (0: all)"),
@@ -226,7 +226,7 @@ class HistoryConfig:
 
 
 def settings_table() -> str:
-    """The settings as a Markdown table (README and ``launch-server --help``)."""
+    """The settings as a Markdown table (docs/plugin.md and ``launch-server --help``)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for s in SETTINGS:
         default = "unset" if s.default is None else s.default
