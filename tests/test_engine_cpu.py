@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, build_model, sglang_missing
+from conftest import ROOT, build_model
 
-from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, verify_steps
+from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, running, verify_steps
 
 D = 8
-#: Each test starts two to four SGLang servers (10-25 s each on two cores).
+#: Each test starts two to four SGLang servers (15-30 s each on two cores), side by side.
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -44,9 +44,10 @@ def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
 
 
 def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
+    """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep."""
     tag = kw.pop("tag", method)
     return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
-                        log_path=tmp_path / f"server-{tag}.log", **kw)
+                        log_path=tmp_path / f"server-{tag}.log", extra_args=["--sleep-on-idle"], **kw)
 
 
 def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48) -> list[dict]:
@@ -84,16 +85,16 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp
     decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so does a pass
     after flush_cache."""
     prompts = _prompts(8)
-    runs = {}
-    for method in ("plain", "ngram", "history"):
-        with _server(sglang_py, greedy_model, method, tmp_path, max_running=8) as srv:
-            runs[method] = _greedy_passes(srv, prompts)
-    _check_greedy(runs)
+    methods = ("plain", "ngram", "history")
     # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place of
     # the tree mask, branching drafts attend to their siblings and the outputs go wrong.
-    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="broken-mask",
-                 env={"CPU_ENGINE_BROKEN": "mask"}) as srv:
-        broken = _greedy_passes(srv, prompts)
+    broken_mask = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="broken-mask",
+                          env={"CPU_ENGINE_BROKEN": "mask"})
+    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8) for m in methods),
+                 broken_mask) as servers:
+        runs = {m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)}
+        broken = _greedy_passes(broken_mask, prompts)
+    _check_greedy(runs)
     assert any(p["outputs"] != runs["plain"][0]["outputs"] for p in broken)
 
 
@@ -102,10 +103,11 @@ def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, tmp
     drafts to rank 1 every step; the tokens equal single-rank plain decoding's, and pass 2 and the
     pass after flush_cache draft whole responses from history."""
     prompts = _prompts(8, seed=6)
-    with _server(sglang_py, greedy_model, "plain", tmp_path, max_running=8) as srv:
-        plain = _greedy_passes(srv, prompts)[:1]
-    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2") as srv:
-        hist = _greedy_passes(srv, prompts)
+    with running(_server(sglang_py, greedy_model, "plain", tmp_path, max_running=8),
+                 _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2,
+                         tag="history-tp2")) as (plain_srv, hist_srv):
+        plain = _greedy_passes(plain_srv, prompts)[:1]
+        hist = _greedy_passes(hist_srv, prompts)
     _check_greedy({"plain": plain, "history": hist})
 
 
@@ -114,10 +116,9 @@ def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_
     built for a newer torch, so it runs SGLang's Python radix tree)."""
     env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     prompts = _prompts(8, seed=1)
-    runs = {}
-    for method in ("plain", "ngram", "history"):
-        with _server(sglang_py, greedy_model, method, tmp_path, max_running=8, env=env) as srv:
-            runs[method] = _greedy_passes(srv, prompts)
+    methods = ("plain", "ngram", "history")
+    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env) for m in methods)) as servers:
+        runs = {m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)}
     _check_greedy(runs)
     version = subprocess.run([str(sglang_py), "-c", "import sglang; print(sglang.__version__)"], text=True,
                              capture_output=True, env=cpu_engine_env(str(sglang_py), base={**env}), check=True)
@@ -206,29 +207,26 @@ def _same_distribution(a: list[tuple], b: list[tuple]) -> list[float]:
     return ps
 
 
-@pytest.fixture(scope="module")
-def plain_samples(sglang_py, peaked_model, tmp_path_factory) -> dict[str, list[tuple]]:
-    with _server(sglang_py, peaked_model, "plain", tmp_path_factory.mktemp("plain")) as srv:
-        return {"t1": _sample(srv, SAMPLED)[0], "top_p": _sample(srv, TOP_P)[0]}
-
-
-def test_sampling_through_history_is_lossless(sglang_py, peaked_model, plain_samples, tmp_path):
+def test_sampling_through_history_is_lossless(sglang_py, peaked_model, tmp_path):
     """At temperature 1 (and with top-p 0.8), 2,560 continuations sampled through HISTORY (d=16,
     drafting from history and in-flight siblings, about 2.5 tokens per verify step) are distributed as
     plain decoding's (chi-square, p > 1e-4 for the first 2, 3 and 4 tokens). The same test rejects the
     two classic bugs at p < 1e-10: sampled requests verified greedily (SGLang's stock CPU path) and
     duplicate sibling tokens (a padding scheme that repeats a drafted token)."""
-    with _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16) as srv:
+    brokens = ("greedy-verify", "padding")
+    with running(_server(sglang_py, peaked_model, "plain", tmp_path),
+                 _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16),
+                 *(_server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag=b,
+                           env={"CPU_ENGINE_BROKEN": b}) for b in brokens)) as (plain_srv, srv, *broken_srvs):
+        plain = {"t1": _sample(plain_srv, SAMPLED)[0], "top_p": _sample(plain_srv, TOP_P)[0]}
         t1, tps = _sample(srv, SAMPLED)
         top_p, tps_top_p = _sample(srv, TOP_P)
+        bad = {b: _sample(s, SAMPLED)[0] for b, s in zip(brokens, broken_srvs)}
     assert tps > 1.8 and tps_top_p > 1.8, (tps, tps_top_p)
-    assert min(_same_distribution(plain_samples["t1"], t1)) > 1e-4
-    assert min(_same_distribution(plain_samples["top_p"], top_p)) > 1e-4
-    for broken in ("greedy-verify", "padding"):
-        with _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag=broken,
-                     env={"CPU_ENGINE_BROKEN": broken}) as srv:
-            bad, _ = _sample(srv, SAMPLED)
-        assert min(_same_distribution(plain_samples["t1"], bad)) < 1e-10, broken
+    assert min(_same_distribution(plain["t1"], t1)) > 1e-4
+    assert min(_same_distribution(plain["top_p"], top_p)) > 1e-4
+    for b in brokens:
+        assert min(_same_distribution(plain["t1"], bad[b])) < 1e-10, b
 
 
 def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(sglang_py, peaked_model, tmp_path):
@@ -246,13 +244,13 @@ def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(sglang_py
             rates.append(sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs))
         return rates[0], rates[1]
 
-    with _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16) as srv:
+    with running(_server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16),
+                 _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag="lenient",
+                         env={"HISTOSPEC_LENIENCE": "4"})) as (srv, lenient_srv):
         shared, own = run(srv, "a")
         _, exact = _sample(srv, SAMPLED, rounds=8)
+        _, lenient = _sample(lenient_srv, SAMPLED, rounds=8)
     assert shared > own + 0.15, (shared, own)
-    with _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag="lenient",
-                 env={"HISTOSPEC_LENIENCE": "4"}) as srv:
-        _, lenient = _sample(srv, SAMPLED, rounds=8)
     assert lenient > exact + 0.3, (lenient, exact)
 
 
@@ -297,11 +295,6 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
     reqs = _load_requests(prompts, 500)
     greedy = [r for r in reqs if r["sp"]["temperature"] == 0.0 and r["kind"] != "abort"]
     pub_sp = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
-    with _server(sglang_py, greedy_model, "plain", tmp_path, max_running=16) as srv:
-        want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, srv.generate(
-            [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
-        want_published = [o["output_ids"] for o in srv.generate(published, pub_sp)]
-
     data = tmp_path / "draft-server"
     snapshot = tmp_path / "history.snap"
     ds = DraftServerProcess(data_dir=data, log=tmp_path / "draft-server.log")
@@ -311,7 +304,13 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
     done = threading.Semaphore(0)
     events = []
     try:
-        with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
+        with running(_server(sglang_py, greedy_model, "plain", tmp_path, max_running=16),
+                     _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env)) as (plain, srv):
+            want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, plain.generate(
+                [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
+            want_published = [o["output_ids"] for o in plain.generate(published, pub_sp)]
+            plain.stop()
+
             def one(r: dict) -> None:
                 answered = threading.Event()
 

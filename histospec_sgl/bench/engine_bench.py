@@ -21,7 +21,6 @@ needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWI
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -31,7 +30,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.bench.engine_server import EngineServer, verify_steps
+from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
 METHODS = ("plain", "ngram", "history", "history_switchoff")
 #: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
@@ -136,17 +135,17 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                 "ignore_eos": ignore_eos, "repeats": repeats,
                 "switch_off": {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}}
     runs: dict[tuple, list[dict[str, Any]]] = {}
-    with contextlib.ExitStack() as stack:
-        servers: dict[str, EngineServer] = {}
-        for method in methods:
-            env = settings["switch_off"] if method == "history_switchoff" else {}
-            algo = "history" if method.startswith("history") else method
-            log(f"[bench engine] {method}: starting the server")
-            srv = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
-                               dtype="float32" if device == "cpu" else "bfloat16",
-                               max_running=max(batch_sizes), env=env, extra_args=["--sleep-on-idle"],
-                               log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
-            servers[method] = stack.enter_context(srv)
+    servers: dict[str, EngineServer] = {}
+    for method in methods:
+        env = settings["switch_off"] if method == "history_switchoff" else {}
+        algo = "history" if method.startswith("history") else method
+        servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
+                                       dtype="float32" if device == "cpu" else "bfloat16",
+                                       max_running=max(batch_sizes), env=env, extra_args=["--sleep-on-idle"],
+                                       log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
+    log(f"[bench engine] starting the servers: {', '.join(methods)}")
+    with running(*servers.values()):
+        for srv in servers.values():
             srv.generate([prompts[0]], {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
         order = list(methods)
         for temp in temperatures:

@@ -9,6 +9,7 @@ never in the wheel, and :func:`cpu_engine_env` puts them on the server's ``PYTHO
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,17 +124,29 @@ class EngineServer:
                                                                               suffix=".log")[1])
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
+        self._launched = 0.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineServer:
+        """Starts the server and waits until it answers."""
+        return self.launch().wait_ready()
+
+    def launch(self) -> EngineServer:
+        """Starts the server's process without waiting for it (see :func:`running`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
+        self._launched = time.monotonic()
+        return self
+
+    def wait_ready(self) -> EngineServer:
+        """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch)."""
+        assert self.proc is not None, "launch() first"
+        deadline = self._launched + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise EngineError(f"the {self.method} server exited with {self.proc.returncode} while starting:\n"
@@ -196,11 +210,13 @@ class EngineServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        """Ends the server and every process it started (SIGTERM, then SIGKILL after 15 s)."""
+    def stop(self, grace: float = 1.0) -> None:
+        """Ends the server and every process it started: SIGTERM, then SIGKILL after ``grace``
+        seconds. Nothing here waits on a graceful exit (SGLang's own shutdown kills its schedulers,
+        and after SIGTERM its launcher spends seconds looking for crash dumps to take)."""
         if self.proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -220,6 +236,21 @@ class EngineServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def running(*servers: EngineServer) -> Iterator[tuple[EngineServer, ...]]:
+    """Several servers side by side: all are launched before any is waited for (their start-ups,
+    mostly imports, overlap), and all are stopped on the way out."""
+    try:
+        for srv in servers:
+            srv.launch()
+        for srv in servers:
+            srv.wait_ready()
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 def verify_steps(out: dict[str, Any]) -> int:
