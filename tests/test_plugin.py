@@ -33,7 +33,7 @@ from conftest import SGLANG_0523, sglang_missing as _sglang_missing
 from histospec_sgl import HistoryIndex
 from histospec_sgl.cli import main as cli_main
 from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
-from histospec_sgl.plugin.drafter import BatchDrafter, SwitchOff, group_of
+from histospec_sgl.drafter import BatchDrafter, SwitchOff, group_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "histospec_sgl" / "data" / "humaneval_sample.jsonl.gz"
@@ -435,7 +435,7 @@ def test_registration_is_idempotent_cheap_and_fails_loudly(sglang_py):
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         assert type(SpeculativeAlgorithm.from_string("HISTORY")).__name__ == "HistoryAlgo"
         heavy = [m for m in ("histospec_sgl._core", "histospec_sgl.plugin.worker",
-                             "sglang.srt.speculative.ngram_worker", "histospec_sgl.plugin.drafter") if m in sys.modules]
+                             "sglang.srt.speculative.ngram_worker", "histospec_sgl.drafter") if m in sys.modules]
         print("RESULT", heavy)
     """)
     assert "RESULT []" in r.stdout, r.stdout + r.stderr[-3000:]
@@ -443,7 +443,7 @@ def test_registration_is_idempotent_cheap_and_fails_loudly(sglang_py):
     # process that asked for HISTORY, with the reason and the fix.
     r = _run_sglang(sglang_py, """
         import sys
-        import histospec_sgl.plugin.compat as c
+        import histospec_sgl.plugin.registration as c
         def boom(): raise ImportError("simulated broken install")
         c.register_history = boom
         sys.argv = ["sglang.launch_server", "--speculative-algorithm", "HISTORY"]
@@ -537,7 +537,7 @@ def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
         import os, sys, json
         import numpy as np
         import torch.distributed as dist
-        from histospec_sgl.plugin.drafter import BatchDrafter
+        from histospec_sgl.drafter import BatchDrafter
         from histospec_sgl.plugin.tp import DraftBroadcast
         rank = int(sys.argv[1]); port = sys.argv[2]; out = sys.argv[3]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

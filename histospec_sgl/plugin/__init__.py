@@ -28,13 +28,9 @@ from __future__ import annotations
 import logging
 import sys
 
-from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError
+from histospec_sgl.plugin.config import NAME, SUPPORTED_SGLANG, HistoryConfig, HistoryConfigError
 
 __all__ = ["register", "flag_value", "NAME", "SUPPORTED_SGLANG", "HistoryConfig", "HistoryConfigError"]
-
-NAME = "HISTORY"
-#: SGLang versions the plugin is written for (slime pins 0.5.15; 0.5.17 is what CI and the GPU box run).
-SUPPORTED_SGLANG = ((0, 5, 15), (0, 5, 23))
 
 logger = logging.getLogger("histospec_sgl.plugin")
 _registered = False
@@ -61,9 +57,9 @@ def register() -> None:
     if _registered:
         return
     try:
-        from histospec_sgl.plugin import compat
+        from histospec_sgl.plugin import registration
 
-        compat.register_history()
+        registration.register_history()
         _registered = True
     except Exception as e:
         msg = (

@@ -78,6 +78,12 @@ def _lenience(text: str) -> float:
     return v
 
 
+#: The algorithm's name on SGLang's command line.
+NAME = "HISTORY"
+#: SGLang versions the plugin is written for (slime pins 0.5.15; 0.5.17 is what CI and the GPU box run).
+SUPPORTED_SGLANG = ((0, 5, 15), (0, 5, 23))
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     env: str

@@ -144,8 +144,8 @@ def _allow_torch_native_on_cpu() -> None:
     product_check = spec.validate_server_args
 
     def validate(server_args: Any) -> None:
-        view = compat._resolved(server_args)
-        backends = {getattr(view, f, None) for f in compat._ATTENTION_FIELDS} - {None}
+        view = compat.resolved(server_args)
+        backends = {getattr(view, f, None) for f in compat.ATTENTION_FIELDS} - {None}
         if getattr(view, "device", None) == "cpu" and backends == {"torch_native"}:
             HistoryConfig.from_env()
             return

@@ -21,7 +21,6 @@ and applies the switch-off rule.
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 import gzip
 import hashlib
