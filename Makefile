@@ -10,13 +10,18 @@ develop: ## build (release) and install into .venv
 test: ## every test (Rust then Python), as CI runs them
 	bash scripts/test.sh
 
+test-fast: ## Rust and the Python tests that need no .venv-sglang (a few minutes; after make develop)
+	cargo nextest run --workspace --exclude histospec-py
+	$(VENV)/python -m pytest tests -m "not sglang"
+
 bench: ## the index benchmark, JSON in bench/out/index.json
 	OPENBLAS_NUM_THREADS=1 $(VENV)/histospec-sgl bench index --json bench/out/index.json
 
-lint: ## rustfmt and clippy
+lint: ## rustfmt, clippy, ruff, mypy, and stubtest for the extension's type stubs
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	bash scripts/lint_python.sh
 
 check: lint test ## lint + test
 
-.PHONY: help develop test bench lint check
+.PHONY: help develop test test-fast bench lint check

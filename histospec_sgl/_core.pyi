@@ -2,10 +2,27 @@
 
 from collections.abc import Sequence
 from os import PathLike
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
+
+__all__ = [
+    "HistoryIndex",
+    "TriePeer",
+    "prompt_key",
+    "huge_pages",
+    "encode_publish",
+    "decode_publish_response",
+    "encode_subscribe",
+    "decode_stats",
+    "decode_records",
+    "apply_records",
+    "wire_span",
+    "run_draft_server",
+    "__version__",
+    "SNAPSHOT_FORMAT_VERSION",
+]
 
 __version__: str
 SNAPSHOT_FORMAT_VERSION: int
@@ -25,6 +42,7 @@ def huge_pages(on: bool | None = None) -> bool:
     See the README's "Huge pages" bullet for the trade-off.
     """
 
+@final
 class HistoryIndex:
     """Per-prompt history of earlier responses that drafts speculative-decoding trees.
 
@@ -50,8 +68,8 @@ class HistoryIndex:
         ValueError: a setting outside its domain.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         vocab_size: int | None = None,
         max_responses: int = 0,
@@ -72,7 +90,7 @@ class HistoryIndex:
         hub_follow: float = 0.1,
         hub_follow_degree: int = 16,
         threads: int = 1,
-    ) -> None: ...
+    ) -> HistoryIndex: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
 
@@ -214,10 +232,11 @@ class HistoryIndex:
         """
 
 
+@final
 class TriePeer:
     """Model of SGLang 0.5.23's NGRAM trie drafter (recency BFS), used by the replay as a peer."""
 
-    def __init__(self, max_depth: int = 18, min_breadth: int = 1, max_breadth: int = 10) -> None: ...
+    def __new__(cls, max_depth: int = 18, min_breadth: int = 1, max_breadth: int = 10) -> TriePeer: ...
     def insert(self, tokens: _Tokens) -> None:
         """Inserts every suffix of ``tokens`` truncated to ``max_depth``."""
 

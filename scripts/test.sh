@@ -16,5 +16,7 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --exclude histospec-py
 fi
+echo "[test] lint: ruff, mypy, stubtest"
+bash scripts/lint_python.sh
 echo "[test] Python"
 .venv/bin/python -m pytest tests "$@"

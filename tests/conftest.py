@@ -16,6 +16,17 @@ SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
 
 
+#: Fixtures that run code in .venv-sglang: a test using any of them is marked ``sglang``
+#: (``make test-fast`` leaves those out).
+SGLANG_FIXTURES = frozenset({"sglang_py", "sglang_0523", "greedy_model", "text_model", "text_engine"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SGLANG_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.sglang)
+
+
 def sglang_missing(fail: str, skip: str) -> NoReturn:
     """Where scripts/test.sh set up SGLang (HISTOSPEC_REQUIRE_SGLANG=1), a missing piece fails the
     test; elsewhere it skips it, saying why."""

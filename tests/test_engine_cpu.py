@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, build_model
 
+from conftest import ROOT, build_model
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, running, verify_steps
 
 D = 8

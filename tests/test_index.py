@@ -12,7 +12,6 @@ from _contract import check_contract
 import histospec_sgl as hs
 from histospec_sgl import HistoryIndex, prompt_key
 
-
 FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0, "follow": 0.0}
 
 

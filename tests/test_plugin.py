@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _contract import check_contract
-from conftest import SGLANG_0523, sglang_missing as _sglang_missing
 
+from conftest import SGLANG_0523
+from conftest import sglang_missing as _sglang_missing
 from histospec_sgl import HistoryIndex
-from histospec_sgl.cli import main as cli_main
-from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
 from histospec_sgl.drafter import BatchDrafter, SwitchOff, group_of
+from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "histospec_sgl" / "data" / "humaneval_sample.jsonl.gz"
@@ -515,12 +515,12 @@ def test_draft_buffers_match_sglang_tree_reconstruction(sglang_py, tmp_path):
     for b in range(len(rids)):
         seen = []
 
-        def walk(node: int) -> None:
+        def walk(node: int, b: int = b, seen: list[int] = seen) -> None:
             seen.append(node)
             c = next_token[b][node]
             while c != -1:
                 assert parents[b][c] == node
-                walk(c)
+                walk(c, b, seen)
                 c = next_sibling[b][c]
 
         walk(0)

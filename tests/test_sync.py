@@ -23,7 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from histospec_sgl import HistoryIndex, _core, prompt_key
-from histospec_sgl.sync import DraftServerError, DraftServerProcess, HistoryPublisher, HistorySubscriber, PublishError
+from histospec_sgl.sync import (
+    DraftServerError,
+    DraftServerProcess,
+    HistoryPublisher,
+    HistorySubscriber,
+    PublishError,
+)
 from histospec_sgl.sync.client import SERVICE
 from histospec_sgl.sync.process import wait_port_free
 from histospec_sgl.sync.replica import checksum

@@ -74,7 +74,7 @@ def _model(spec: str, log: Callable[[str], None]) -> tuple[Path, list[list[int]]
     else:
         path = Path(spec)
     info_file = path / "histospec_model.json"
-    info = json.loads(info_file.read_text()) if info_file.exists() else {"path": str(path)}
+    info: dict[str, Any] = json.loads(info_file.read_text()) if info_file.exists() else {"path": str(path)}
     info["path"] = str(path)
     if info.get("kind") == "rhyme":
         prompts = engine_models.rhyme_prompts()
@@ -137,7 +137,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     runs: dict[tuple, list[dict[str, Any]]] = {}
     servers: dict[str, EngineServer] = {}
     for method in methods:
-        env = settings["switch_off"] if method == "history_switchoff" else {}
+        env: dict[str, str] = settings["switch_off"] if method == "history_switchoff" else {}  # type: ignore[assignment]
         algo = "history" if method.startswith("history") else method
         servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",

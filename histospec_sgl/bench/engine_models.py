@@ -27,8 +27,9 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "humaneval_sample.jsonl.gz"
 #: Raised when a recipe changes, so that cached models are rebuilt.
@@ -192,7 +193,7 @@ def build_rhyme(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: in
             log(f"[models] rhyme: step {step}/{steps}, loss {loss_v:.3f}, {time.monotonic() - t0:.0f} s")
     model.eval()
     _save(model, out, "float32")
-    (out / "rhyme_vocab.json").write_text(json.dumps(sorted(vocab, key=vocab.get)))
+    (out / "rhyme_vocab.json").write_text(json.dumps(sorted(vocab, key=vocab.__getitem__)))
     return {"parameters": sum(p.numel() for p in model.parameters()), "final_loss": round(loss_v, 4),
             "train_tokens": sum(len(s) for s in seqs)}
 

@@ -143,7 +143,8 @@ def latency(
 
     # Paired: odd steps grow the batch one request after the other (the same drafts), so the gain
     # of interleaving is measured in the same run and VM state.
-    t_seq, t_int = [], []
+    t_seq: list[float] = []
+    t_int: list[float] = []
     for step in range(steps):
         t0 = time.perf_counter()
         ix.draft_batch(rids, D, tok, mask, interleave=step % 2 == 0)

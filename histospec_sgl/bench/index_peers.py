@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import gc
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -318,7 +319,7 @@ class ArcticPeer:
     def build(self, w: Workload) -> list[Any]:
         """Per prompt, the store that serves it: a ``PerPromptTrees`` each, or one shared cache."""
         if self.per_prompt:
-            stores = [self.arctic.PerPromptTrees() for _ in w.prompts]
+            stores: list[Any] = [self.arctic.PerPromptTrees() for _ in w.prompts]
         else:
             shared = self.arctic.SharedCache()
             stores = [shared] * len(w.prompts)

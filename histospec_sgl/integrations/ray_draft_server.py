@@ -47,7 +47,7 @@ class DraftServerOwner:
 
         bound = Path(data_dir) / "ray-actor-listen" if data_dir else None
         if bound is not None:
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
+            bound.parent.mkdir(parents=True, exist_ok=True)
             if listen.endswith(":0") and bound.exists():
                 # A restart after the process died: the port it had, which engines were given.
                 listen = bound.read_text().strip()

@@ -81,7 +81,7 @@ def ngram_settings(server_args: Any) -> dict[str, Any]:
     resolved schedule, and an unset draft width is filled in only in the resolved spec)."""
     from sglang.srt.speculative import ngram_worker
 
-    getters = [getattr(ngram_worker, n, None) for n in ("get_schedule", "get_spec", "get_device")]
+    getters: list[Any] = [getattr(ngram_worker, n, None) for n in ("get_schedule", "get_spec", "get_device")]
     if all(callable(g) for g in getters):
         schedule, spec, device = (g() for g in getters)
     else:

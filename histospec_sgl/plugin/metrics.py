@@ -98,9 +98,11 @@ class HistoryMetrics:
             SGLang's ``/metrics`` collects from the files every process writes).
     """
 
-    def __init__(self, labels: dict[str, str], registry: Any = None):
+    def __init__(self, labels: dict[str, Any], registry: Any = None):
         if registry is None:
-            from prometheus_client import REGISTRY as registry
+            from prometheus_client import REGISTRY
+
+            registry = REGISTRY
         self._labels = {k: str(v) for k, v in labels.items()}
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
@@ -116,7 +118,8 @@ class HistoryMetrics:
         """Metrics for a server started with ``--enable-metrics``, else None."""
         if not getattr(server_args, "enable_metrics", False):
             return None
-        labels = {"model_name": getattr(server_args, "served_model_name", None) or "", "tp_rank": tp_rank}
+        labels: dict[str, Any] = {"model_name": getattr(server_args, "served_model_name", None) or "",
+                                  "tp_rank": tp_rank}
         extra = getattr(server_args, "extra_metric_labels", None)
         if isinstance(extra, dict):
             labels.update(extra)

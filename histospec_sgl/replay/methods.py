@@ -173,7 +173,7 @@ def mask_parents(mask: Any, d: int) -> Any:
     import numpy as np
 
     below = np.tril(np.asarray(mask).reshape(d, d).astype(bool), k=-1)
-    has = below.any(axis=1)
+    has = np.asarray(below.any(axis=1))
     if not has[1:].all():
         raise ValueError(f"draft tree mask has a non-root node without an ancestor: {mask!r}")
     return np.where(has, d - 1 - np.argmax(below[:, ::-1], axis=1), -1)

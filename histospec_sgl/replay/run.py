@@ -129,6 +129,7 @@ def load_cases(o: ReplayOptions) -> tuple[list[Case], dict[str, Any]]:
     else:
         if o.fields is None:
             raise ReplayDataError("--input needs at least --prompt-field and --response-field")
+        assert o.input is not None
         path, fields, defaults, mirror = o.input, o.fields, {}, "cross-sample"
     rows = load_rollouts(path, fields)  # type: ignore[arg-type]
     sel = _selection(o, defaults)

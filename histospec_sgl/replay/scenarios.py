@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from histospec_sgl.replay.data import ReplayDataError, Rollout
 
@@ -38,8 +39,8 @@ class Selection:
     seed: int = 0
 
 
-def _buckets(rows: Sequence[Rollout], key: Callable[[Rollout], Hashable]) -> dict[Hashable, list[Rollout]]:
-    out: dict[Hashable, list[Rollout]] = defaultdict(list)
+def _buckets(rows: Sequence[Rollout], key: Callable[[Rollout], Any]) -> dict[Any, list[Rollout]]:
+    out: dict[Any, list[Rollout]] = defaultdict(list)
     for r in rows:
         out[key(r)].append(r)
     for v in out.values():

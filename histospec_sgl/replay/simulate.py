@@ -13,12 +13,13 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from histospec_sgl.replay.methods import Method
 from histospec_sgl.replay.scenarios import Case
 
 
-def accept_greedy(tokens: Sequence[int], parents: Sequence[int], truth: Sequence[int], pos: int) -> int:
+def accept_greedy(tokens: Sequence[int] | Any, parents: Sequence[int] | Any, truth: Sequence[int] | Any, pos: int) -> int:
     """Length of the longest root path of the tree whose tokens equal ``truth[pos:]``'s prefix.
 
     Nodes are in parent-before-child order with the root at index 0 (its parent is -1).

@@ -5,7 +5,14 @@ generate; :class:`SpecRLRollout` runs it against a SGLang server or engine; :mod
 and ``histospec-sgl bench specrl``.
 """
 
-from histospec_sgl.specrl.acceptance import Plan, SpecRLError, acceptance_probs, check_lenience, cut_points, plan
+from histospec_sgl.specrl.acceptance import (
+    Plan,
+    SpecRLError,
+    acceptance_probs,
+    check_lenience,
+    cut_points,
+    plan,
+)
 from histospec_sgl.specrl.client import (
     Previous,
     PreviousResponses,

@@ -363,7 +363,9 @@ class SpecRLRollout:
             ids = [int(t) for t in out["output_ids"]] if "output_ids" in out else [t for _, t in entries]
             if len(entries) != len(ids) or any(t != e[1] for t, e in zip(ids, entries)):
                 raise ValueError(f"{len(ids)} output ids but {len(entries)} output log-probs")
-            return ids, [float(v) for v, _ in entries], _finish(meta), meta
+            if any(v is None for v, _ in entries):
+                raise ValueError("an output token has no log-prob")
+            return ids, [float(v) for v, _ in entries if v is not None], _finish(meta), meta
         except (KeyError, TypeError, ValueError) as e:
             raise SpecRLRequestError(name, step, f"unexpected response: {e}") from None
 

@@ -509,7 +509,7 @@ class HistorySubscriber(_Client):
                     item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     if self._error is not None:
-                        raise self._error
+                        raise self._error from None
                     if through_sequence is not None:
                         raise TimeoutError(
                             f"sequence {through_sequence} not received within {timeout}s "

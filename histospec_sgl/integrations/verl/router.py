@@ -27,7 +27,6 @@ from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
 from histospec_sgl import prompt_key
 
-
 #: Request ids of the form ``histospec-<group hex>-<anything>`` carry their group: a SPEC-RL scoring call
 #: sends prompt + previous response, and still belongs with its prompt.
 REQUEST_PREFIX = "histospec-"
