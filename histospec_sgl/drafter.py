@@ -88,15 +88,6 @@ class _Live:
     group: int | None = None  # the group it was started in (None: its prompt's key)
 
 
-@dataclasses.dataclass
-class RequestStats:
-    """Per-request draft counters, kept for finished requests until :meth:`BatchDrafter.pop_stats`."""
-
-    accepted: int
-    drafted: int
-    steps: int
-
-
 class SwitchOff:
     """When to stop drafting: above ``max_batch`` requests, or while the mean accepted draft tokens
     per request-step, measured over the last drafted steps, is below ``min_accept`` (then every
@@ -170,7 +161,6 @@ class BatchDrafter:
         self._drafted_steps: collections.deque[bool] = collections.deque(maxlen=4)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
-        self._finished: dict[str, RequestStats] = {}
         self._tokens = np.zeros(0, dtype=np.int64)
         self._mask = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(0, dtype=np.int64)
@@ -283,9 +273,6 @@ class BatchDrafter:
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
-        self._finished[rid] = RequestStats(live.accepted, live.offered, live.steps)
-        if len(self._finished) > 65536:
-            self._finished.pop(next(iter(self._finished)))
 
     def add_finished(self, prompt_ids: Sequence[int], response: Sequence[int], group: int | None = None,
                      version: int | None = None) -> None:
@@ -299,9 +286,6 @@ class BatchDrafter:
 
     def live(self) -> set[str]:
         return set(self._live)
-
-    def pop_stats(self, rid: str) -> RequestStats | None:
-        return self._finished.pop(rid, None)
 
     # -- drafting -------------------------------------------------------------------------------
 

@@ -513,60 +513,6 @@ def test_tls(tmp_path):
             HistoryPublisher(srv.address).stats(timeout=3)
 
 
-def test_engine_sync_applies_the_same_records_on_every_tp_rank(server, monkeypatch):
-    """Two TP ranks (threads) with a broadcast from rank 0: after every step boundary both indexes
-    hold exactly the same history, although the ranks receive records at different times."""
-    from histospec_sgl.sync.engine import EngineSync
-
-    monkeypatch.setenv("HISTOSPEC_DRAFT_SERVER", server.address)
-    box: list[int] = []
-    barrier = threading.Barrier(2)
-
-    def broadcast(v: int) -> int:
-        if barrier.wait() == 0:
-            box.clear()
-        barrier.wait()
-        if v:
-            box.append(v)
-        barrier.wait()
-        return box[0] if box else 0
-
-    idx = [HistoryIndex(), HistoryIndex()]
-    syncs = [EngineSync.from_env(idx[r], tp_rank=r, broadcast=broadcast) for r in (0, 1)]
-    recs = _records(300, seed=9)
-    other = HistoryPublisher(server.address)
-    sums: list[list[str]] = [[], []]
-
-    def rank(r: int) -> None:
-        for step in range(6):
-            for i in range(step * 50, step * 50 + 25):
-                syncs[r].finished(recs[i][0], recs[i][1], version=step)  # rank 1's calls are ignored
-            syncs[r].step_boundary()
-            sums[r].append(checksum(idx[r]))
-
-    for i in range(25, 300, 50):  # another engine publishes too
-        for j in range(i, i + 25):
-            other.publish(recs[j][0], recs[j][1], version=j // 50)
-    other.flush()
-    ts = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    assert sums[0] == sums[1]
-    assert syncs[0].drain(30) and syncs[0].unpublished == 0
-    assert other.stats()["records"] == 300
-    assert syncs[1].publisher is None
-    for s in syncs:
-        s.close()
-    other.close()
-    e = EngineSync.from_env(HistoryIndex())
-    assert e is not None
-    e.close()
-    monkeypatch.delenv("HISTOSPEC_DRAFT_SERVER")
-    assert EngineSync.from_env(HistoryIndex()) is None
-
-
 def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path):
     """An engine's step boundary must not stall while its draft server is down: finished responses
     queue in memory and the records it has go on being applied. Once the server is back on its port,

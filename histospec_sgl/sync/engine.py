@@ -1,15 +1,14 @@
-"""The draft-server hook an engine worker calls (the SGLang worker of issue 4 uses it when
-``HISTOSPEC_DRAFT_SERVER`` is set).
+"""The draft-server hook an engine worker calls (the SGLang worker uses it on TP rank 0, which holds
+the engine's index, when ``HISTOSPEC_DRAFT_SERVER`` is set).
 
-- Finished responses are published by TP rank 0 only, batched, by a background thread that retries
+- Finished responses are published batched, by a background thread that retries
   while the server is unreachable: a decode step never waits on the network (records queue in
   memory meanwhile, and go out in order once the server is back).
   With a draft server the worker finishes its requests with ``keep=False``: its own responses come
   back through the subscription like everyone else's, so every replica holds the same history in the
   same order.
-- Records from the server are applied at step boundaries only, never from the receiving thread into
-  a live draft call: rank 0 picks the sequence it has received, ``broadcast`` hands it to every rank
-  (e.g. a ``torch.distributed`` broadcast on the TP group), and each rank applies exactly up to it.
+- Records from the server are applied at step boundaries only, up to the sequence received so
+  far, never from the receiving thread into a live draft call.
 
 Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE``
 (bearer token), ``HISTOSPEC_DRAFT_SERVER_CA`` (PEM roots: use TLS).
@@ -22,7 +21,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +38,8 @@ class EngineSync:
 
     Args:
         address: the server.
-        index: the engine's :class:`~histospec_sgl.HistoryIndex` (one per rank).
-        tp_rank: this rank; rank 0 publishes and decides the apply point.
-        broadcast: ``f(value_on_rank0) -> value`` on every rank (identity for TP=1).
-        apply_timeout: seconds a rank waits for records rank 0 has already received.
+        index: the engine's :class:`~histospec_sgl.HistoryIndex`.
+        apply_timeout: seconds a step boundary waits for records already received.
         publish_timeout: seconds per publish attempt (the background thread retries with backoff).
     """
 
@@ -52,43 +48,33 @@ class EngineSync:
         address: str,
         index: Any,
         *,
-        tp_rank: int = 0,
-        broadcast: Callable[[int], int] | None = None,
         auth_token: str | None = None,
         tls_root_certificates: bytes | None = None,
         apply_timeout: float = 60.0,
         publisher_id: str | None = None,
         publish_timeout: float = 10.0,
     ):
-        self.tp_rank = tp_rank
-        self.broadcast = broadcast or (lambda v: v)
         self.apply_timeout = apply_timeout
         self.subscriber = HistorySubscriber(
             address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
         ).start()
-        self.publisher = (
-            HistoryPublisher(
-                address,
-                auth_token=auth_token,
-                tls_root_certificates=tls_root_certificates,
-                batch_records=1 << 30,
-                batch_tokens=1 << 62,
-                max_attempts=1,
-                timeout=publish_timeout,
-                id_prefix=publisher_id,
-            )
-            if tp_rank == 0
-            else None
+        self.publisher = HistoryPublisher(
+            address,
+            auth_token=auth_token,
+            tls_root_certificates=tls_root_certificates,
+            batch_records=1 << 30,
+            batch_tokens=1 << 62,
+            max_attempts=1,
+            timeout=publish_timeout,
+            id_prefix=publisher_id,
         )
         self.publish_failures = 0
         self.refused_records = 0
         self._queue: list[tuple[tuple, dict]] = []
         self._cond = threading.Condition()
         self._stop = False
-        self._thread: threading.Thread | None = None
-        if self.publisher is not None:
-            self._thread = threading.Thread(target=self._publish_loop, name="histospec-publisher", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._publish_loop, name="histospec-publisher", daemon=True)
+        self._thread.start()
 
     @classmethod
     def from_env(cls, index: Any, **kw: Any) -> EngineSync | None:
@@ -104,9 +90,7 @@ class EngineSync:
 
     def finished(self, prompt_ids: Any, response_ids: Any, *, version: int, sample_index: int = 0,
                  group: int | None = None, logprobs: Any = None, reward: float | None = None) -> None:
-        """Queues a finished response for publishing (rank 0; other ranks ignore it). Never blocks."""
-        if self.publisher is None:
-            return
+        """Queues a finished response for publishing. Never blocks."""
         with self._cond:
             self._queue.append(((prompt_ids, response_ids), dict(group=group, version=version,
                                                                  sample_index=sample_index, logprobs=logprobs,
@@ -114,24 +98,24 @@ class EngineSync:
             self._cond.notify_all()
 
     def step_boundary(self) -> int:
-        """Applies the server's records up to the point rank 0 has received, on every rank; returns
-        how many records were applied here. Publishing runs beside it and never delays it."""
+        """Applies the server's records up to the point received so far; returns how many were
+        applied. Publishing runs beside it and never delays it."""
         if self.subscriber.error is not None:
             raise self.subscriber.error
-        target = self.broadcast(self.subscriber.received_sequence if self.tp_rank == 0 else 0)
+        target = self.subscriber.received_sequence
         return self.subscriber.poll(through_sequence=target, timeout=self.apply_timeout)
 
     @property
     def unpublished(self) -> int:
         """Finished responses not yet acknowledged by the server."""
         with self._cond:
-            return len(self._queue) + (self.publisher.queued if self.publisher is not None else 0)
+            return len(self._queue) + self.publisher.queued
 
     def drain(self, timeout: float) -> bool:
         """Waits until everything finished so far is acknowledged; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queue or (self.publisher is not None and self.publisher.queued):
+            while self._queue or self.publisher.queued:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -139,7 +123,6 @@ class EngineSync:
         return True
 
     def _publish_loop(self) -> None:
-        assert self.publisher is not None
         pause = 0.05
         while True:
             with self._cond:
@@ -177,7 +160,7 @@ class EngineSync:
 
     def close(self, timeout: float = 10.0) -> None:
         """Publishes what is queued (waiting up to ``timeout`` for the server), then closes."""
-        if self._thread is not None:
+        if self._thread.is_alive():
             if not self.drain(timeout):
                 log.warning("histospec: closing with %d finished responses not published (server unreachable)",
                             self.unpublished)
@@ -185,7 +168,6 @@ class EngineSync:
                 self._stop = True
                 self._cond.notify_all()
             self._thread.join(timeout)
-        if self.publisher is not None:
-            self.publisher.discard()
-            self.publisher.close()
+        self.publisher.discard()
+        self.publisher.close()
         self.subscriber.close()
