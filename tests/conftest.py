@@ -116,3 +116,16 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     finally:
         srv.stop()
         ds.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A model directory SGLang's argument code can read (config only: no weights are loaded)."""
+    p = tmp_path_factory.mktemp("tiny")
+    (p / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "num_hidden_layers": 2, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    }))
+    return p

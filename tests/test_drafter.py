@@ -1,0 +1,225 @@
+"""The draft source of the HISTORY worker (:class:`histospec_sgl.drafter.BatchDrafter`, no SGLang
+needed) on real HumanEval completions: the draft contract, sibling drafting, batched syncing, the
+request lifecycle, switch-off, history in and out; and ``histospec-sgl bench worker``, which times it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from _contract import check_contract
+from _samples import humaneval
+
+from histospec_sgl.drafter import BatchDrafter, SwitchOff
+from histospec_sgl.plugin.config import HistoryConfig
+
+# -- the draft source ------------------------------------------------------------------------------
+
+
+def test_drafter_contract_and_sibling_drafting_on_real_completions():
+    """Decode the samples of each HumanEval task in lockstep, as SGLang does, feeding back exactly
+    what greedy tree verification would accept; check the contract at every step, that siblings
+    in flight draft from each other and that finished responses become history."""
+    d = 12
+    dr = BatchDrafter(d)
+    tasks = humaneval(4)
+    steps = accepted_total = 0
+    for task, (prompt, samples) in enumerate(tasks):
+        samples = samples[:4]
+        rids = [f"t{task}-s{k}" for k in range(len(samples))]
+        pos = [1] * len(samples)  # tokens accepted so far (the first came from prefill)
+        active = list(range(len(samples)))
+        while active:
+            for k in active:
+                dr.sync(rids[k], prompt, samples[k][:pos[k]])
+            tokens, mask = dr.draft([rids[k] for k in active])
+            roots = [samples[k][pos[k] - 1] for k in active]
+            parents = check_contract(tokens.copy(), mask.copy(), roots, d)
+            steps += 1
+            nxt = []
+            for b, k in enumerate(active):
+                t = tokens[b * d:(b + 1) * d]
+                truth = samples[k][pos[k]:]
+                node, acc = 0, 0
+                while acc < len(truth):
+                    kids = [i for i in range(1, d) if parents[b][i] == node and t[i] == truth[acc]]
+                    if not kids:
+                        break
+                    node, acc = kids[0], acc + 1
+                accepted_total += min(acc, len(truth) - 1)  # what the token counts show
+                pos[k] = min(pos[k] + acc + 1, len(samples[k]))
+                if pos[k] >= len(samples[k]):
+                    dr.finish(rids[k], samples[k])
+                else:
+                    nxt.append(k)
+            active = nxt
+        assert dr.index.stats()["responses"] == 4 * (task + 1)
+    tot = dr.totals
+    assert tot["finished"] == tot["kept"] == 16
+    assert tot["accepted"] == accepted_total > 0
+    # Real completions of one task rhyme: well over one token per step on average.
+    generated = sum(len(s) for _, ss in tasks for s in ss[:4]) - 16
+    assert generated / steps > 1.5 * (16 / 4) / 4  # batch of 4 per step: > 1.5 tokens per request-step
+
+
+def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
+    """The worker hands each request's context as SGLang holds it in overlap mode: ``output_ids``
+    (one step behind) plus the tokens accepted last step. One ``sync_batch`` call with those parts
+    must leave the index exactly where syncing every whole context one by one does: same drafts,
+    same acceptance counts, also across a retraction and with a group that only the start reads.
+    The batched side runs its index on three threads (40 requests: appends and drafts are split),
+    the one-by-one side on one."""
+    d = 10
+    tasks = humaneval(8)
+    whole, parts = BatchDrafter(d, HistoryConfig(threads=1)), BatchDrafter(d, HistoryConfig(threads=3))
+    assert (whole.index.threads, parts.index.threads) == (1, 3)
+    rng = np.random.default_rng(0)
+    reqs = [(f"t{t}-{k}", prompt, samples[k]) for t, (prompt, samples) in enumerate(tasks) for k in range(5)]
+    pos = {rid: 1 for rid, _, _ in reqs}
+    retracted = False
+    for step in range(60):
+        live = [r for r in reqs if pos[r[0]] < len(r[2])]
+        if not live:
+            break
+        items = []
+        for rid, prompt, full in live:
+            ctx = full[:pos[rid]]
+            whole.sync(rid, prompt, ctx, group=7 if rid.endswith("-0") else None)
+            # Where output_ids ends: usually right after what the index held last step (overlap
+            # mode), sometimes before or after it.
+            head = int(rng.integers(max(0, len(ctx) - 8), len(ctx) + 1))
+            # A group given after the start is ignored; passing a different one must change nothing.
+            group = 7 if rid.endswith("-0") else None
+            if parts.is_live(rid):
+                group = 12345
+            items.append((rid, prompt, ctx[:head], ctx[head:], group))
+        parts.sync_batch(items)
+        rids = [r[0] for r in live]
+        a, b = whole.draft(rids), parts.draft(rids)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), f"step {step}"
+        for i, (rid, _, full) in enumerate(live):
+            t = a[0][i * d:(i + 1) * d]
+            acc = 0
+            while acc + 1 < d and pos[rid] + acc < len(full) and t[acc + 1] == full[pos[rid] + acc]:
+                acc += 1  # the chain along the first children is enough to advance differently
+            pos[rid] += min(acc + 1, len(full) - pos[rid])
+        if step == 20 and not retracted:
+            # SGLang retracts a request: its context restarts shorter.
+            rid = live[0][0]
+            pos[rid], retracted = 2, True
+    assert retracted
+    counts = ("steps", "request_steps", "covered", "accepted", "offered")
+    assert [whole.totals[k] for k in counts] == [parts.totals[k] for k in counts]
+    assert whole.totals["accepted"] > 50
+    assert whole.index.group_keys() == parts.index.group_keys()
+    assert 7 in parts.index.group_keys() and 12345 not in parts.index.group_keys()
+
+
+def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
+    d = 6
+    dr = BatchDrafter(d, HistoryConfig(max_batch=2))
+    prompt = [5, 6, 7]
+    dr.add_finished(prompt, [1, 2, 3, 4, 5, 6])
+    dr.sync("a", prompt, [1])
+    tokens, mask = dr.draft(["a"])
+    assert tokens[:d].tolist() == [1, 2, 3, 4, 5, 6]  # the earlier response, as a chain
+    # Retraction: SGLang rewinds a request; its context starts again, nothing breaks.
+    dr.sync("a", prompt, [1, 2, 3])
+    dr.sync("a", prompt, [1])
+    assert dr.draft(["a"])[0][:2].tolist() == [1, 2]
+    # Switch-off above max_batch: root only, padded as a chain.
+    for r in ("b", "c"):
+        dr.sync(r, prompt, [1])
+    tokens, mask = dr.draft(["a", "b", "c"])
+    assert tokens.reshape(3, d)[:, 0].tolist() == [1, 1, 1] and not tokens.reshape(3, d)[:, 1:].any()
+    check_contract(tokens, mask, [1, 1, 1], d)
+    assert dr.totals["drafted_steps"] == 2 and dr.totals["steps"] == 3
+    # An abort leaves no history; an unknown rid is ignored.
+    rebuilds = dr.index.stats()["rebuilds"]
+    dr.finish("b", [1, 9], keep=False)
+    dr.finish("nope", [1])
+    assert dr.index.stats()["responses"] == 1
+    # Its tokens leave the automaton once the group is idle, not with a rebuild per finish.
+    dr.finish("c", [1, 8], keep=False)
+    assert dr.index.stats()["rebuilds"] == rebuilds
+    dr.finish("a", [1, 2], keep=False)
+    assert dr.index.stats()["rebuilds"] == rebuilds + 1
+    # History out and in: a snapshot, and token-id JSONL (gzip too).
+    snap = tmp_path / "h" / "index.snap"
+    dr.save(snap)
+    other = BatchDrafter(d)
+    assert other.load(snap) == 1
+    lines = [{"prompt_ids": [1, 2], "response_ids": [3, 4, 5], "version": 2},
+             {"prompt_ids": [1, 2], "response_ids": [3, 4, 6], "group": 99}]
+    (tmp_path / "h.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    with gzip.open(tmp_path / "h.jsonl.gz", "wt") as f:
+        f.write(json.dumps(lines[0]) + "\n")
+    assert other.load(tmp_path / "h.jsonl") == 3
+    assert other.load(tmp_path / "h.jsonl.gz") == 4
+    (tmp_path / "bad.jsonl").write_text('{"prompt_ids": [1]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: not a history record"):
+        other.load(tmp_path / "bad.jsonl")
+
+
+def test_switch_off_by_measured_acceptance():
+    sw = SwitchOff(min_accept=1.0, probe_every=4, window=8)
+    assert sw.should_draft(32)  # nothing measured yet
+    for _ in range(8):
+        sw.observe(accepted=2, request_steps=32)  # 0.06 accepted per request-step
+    decisions = [sw.should_draft(32) for _ in range(8)]
+    assert decisions.count(True) == 2  # probes only
+    # One probe that reaches the threshold switches drafting back on with a fresh window.
+    sw.observe(accepted=64, request_steps=32)
+    assert sw.mean_accept == 2.0
+    assert all(sw.should_draft(32) for _ in range(8))
+
+
+def test_steps_verified_without_drafts_do_not_count_as_rejections():
+    """While switched off, the verify steps that carried no drafts accept nothing; they must not enter
+    the acceptance window, or a probe could never bring drafting back."""
+    dr = BatchDrafter(8, HistoryConfig(min_accept=1.0, probe_every=4))
+    prompt, resp = list(range(10, 40)), list(range(100, 160))
+    dr.add_finished(prompt, resp, None)
+    dr.sync_batch([("r", prompt, [], (), None)])
+    for _ in range(8):  # measured: nothing accepted
+        dr.draft(["r"])
+        dr.observe_step([0])
+    assert dr.switch.mean_accept == 0.0
+    window = list(dr.switch._acc)
+    for _ in range(3):  # switched off: these steps draft nothing and measure nothing
+        dr.draft(["r"])
+        assert not dr.drafting
+        dr.observe_step([0])
+    assert dr.switch._acc == window
+    while not dr.drafting:  # until the probe
+        dr.observe_step([0])
+        dr.draft(["r"])
+    dr.observe_step([7])
+    assert dr.switch.mean_accept == 7.0 and dr.switch.should_draft(1)
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "histospec_sgl.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_bench_worker_runs_the_worker_loop_and_reports_host_time(tmp_path):
+    out = tmp_path / "worker.json"
+    r = cli("bench", "worker", "--batch-sizes", "4,8", "--groups", "4", "--steps", "4", "--warm", "200",
+             "--draft-tokens", "8", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["command"].startswith("histospec-sgl bench worker") and set(res["batch_sizes"]) == {"4", "8"}
+    for bs, row in res["batch_sizes"].items():
+        assert row["requests"] == int(bs) and row["steps"] == 4
+        assert row["host_ms_per_step"] >= row["draft_ms_per_step"] > 0 and row["sync_one_by_one_ms_per_step"] > 0
+        # W1's epoch-2 responses follow their epoch-1 history closely: several tokens per step.
+        assert row["tokens_per_request_step"] > 2
+        assert 200 + 4 < row["response_tokens_at_end"] <= 200 + 4 * 8
+    bad = cli("bench", "worker", "--batch-sizes", "0")
+    assert bad.returncode == 2 and "--batch-sizes" in bad.stderr

@@ -1,0 +1,93 @@
+"""The plugin's ``HISTOSPEC_*`` settings and ``histospec-sgl launch-server`` (no SGLang needed up to
+the exec)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from histospec_sgl import HistoryIndex
+from histospec_sgl.drafter import group_of
+from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_values():
+    assert HistoryConfig.from_env({}) == HistoryConfig()
+    cfg = HistoryConfig.from_env({
+        "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
+        "HISTOSPEC_DRAFT_POLICY": "Frequency", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
+        "HISTOSPEC_FOLLOW": "0",
+    })
+    assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
+        32, 512 << 20, "frequency", 64, 0.5)
+    assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
+    assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
+    assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
+    assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)
+    assert HistoryIndex(**HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()).threads == 3
+    kw = cfg.index_kwargs()
+    assert kw["recency"] == 0.0 and kw["max_bytes"] == 512 << 20 and kw["follow"] == 0.0
+    assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
+    assert parse_size("4G") == 4 << 30 and parse_size("1.5KiB") == 1536 and parse_size("100") == 100
+    assert "HISTOSPEC_DRAFT_SERVER" in settings_table()
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"HISTOSPEC_MAX_RESPONSES": "-1"}, "HISTOSPEC_MAX_RESPONSES"),
+    ({"HISTOSPEC_MEMORY_BUDGET": "lots"}, "HISTOSPEC_MEMORY_BUDGET"),
+    ({"HISTOSPEC_DRAFT_POLICY": "random"}, "recency, frequency"),
+    ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
+    ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
+    ({"HISTOSPEC_HUGE_PAGES": "yes"}, "HISTOSPEC_HUGE_PAGES"),
+    ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
+    ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
+    ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),
+    ({"HISTOSPEC_THREADS": "65"}, "HISTOSPEC_THREADS"),
+    ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
+    ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
+])
+def test_config_errors_name_the_variable(env, needle):
+    with pytest.raises(HistoryConfigError, match=needle):
+        HistoryConfig.from_env(env)
+
+
+def test_group_param():
+    assert group_of(None) is None and group_of({"other": 1}) is None
+    assert group_of({"histospec_group": 7}) == 7
+    assert group_of({"histospec_group": (1 << 64) - 1}) == (1 << 64) - 1
+    s = group_of({"histospec_group": "prompt-17"})
+    assert s == group_of({"histospec_group": "prompt-17"}) and 0 <= s < 1 << 64
+    for bad in (-1, 1 << 64, 1.5, True, [1]):
+        with pytest.raises(ValueError, match="histospec_group"):
+            group_of({"histospec_group": bad})
+
+
+# -- the launcher (no SGLang needed up to the exec) --------------------------------------------------
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "histospec_sgl.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=60)
+
+
+def test_launch_server_help_and_errors():
+    r = _cli("launch-server", "--help")
+    assert r.returncode == 0 and "--history-load" in r.stdout and "HISTOSPEC_MEMORY_BUDGET" in r.stdout
+    r = _cli("launch-server", "--history-memory-budget", "lots", "--model-path", "m")
+    assert r.returncode == 2 and "HISTOSPEC_MEMORY_BUDGET='lots'" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", env={"HISTOSPEC_DRAFT_POLICY": "bogus"})
+    assert r.returncode == 2 and "HISTOSPEC_DRAFT_POLICY" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", "--attention-backend", "triton")
+    assert r.returncode == 2 and "--attention-backend flashinfer" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", "--speculative-algorithm", "NGRAM")
+    assert r.returncode == 2 and "runs HISTORY" in r.stderr
+    assert "launch-server" in _cli("--help").stdout
+    if importlib.util.find_spec("sglang") is None:
+        r = _cli("launch-server", "--check")
+        assert r.returncode == 1 and "sglang is not installed" in r.stderr
