@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The replay table of bench/RESULTS.md: every scenario of issue 3 on the shared rollout logs,
+# The replay table of bench/RESULTS.md: every scenario on the shared rollout logs,
 # ours and the peers in the same run. Needs ../shared/data (or HISTOSPEC_DATA_DIR and
 # HISTOSPEC_TOKENIZER). Writes bench/out/replay/<name>.json and plots, then prints a markdown table.
 # Run with PY=.venv-sglang/bin/python to add ArcticInference's SuffixDecoding (arctic_per_prompt,

@@ -1,4 +1,4 @@
-"""End-to-end checks that need a CUDA GPU and a real SGLang server (issues 4 and 6).
+"""End-to-end checks that need a CUDA GPU and a real SGLang server (the plugin, SPEC-RL scoring).
 
 On the GPU box they run through ``bench/gpu/run_on_box.sh`` (which sets up SGLang 0.5.17 without
 network); here they run only where ``torch.cuda`` sees a GPU and SGLang is importable, and skip

@@ -1,6 +1,6 @@
 """Draft server over real loopback gRPC, with real server processes (killed with real signals).
 
-Covers issue 5's list: three replicas converge on 100k records from two publishers; SIGKILL mid-publish
+Covers: three replicas converge on 100k records from two publishers; SIGKILL mid-publish
 and restart from the data dir loses nothing acknowledged and duplicates nothing; late and lagging
 replicas catch up through snapshots; malformed, oversized and unauthenticated requests get a status
 while the server keeps serving; random bytes into the decoding path.

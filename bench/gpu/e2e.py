@@ -1,4 +1,4 @@
-"""End-to-end HISTORY check on a GPU box (issue 4): run by bench/gpu/run_on_box.sh.
+"""End-to-end HISTORY check on a GPU machine: run by bench/gpu/run_on_box.sh.
 
 1. Plain SGLang server (no speculation): greedy outputs of N prompts, and tokens/s at a few batch sizes.
 2. The same server with ``--speculative-algorithm HISTORY``:
@@ -89,7 +89,7 @@ def accept_length(outs: list[dict]) -> float | None:
 
 
 def specrl_alignment(base: str, prompts: list[list[int]], max_new: int, out: Path) -> dict:
-    """Issue 6 on a real server: generate with log-probs, then score prompt + response in one prefill
+    """SPEC-RL scoring on a real server: generate with log-probs, then score prompt + response in one prefill
     (logprob_start_len = len(prompt) - 1: a cached prefix has no logits); the scored log-probs must line up with the response and equal
     the generation's own. The raw responses are kept as fixtures for CPU tests."""
     from histospec_sgl.specrl.client import scored_logprobs

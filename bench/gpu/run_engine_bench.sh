@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `histospec-sgl bench engine` on the GPU box (FlashInfer tree attention, CUDA graphs, the real
 # sgl-kernel verify and sampling kernels): the same table the CPU engine gives in bench/RESULTS.md.
-# A separate call from run_on_box.sh (which uses most of one call's 10 minutes):
-#   run(command="bash bench/gpu/run_engine_bench.sh", carry=[".devpayload"], timeout_s=600)
+# Run separately from run_on_box.sh (which uses most of a 10-minute run), with the same payload:
+#   OUT=gpu-out bash bench/gpu/run_engine_bench.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 S=$(mktemp -d)

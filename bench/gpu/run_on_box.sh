@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one GPU-box job for issue 4 (run with the device tool from the repository root, carrying
-# .devpayload, which scripts/gpu_payload.sh builds):
-#   run(command="bash bench/gpu/run_on_box.sh", carry=[".devpayload"], timeout_s=600)
+# The GPU job: HISTORY end to end on a GPU machine. Run it from the repository root of a copy of
+# the checkout that carries .devpayload (scripts/gpu_payload.sh builds it; the machine needs no
+# network and no Rust), within 10 minutes:
+#   OUT=gpu-out bash bench/gpu/run_on_box.sh
 # Writes everything under $OUT: environment facts, kernel check, server logs, e2e.json.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
