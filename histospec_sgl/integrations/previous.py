@@ -45,12 +45,9 @@ class PreviousStore:
             return pub
 
     def get(self, address: str | None, group: int, slot: int) -> Previous | None:
-        """The previous response of ``slot`` in ``group``: the draft server's, else this process's."""
-        if address:
-            found = self.follower(address).get(group, slot)
-            if found is not None:
-                return found
-        return self.local.get(group, slot)
+        """The previous response of ``slot`` in ``group``: from the draft server's mirror, or without
+        a server from what this process recorded (:meth:`record` fills one or the other)."""
+        return (self.follower(address) if address else self.local).get(group, slot)
 
     def record(self, address: str | None, prompt_ids: Sequence[int], response_ids: Sequence[int],
                logprobs: Sequence[float] | None, finish_reason: str | None, *, group: int, slot: int,
