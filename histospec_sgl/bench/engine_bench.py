@@ -130,14 +130,15 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     path, prompts, model_info = _model(model, log)
     ignore_eos = model_info.get("kind") != "rhyme"  # the rhyme model ends its completions itself
+    switch_off_env = {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}
     settings = {"batch_sizes": list(batch_sizes), "temperatures": list(temperatures), "siblings": siblings,
                 "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
                 "ignore_eos": ignore_eos, "repeats": repeats,
-                "switch_off": {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}}
+                "switch_off": switch_off_env}
     runs: dict[tuple, list[dict[str, Any]]] = {}
     servers: dict[str, EngineServer] = {}
     for method in methods:
-        env: dict[str, str] = settings["switch_off"] if method == "history_switchoff" else {}  # type: ignore[assignment]
+        env = switch_off_env if method == "history_switchoff" else {}
         algo = "history" if method.startswith("history") else method
         servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",
