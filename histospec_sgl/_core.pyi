@@ -2,10 +2,11 @@
 
 from collections.abc import Sequence
 from os import PathLike
-from typing import Any, final
+from typing import Any, TypedDict, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Unpack
 
 __all__ = [
     "HistoryIndex",
@@ -42,6 +43,21 @@ def huge_pages(on: bool | None = None) -> bool:
     See the README's "Huge pages" bullet for the trade-off.
     """
 
+class _DraftKnobs(TypedDict, total=False):
+    """The draft policy's knobs (docs/index.md describes each)."""
+
+    min_match: int
+    min_prob: float
+    escape: float
+    escape_short: float
+    recency: float
+    recency_decay: float
+    max_children: int
+    follow: float
+    follow_resync: float
+    hub_follow: float
+    hub_follow_degree: int
+
 @final
 class HistoryIndex:
     """Per-prompt history of earlier responses that drafts speculative-decoding trees.
@@ -52,20 +68,14 @@ class HistoryIndex:
         max_versions: keep only the responses of the last E versions per group (0: all).
         max_bytes: global memory budget; idle groups are evicted least recently used first (0: none).
         version_decay: an occurrence from version v weighs ``version_decay ** (newest - v)``.
-        min_match, min_prob, escape, recency, recency_decay, max_children, recover, blend, escape_short,
-        follow, follow_resync, hub_follow, hub_follow_degree:
-            the draft policy; ``follow`` (0 = off) and ``follow_resync`` are the prior weights of
-            source following (the request drafts the next tokens of the earlier response it is
-            rewriting, with a weight learned from its own hits); a root whose match has
-            ``hub_follow_degree`` (16) or more continuations drafts only that source's path when
-            its weight is at least ``hub_follow`` (1 = never)
-            (see ``rust/histospec-index/src/draft.rs`` and the README).
         threads: threads that batch calls (``draft_batch``, ``draft_chain_batch``,
             ``extend_batch``) may use, the caller's included (1..64). A batch of at least 32
             requests is split into contiguous parts; the results are the same for every value.
+        **draft: the draft policy's knobs by name (``HistoryIndex.draft_knobs()``;
+            docs/index.md describes each).
 
     Raises:
-        ValueError: a setting outside its domain.
+        ValueError: a setting outside its domain, or an unknown knob.
     """
 
     def __new__(
@@ -76,20 +86,8 @@ class HistoryIndex:
         max_versions: int = 0,
         max_bytes: int = 0,
         version_decay: float = 1.0,
-        min_match: int = 1,
-        min_prob: float = 0.0,
-        escape: float = 1.0,
-        recency: float = 0.3,
-        recency_decay: float = 0.5,
-        max_children: int = 8,
-        recover: float = 0.0,
-        blend: int = 0,
-        escape_short: float = 2.0,
-        follow: float = 0.5,
-        follow_resync: float = 0.1,
-        hub_follow: float = 0.1,
-        hub_follow_degree: int = 16,
         threads: int = 1,
+        **draft: Unpack[_DraftKnobs],
     ) -> HistoryIndex: ...
     def begin_request(self, rid: int, group: int | None, prompt_ids: _Tokens, version: int | None = None) -> int:
         """Starts request ``rid`` in ``group`` (None: ``prompt_key(prompt_ids)``); returns the group key.
@@ -178,24 +176,11 @@ class HistoryIndex:
     def draft_config(self) -> dict[str, Any]:
         """The draft policy."""
 
-    def set_draft_config(
-        self,
-        *,
-        min_match: int | None = None,
-        min_prob: float | None = None,
-        escape: float | None = None,
-        recency: float | None = None,
-        recency_decay: float | None = None,
-        max_children: int | None = None,
-        recover: float | None = None,
-        blend: int | None = None,
-        escape_short: float | None = None,
-        follow: float | None = None,
-        follow_resync: float | None = None,
-        hub_follow: float | None = None,
-        hub_follow_degree: int | None = None,
-    ) -> None:
-        """Changes some draft-policy knobs."""
+    def set_draft_config(self, **draft: Unpack[_DraftKnobs]) -> None:
+        """Changes some draft-policy knobs by name (the others keep their values)."""
+    @staticmethod
+    def draft_knobs() -> list[str]:
+        """The names of the draft-policy knobs."""
 
     def config(self) -> dict[str, Any]:
         """Every setting of the index."""

@@ -12,7 +12,7 @@ from _contract import check_contract
 import histospec_sgl as hs
 from histospec_sgl import HistoryIndex, prompt_key
 
-FREQUENCY = {"recency": 0.0, "blend": 0, "escape_short": 0.0, "follow": 0.0}
+FREQUENCY = {"recency": 0.0, "escape_short": 0.0, "follow": 0.0}
 
 
 def make_index(**kw) -> HistoryIndex:
@@ -177,6 +177,31 @@ def test_bad_tokens_and_ids():
     assert isinstance(hs.UnknownRequestError("x"), hs.HistospecError)
 
 
+def test_draft_knobs_cross_the_binding_by_name():
+    knobs = HistoryIndex.draft_knobs()
+    defaults = HistoryIndex().draft_config()
+    assert list(defaults) == knobs
+    assert {"min_match", "recency", "follow", "max_children"} <= set(knobs)
+    # Every knob set at construction is read back; set_draft_config changes only what it names.
+    changed = {k: (v + 1 if isinstance(v, int) else v / 2) for k, v in defaults.items()}
+    ix = HistoryIndex(**changed)
+    assert ix.draft_config() == pytest.approx(changed)
+    assert all(isinstance(v, int) for k, v in ix.draft_config().items() if isinstance(defaults[k], int))
+    ix.set_draft_config(recency=0.0)
+    assert ix.draft_config() == pytest.approx({**changed, "recency": 0.0})
+    assert ix.config()["recency"] == 0.0
+    # A typo, a removed knob, a wrong type or a value out of range is a ValueError naming it,
+    # and a failed change leaves the policy as it was.
+    for bad, match in [({"recencyy": 0.1}, "unknown draft knob"), ({"blend": 1}, "unknown draft knob"),
+                       ({"min_match": 1.5}, "min_match must be an integer"), ({"recency": "x"}, "recency"),
+                       ({"follow": True}, "follow"), ({"recency": 2.0}, "recency")]:
+        with pytest.raises(ValueError, match=match):
+            HistoryIndex(**bad)
+        with pytest.raises(ValueError, match=match):
+            ix.set_draft_config(**bad)
+    assert ix.draft_config()["recency"] == 0.0
+
+
 def test_extend_batch_validates_before_applying():
     ix = make_index()
     ix.begin_request(1, None, [1, 2, 3])
@@ -197,27 +222,6 @@ def test_siblings_in_flight_draft_from_each_other():
     ix.extend_request(1, [30, 31, 32, 33])
     ix.extend_request(2, [30])
     assert hs.draft(ix, 2, 4, chain=True).tokens.tolist() == [30, 31, 32, 33]
-
-
-def test_recovery_continues_the_match_the_last_token_broke():
-    # History: 10 11 12 13 14 15 16. The request inserted 99 after 13. With recovery, the root
-    # offers 14 ("99 was inserted": continue after 13) and 15 ("99 replaced 14"), and never 99
-    # again (after 13 it follows only in the request's own string). Without, nothing matches "99".
-    drafts = {}
-    for recover in (0.0, 0.5):
-        ix = HistoryIndex(**{**FREQUENCY, "recover": recover})
-        ix.add_response(None, [1], [10, 11, 12, 13, 14, 15, 16], 0)
-        ix.begin_request(1, None, [1])
-        ix.extend_request(1, [10, 11, 12, 13, 99])
-        drafts[recover] = ix.draft(1, 8)
-    assert drafts[0.0][0] == [99]
-    tokens, parents, _ = drafts[0.5]
-    assert tokens[0] == 99
-    assert sorted(t for t, p in zip(tokens, parents) if p == 0) == [14, 15]
-    assert 99 not in tokens[1:]
-    # Each hypothesis goes on along the history: 14 -> 15 -> 16 and 15 -> 16.
-    kids = {(tokens[p], t) for t, p in zip(tokens, parents) if p > 0}
-    assert {(14, 15), (15, 16)} <= kids
 
 
 def _hub_draft(continuations: int, **config) -> tuple[HistoryIndex, tuple]:

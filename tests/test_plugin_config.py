@@ -36,6 +36,11 @@ def test_config_defaults_and_values():
     assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
     assert parse_size("4G") == 4 << 30 and parse_size("1.5KiB") == 1536 and parse_size("100") == 100
     assert "HISTOSPEC_DRAFT_SERVER" in settings_table()
+    # Any draft knob by name: checked by the index, handed to it, and overriding only what it names.
+    knobs = HistoryConfig.from_env({"HISTOSPEC_DRAFT_KNOBS": " max_children=3, escape=0.5,follow=0 "})
+    assert knobs.draft_knobs == (("max_children", 3), ("escape", 0.5), ("follow", 0))
+    drawn = HistoryIndex(**knobs.index_kwargs()).draft_config()
+    assert (drawn["max_children"], drawn["escape"], drawn["follow"], drawn["min_match"]) == (3, 0.5, 0.0, 1)
 
 
 @pytest.mark.parametrize("env, needle", [
@@ -51,6 +56,11 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_THREADS": "65"}, "HISTOSPEC_THREADS"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "recencyy=0.1"}, "HISTOSPEC_DRAFT_KNOBS.*unknown draft knob"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "max_children=0"}, "HISTOSPEC_DRAFT_KNOBS.*max_children"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "escape"}, "HISTOSPEC_DRAFT_KNOBS.*name=value"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "escape=much"}, "HISTOSPEC_DRAFT_KNOBS.*not a number"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "follow=0", "HISTOSPEC_FOLLOW": "0.2"}, "HISTOSPEC_FOLLOW also sets"),
 ])
 def test_config_errors_name_the_variable(env, needle):
     with pytest.raises(HistoryConfigError, match=needle):

@@ -73,6 +73,24 @@ def _path(text: str) -> str:
     return str(Path(text.strip()).expanduser())
 
 
+def _knobs(text: str) -> tuple[tuple[str, float], ...]:
+    """``"recency=0.2,max_children=4"`` -> the draft knobs, checked by the index itself."""
+    from histospec_sgl._core import HistoryIndex
+
+    pairs: list[tuple[str, float]] = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r} is not name=value")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{name.strip()}: {value.strip()!r} is not a number") from None
+        pairs.append((name.strip(), int(number) if number.is_integer() else number))
+    HistoryIndex(**dict(pairs))  # type: ignore[arg-type]  # names and domains checked here
+    return tuple(pairs)
+
+
 def _lenience(text: str) -> float:
     v = _float(1.0, 1e6)(text)
     return v
@@ -110,6 +128,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_FOLLOW", "follow", _float(0.0, 0.99), 0.5,
             "source following: prior weight of the next token of the earlier response a request is "
             "rewriting (learned per request from its hits; 0: off)"),
+    Setting("HISTOSPEC_DRAFT_KNOBS", "draft_knobs", _knobs, None,
+            "any draft-policy knob by name, e.g. recency=0.2,max_children=4 (docs/index.md lists them); "
+            "a knob may not also be set by its own variable above"),
     Setting("HISTOSPEC_HISTORY_LOAD", "history_load", _path, None,
             "history to load at start: an index snapshot, or token-id JSONL(.gz) lines "
             '{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}'),
@@ -174,6 +195,7 @@ class HistoryConfig:
     draft_policy: str = "recency"
     min_match: int = 1
     follow: float = 0.5
+    draft_knobs: tuple[tuple[str, float], ...] | None = None
     history_load: str | None = None
     snapshot_path: str | None = None
     draft_server: str | None = None
@@ -211,6 +233,10 @@ class HistoryConfig:
             except ValueError as e:
                 raise HistoryConfigError(f"{s.env}={raw!r}: {e} ({s.help})") from None
         cfg = cls(**values)
+        own = {"min_match": "HISTOSPEC_MIN_MATCH", "follow": "HISTOSPEC_FOLLOW", "recency": "HISTOSPEC_DRAFT_POLICY"}
+        for name, _ in cfg.draft_knobs or ():
+            if env.get(own.get(name, "")):
+                raise HistoryConfigError(f"HISTOSPEC_DRAFT_KNOBS sets {name}, which {own[name]} also sets; keep one")
         if cfg.history_load is not None and not Path(cfg.history_load).exists():
             raise HistoryConfigError(f"HISTOSPEC_HISTORY_LOAD={cfg.history_load!r}: no such file")
         return cfg
@@ -228,6 +254,7 @@ class HistoryConfig:
         )
         if self.draft_policy == "frequency":
             kw["recency"] = 0.0
+        kw.update(self.draft_knobs or ())
         return kw
 
 

@@ -220,7 +220,7 @@ impl Follow {
 }
 
 /// Whether `tok` is the automaton's most frequent next token after the state `last` (ties go to
-/// the smaller token), as [`Sam::most_frequent_child`] would say. Reads only `tok`'s child when
+/// the smaller token): its most frequent child. Reads only `tok`'s child when
 /// it holds the majority of the occurrences, and stops at the first child that beats it.
 fn is_favourite(sam: &Sam, last: u32, tok: u32) -> bool {
     let Some(a) = sam.longest_with_children(last, 1) else {

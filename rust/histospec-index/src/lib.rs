@@ -16,7 +16,7 @@ pub mod sam;
 pub mod snapshot;
 pub mod store;
 
-pub use draft::{DraftConfig, Drafter, Job, Node, LANES, MAX_ANCHORS};
+pub use draft::{DraftConfig, Drafter, Job, KnobValue, Node, LANES};
 pub use error::{CoreError, Result};
 pub use replay::{accept_greedy, ReplayTrace};
 pub use store::{

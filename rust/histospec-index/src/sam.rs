@@ -680,24 +680,13 @@ impl Sam {
     }
 
     /// The most frequent transition `(token, target)` of `s` (ties go to the smaller token);
-    /// `None` when `s` has none. A state with one transition is answered without reading its
-    /// target.
+    /// `None` when `s` has none.
+    #[cfg(test)]
     pub fn most_frequent_child(&self, s: u32) -> Option<(u32, u32)> {
-        self.most_frequent_child_except(s, NONE)
-    }
-
-    /// [`Sam::most_frequent_child`] among the transitions of `s` on tokens other than `t`.
-    pub fn most_frequent_child_except(&self, s: u32, t: u32) -> Option<(u32, u32)> {
-        let st = &self.states[s as usize];
-        if st.degree() == 1 {
-            return st.first_child().filter(|&(tok, _)| tok != t);
-        }
-        self.children(s)
-            .filter(|&(tok, _)| tok != t)
-            .max_by(|x, y| {
-                let (cx, cy) = (self.states[x.1 as usize].cnt, self.states[y.1 as usize].cnt);
-                cx.total_cmp(&cy).then(y.0.cmp(&x.0))
-            })
+        self.children(s).max_by(|x, y| {
+            let (cx, cy) = (self.states[x.1 as usize].cnt, self.states[y.1 as usize].cnt);
+            cx.total_cmp(&cy).then(y.0.cmp(&x.0))
+        })
     }
 
     /// Starts loading the first linked edge of `s`, which enumerating its children reads first
@@ -710,34 +699,13 @@ impl Sam {
 
     /// The first state on the suffix-link path of `s` (itself included) that has a continuation and
     /// represents a suffix of length at least `min_len`; `None` when there is none.
-    pub fn longest_with_children(&self, s: u32, min_len: u32) -> Option<u32> {
-        self.first_on_suffix_path(s, min_len, State::has_children)
-    }
-
-    /// The first state on the suffix-link path of `s` (itself included) that represents a suffix
-    /// of length at least `min_len` and has a transition on a token other than `t`; `None` when
-    /// there is none.
-    pub fn longest_with_other_child(&self, s: u32, t: u32, min_len: u32) -> Option<u32> {
-        self.first_on_suffix_path(s, min_len, |st| {
-            st.degree() >= 2 || (st.degree() == 1 && st.tok0 != t)
-        })
-    }
-
-    /// The first state on the suffix-link path of `s` (itself included) that satisfies `pick`,
-    /// among those of length at least `min_len`.
-    #[inline]
-    fn first_on_suffix_path(
-        &self,
-        mut s: u32,
-        min_len: u32,
-        pick: impl Fn(&State) -> bool,
-    ) -> Option<u32> {
+    pub fn longest_with_children(&self, mut s: u32, min_len: u32) -> Option<u32> {
         while s != NONE {
             let st = &self.states[s as usize];
             if st.len < min_len {
                 return None;
             }
-            if pick(st) {
+            if st.has_children() {
                 return Some(s);
             }
             s = st.link;

@@ -3,9 +3,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::draft::{
-    write_chain, write_tree, DraftConfig, Drafter, Job, MaskElem, Node, Pointer, MAX_ANCHORS,
-};
+use crate::draft::{write_chain, write_tree, DraftConfig, Drafter, Job, MaskElem, Node, Pointer};
 use crate::error::{CoreError, Result};
 use crate::follow::{Follow, Log};
 use crate::par::{split, split_mut, split_opt, Par, MAX_THREADS};
@@ -253,8 +251,6 @@ struct Request {
     prompt: u32,
     /// The automaton state of the request's whole context (prompt + generated).
     last: u32,
-    /// The state of the context without its last token (`NONE` right after begin).
-    prev: u32,
     /// Clock of the last generated token (`NONE` before the first).
     clock: u32,
     /// The request's pointer into the earlier string it follows.
@@ -270,7 +266,6 @@ struct Request {
 /// Appends accepted tokens `toks` to request `req` of group `g`, advancing its source pointer.
 fn append(req: &mut Request, g: &mut Group, toks: &[u32], follow: bool) {
     for &t in toks {
-        req.prev = req.last;
         (req.last, req.clock) = g.push(req.last, req.clock, t, req.weight, false);
         req.tokens.push(t);
         if follow {
@@ -350,7 +345,6 @@ fn append_step(lane: &mut AppendLane, works: &mut [GroupWork], toks: &[u32], fol
         let t = toks[off + lane.tok];
         lane.tok += 1;
         let req = &mut w.reqs[i].1;
-        req.prev = req.last;
         (req.last, req.clock) = g.push_uncounted(req.last, req.clock, t, req.weight);
         req.tokens.push(t);
         // The new state was just written: its count step follows at once.
@@ -576,7 +570,6 @@ impl HistoryIndex {
                 group,
                 prompt: pi,
                 last,
-                prev: NONE,
                 clock: NONE,
                 follow: Follow::LOST,
                 tokens: Vec::new(),
@@ -890,11 +883,9 @@ impl HistoryIndex {
             match req.tokens.split_last() {
                 Some((&t, head)) => {
                     let (prev, clock) = g.insert(req.prompt, head, req.weight, true);
-                    req.prev = prev;
                     (req.last, req.clock) = g.push(prev, clock, t, req.weight, true);
                 }
                 None => {
-                    req.prev = NONE;
                     req.clock = NONE;
                     req.last = g.insert(req.prompt, &[], req.weight, true).0;
                 }
@@ -1027,6 +1018,22 @@ impl HistoryIndex {
         Ok(drafter.grow_job(&job, &self.cfg.draft))
     }
 
+    /// What the reference drafter reads for request `rid` (the tests check the drafter against
+    /// it): its group's automaton, the state of its context, the root token, its pointer and
+    /// the newest version's weight.
+    #[cfg(test)]
+    pub(crate) fn reference_input(&self, rid: u64) -> Result<crate::draft::reference::Input<'_>> {
+        let (req, g) = self.request_and_group(rid)?;
+        let job = self.job(req, g, 1, false);
+        Ok(crate::draft::reference::Input {
+            sam: &g.sam,
+            last: req.last,
+            root_tok: job.root_tok,
+            pointer: job.pointer.map(|p| (p.log, p.pred, p.weight, p.then)),
+            w_new: job.w_new,
+        })
+    }
+
     /// An in-flight request and its group.
     fn request_and_group(&self, rid: u64) -> Result<(&Request, &Group)> {
         let req = self
@@ -1042,8 +1049,8 @@ impl HistoryIndex {
         g.log.prefetch(req.follow.pred);
     }
 
-    /// What growing `req`'s draft reads: its anchors (the longest match with continuations, and
-    /// recovery hypotheses), its pointer and its group `g`'s automaton.
+    /// What growing `req`'s draft reads: its anchor (the longest match with continuations), its
+    /// pointer and its group `g`'s automaton.
     fn job<'a>(&self, req: &Request, g: &'a Group, budget: usize, chain: bool) -> Job<'a> {
         let root_tok = match req.tokens.last() {
             Some(&t) => t,
@@ -1053,41 +1060,9 @@ impl HistoryIndex {
         };
         let cfg = &self.cfg.draft;
         let sam = &g.sam;
-        let anchor = sam.longest_with_children(req.last, cfg.min_match);
-        let l0 = anchor.map_or(0, |a| sam.states[a as usize].len);
-        let mut anchors = [(0u32, 0f32); MAX_ANCHORS];
-        let mut n = 0;
-        if let Some(a) = anchor {
-            anchors[0] = (a, 1.0);
-            n = 1;
-        }
-        // Recovery: the last token `t` broke a longer match (l1 >= l0). The response may go on as
-        // if `t` had been inserted (continue the old match) or had replaced the token history
-        // predicted (continue after the old match's most frequent other next token). The old
-        // match is the longest suffix before `t` that history continued with something else:
-        // the request's own string is in the automaton, so `prev` itself always continues with `t`.
-        let mut insertion = None;
-        if cfg.recover > 0.0 && req.prev != NONE {
-            let t = root_tok;
-            // Only a match at least as long as the current one counts as broken, so the walk
-            // stops there: usually after `prev` and its link, both read by the last step.
-            let min_len = cfg.min_match.max(3).max(l0);
-            if let Some(a1) = sam.longest_with_other_child(req.prev, t, min_len) {
-                let share = if n == 1 { cfg.recover } else { 1.0 };
-                if n == 1 {
-                    anchors[0].1 = 1.0 - share;
-                }
-                anchors[n] = (a1, share / 2.0);
-                insertion = Some(n);
-                n += 1;
-                if let Some((_, s)) = sam.most_frequent_child_except(a1, t) {
-                    if sam.states[s as usize].has_children() {
-                        anchors[n] = (s, share / 2.0);
-                        n += 1;
-                    }
-                }
-            }
-        }
+        let mut anchor = sam
+            .longest_with_children(req.last, cfg.min_match)
+            .unwrap_or(NONE);
         let w_new = g.weight(g.max_version, self.cfg.version_decay);
         let (weight, then) = req.follow.weights([cfg.follow, cfg.follow_resync]);
         let pointer = (cfg.follow > 0.0).then_some(Pointer {
@@ -1098,19 +1073,23 @@ impl HistoryIndex {
         });
         // A hub root (a short match with many continuations) defers to a trusted source pointer.
         if let Some(p) = pointer {
-            if n == 1
+            if anchor != NONE
                 && cfg.hub_follow < 1.0
                 && p.pred != NONE
                 && p.weight >= cfg.hub_follow
-                && sam.degree(anchors[0].0) >= cfg.hub_follow_degree
+                && sam.degree(anchor) >= cfg.hub_follow_degree
             {
-                n = 0;
+                anchor = NONE;
             }
         }
-        let job = Job::new(sam, root_tok, &anchors[..n], pointer, budget, chain, w_new);
-        match insertion {
-            Some(i) => job.avoiding(i, root_tok),
-            None => job,
+        Job {
+            sam,
+            root_tok,
+            anchor,
+            pointer,
+            budget,
+            chain,
+            w_new,
         }
     }
 

@@ -123,7 +123,7 @@ proptest! {
             }
             if n.parent == 0 && automaton_only {
                 // A root child continues some suffix of the context at least min_match long
-                // (the longest match, or a shorter one blended in).
+                // (the longest match).
                 let l = m.unwrap();
                 let follows = (min_match as usize..=l).any(|k| {
                     let mut pat = ctx[ctx.len() - k..].to_vec();
@@ -252,15 +252,13 @@ proptest! {
         prompt in prop::collection::vec(0u32..4, 1..6),
         gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..12), 1..6),
         follow in prop::sample::select(vec![0.0f32, 0.5]),
-        recover in prop::sample::select(vec![0.0f32, 0.4]),
-        blend in 0u32..2,
         recency in prop::sample::select(vec![0.0f32, 0.3]),
         min_prob in prop::sample::select(vec![0.0f32, 0.2]),
         hub_follow in prop::sample::select(vec![0.0f32, 1.0]),
         hub_follow_degree in prop::sample::select(vec![2u32, 16]),
         budget in 1usize..13,
     ) {
-        let draft = DraftConfig { follow, recover, blend, recency, min_prob, hub_follow, hub_follow_degree, ..DraftConfig::default() };
+        let draft = DraftConfig { follow, recency, min_prob, hub_follow, hub_follow_degree, ..DraftConfig::default() };
         let cfg = IndexConfig { draft: draft.clone(), ..Default::default() };
         let mut ix = HistoryIndex::new(cfg).unwrap();
         for (v, h) in history.iter().enumerate() {

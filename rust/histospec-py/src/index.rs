@@ -3,7 +3,9 @@
 use std::cell::RefCell;
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use histospec_index::{CoreError, DraftConfig, Drafter, Finish, HistoryIndex, IndexConfig};
+use histospec_index::{
+    CoreError, DraftConfig, Drafter, Finish, HistoryIndex, IndexConfig, KnobValue,
+};
 use numpy::{PyArray1, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -103,20 +105,36 @@ fn make_config(
 
 fn draft_dict<'py>(py: Python<'py>, d: &DraftConfig) -> PyResult<Bound<'py, PyDict>> {
     let out = PyDict::new(py);
-    out.set_item("min_match", d.min_match)?;
-    out.set_item("min_prob", d.min_prob)?;
-    out.set_item("escape", d.escape)?;
-    out.set_item("recency", d.recency)?;
-    out.set_item("recency_decay", d.recency_decay)?;
-    out.set_item("max_children", d.max_children)?;
-    out.set_item("recover", d.recover)?;
-    out.set_item("blend", d.blend)?;
-    out.set_item("escape_short", d.escape_short)?;
-    out.set_item("follow", d.follow)?;
-    out.set_item("follow_resync", d.follow_resync)?;
-    out.set_item("hub_follow", d.hub_follow)?;
-    out.set_item("hub_follow_degree", d.hub_follow_degree)?;
+    for &name in DraftConfig::KNOBS {
+        match d.get(name) {
+            Some(KnobValue::Int(v)) => out.set_item(name, v)?,
+            Some(KnobValue::Float(v)) => out.set_item(name, v)?,
+            None => unreachable!("every listed knob has a value"),
+        }
+    }
     Ok(out)
+}
+
+/// `base` with the draft knobs of `kwargs` set (unknown names, wrong types and bad values are a
+/// `ValueError` naming the knob).
+fn draft_from_kwargs(
+    mut base: DraftConfig,
+    kwargs: Option<&Bound<'_, PyDict>>,
+) -> PyResult<DraftConfig> {
+    for (k, v) in kwargs.into_iter().flat_map(|d| d.iter()) {
+        let name: String = k.extract()?;
+        if v.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(PyValueError::new_err(format!(
+                "{name} must be a number, got {v}"
+            )));
+        }
+        let value: f64 = v
+            .extract()
+            .map_err(|_| PyValueError::new_err(format!("{name} must be a number, got {v}")))?;
+        base.set(&name, value).map_err(PyValueError::new_err)?;
+    }
+    base.validate().map_err(PyValueError::new_err)?;
+    Ok(base)
 }
 
 /// An explicit group key: any int in [-2^63, 2^64) (negative ones are taken modulo 2^64, so keys
@@ -149,48 +167,20 @@ fn rid_arg(rid: i64) -> PyResult<u64> {
 
 #[pymethods]
 impl PyHistoryIndex {
+    /// `**draft`: draft-policy knobs by name (`draft_knobs()` lists them; defaults otherwise).
     #[new]
     #[pyo3(signature = (*, vocab_size=None, max_responses=0, max_versions=0, max_bytes=0, version_decay=1.0,
-                        min_match=1, min_prob=0.0, escape=1.0, recency=0.3, recency_decay=0.5, max_children=8,
-                        recover=0.0, blend=0, escape_short=2.0, follow=0.5, follow_resync=0.1, hub_follow=0.1,
-                        hub_follow_degree=16, threads=1))]
-    #[allow(clippy::too_many_arguments)]
+                        threads=1, **draft))]
     fn new(
         vocab_size: Option<i64>,
         max_responses: usize,
         max_versions: usize,
         max_bytes: usize,
         version_decay: f32,
-        min_match: u32,
-        min_prob: f32,
-        escape: f32,
-        recency: f32,
-        recency_decay: f32,
-        max_children: u32,
-        recover: f32,
-        blend: u32,
-        escape_short: f32,
-        follow: f32,
-        follow_resync: f32,
-        hub_follow: f32,
-        hub_follow_degree: u32,
         threads: usize,
+        draft: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
-        let draft = DraftConfig {
-            min_match,
-            min_prob,
-            escape,
-            recency,
-            recency_decay,
-            max_children,
-            recover,
-            blend,
-            escape_short,
-            follow,
-            follow_resync,
-            hub_follow,
-            hub_follow_degree,
-        };
+        let draft = draft_from_kwargs(DraftConfig::default(), draft)?;
         let cfg = make_config(
             vocab_size,
             max_responses,
@@ -465,41 +455,18 @@ impl PyHistoryIndex {
         draft_dict(py, &self.read()?.config().draft)
     }
 
-    /// Changes some draft-policy knobs (the others keep their values).
-    #[pyo3(signature = (*, min_match=None, min_prob=None, escape=None, recency=None, recency_decay=None, max_children=None, recover=None, blend=None, escape_short=None, follow=None, follow_resync=None, hub_follow=None, hub_follow_degree=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn set_draft_config(
-        &self,
-        min_match: Option<u32>,
-        min_prob: Option<f32>,
-        escape: Option<f32>,
-        recency: Option<f32>,
-        recency_decay: Option<f32>,
-        max_children: Option<u32>,
-        recover: Option<f32>,
-        blend: Option<u32>,
-        escape_short: Option<f32>,
-        follow: Option<f32>,
-        follow_resync: Option<f32>,
-        hub_follow: Option<f32>,
-        hub_follow_degree: Option<u32>,
-    ) -> PyResult<()> {
+    /// Changes some draft-policy knobs by name (the others keep their values).
+    #[pyo3(signature = (**draft))]
+    fn set_draft_config(&self, draft: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         let mut g = self.write()?;
-        let mut d = g.config().draft.clone();
-        d.min_match = min_match.unwrap_or(d.min_match);
-        d.min_prob = min_prob.unwrap_or(d.min_prob);
-        d.escape = escape.unwrap_or(d.escape);
-        d.recency = recency.unwrap_or(d.recency);
-        d.recency_decay = recency_decay.unwrap_or(d.recency_decay);
-        d.max_children = max_children.unwrap_or(d.max_children);
-        d.recover = recover.unwrap_or(d.recover);
-        d.blend = blend.unwrap_or(d.blend);
-        d.escape_short = escape_short.unwrap_or(d.escape_short);
-        d.follow = follow.unwrap_or(d.follow);
-        d.follow_resync = follow_resync.unwrap_or(d.follow_resync);
-        d.hub_follow = hub_follow.unwrap_or(d.hub_follow);
-        d.hub_follow_degree = hub_follow_degree.unwrap_or(d.hub_follow_degree);
+        let d = draft_from_kwargs(g.config().draft.clone(), draft)?;
         g.set_draft_config(d).map_err(to_py)
+    }
+
+    /// The names of the draft-policy knobs (`HistoryIndex(**knobs)`, `set_draft_config`).
+    #[staticmethod]
+    fn draft_knobs() -> Vec<&'static str> {
+        DraftConfig::KNOBS.to_vec()
     }
 
     /// The index configuration (retention, memory, vocabulary, draft policy) as a dict.
