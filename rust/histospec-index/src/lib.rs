@@ -5,22 +5,22 @@
 //! tokens are accepted, and become history when they finish; [`HistoryIndex::draft_tree_batch`]
 //! fills SGLang's draft-token and mask buffers for a batch in one call.
 
-pub mod draft;
-pub mod error;
-pub mod follow;
+mod draft;
+mod error;
+mod follow;
 pub mod huge;
-pub mod par;
-pub mod peer_trie;
-pub mod replay;
-pub mod sam;
-pub mod snapshot;
-pub mod store;
+mod par;
+#[cfg(test)]
+mod props;
+mod sam;
+mod snapshot;
+mod store;
 
-pub use draft::{DraftConfig, Drafter, Job, KnobValue, Node, LANES};
+pub use draft::{DraftConfig, Drafter, KnobValue, Node};
+pub use snapshot::FORMAT_VERSION;
 pub use error::{CoreError, Result};
-pub use replay::{accept_greedy, ReplayTrace};
 pub use store::{
-    check_tokens, BatchDraftStats, Finish, HistoryIndex, IndexConfig, Response, Stats,
+    check_tokens, BatchDraftStats, Finish, FixedMap, HistoryIndex, IndexConfig, Response, Stats,
 };
 
 /// The group key of a prompt: XXH3-64 (seed 0) of its token ids as little-endian int32 bytes.

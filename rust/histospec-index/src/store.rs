@@ -32,7 +32,7 @@ impl Hasher for FixedHasher {
         self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7C_C1_B7_27_22_0A_95);
     }
 }
-pub(crate) type FixedMap<K, V> = HashMap<K, V, BuildHasherDefault<FixedHasher>>;
+pub type FixedMap<K, V> = HashMap<K, V, BuildHasherDefault<FixedHasher>>;
 
 /// Shortest automaton match a request's source pointer may start from.
 const FOLLOW_MIN_ANCHOR: u32 = 6;

@@ -407,7 +407,8 @@ impl PyHistoryIndex {
         let truth = tokens_arg(truth, "truth")?;
         let tr = self.mutate(py, |g| {
             DRAFTER.with(|d| {
-                g.replay(
+                histospec_replay::replay(
+                    g,
                     rid,
                     &truth,
                     num_nodes,

@@ -49,7 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "SNAPSHOT_FORMAT_VERSION",
-        histospec_index::snapshot::FORMAT_VERSION,
+        histospec_index::FORMAT_VERSION,
     )?;
     Ok(())
 }

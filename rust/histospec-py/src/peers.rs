@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use histospec_index::peer_trie::{TrieConfig, TriePeer};
+use histospec_replay::peer_trie::{TrieConfig, TriePeer};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 

@@ -2,10 +2,11 @@
 
 mod naive;
 
-use histospec_index::draft::{write_tree, Drafter};
-use histospec_index::sam::Sam;
-use histospec_index::{DraftConfig, Finish, HistoryIndex, IndexConfig};
 use proptest::prelude::*;
+
+use crate::draft::{write_tree, Drafter};
+use crate::sam::Sam;
+use crate::{DraftConfig, Finish, HistoryIndex, IndexConfig};
 
 fn strings_strategy() -> impl Strategy<Value = Vec<Vec<u32>>> {
     // Small alphabets make repeats (and hence clones and long matches) frequent.
@@ -200,7 +201,7 @@ proptest! {
     fn interleaved_batch_equals_one_by_one(
         history in strings_strategy(),
         prompts in prop::collection::vec(prop::collection::vec(0u32..4, 1..6), 1..4),
-        gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..10), 1..(3 * histospec_index::LANES)),
+        gens in prop::collection::vec(prop::collection::vec(0u32..4, 0..10), 1..(3 * crate::draft::LANES)),
         follow in prop::sample::select(vec![0.0f32, 0.5]),
         d in 1usize..10,
     ) {
@@ -287,7 +288,7 @@ proptest! {
     fn threaded_batches_equal_one_thread(
         history in strings_strategy(),
         prompts in prop::collection::vec(prop::collection::vec(0u32..4, 1..6), 1..5),
-        n in (2 * histospec_index::par::MIN_PER_THREAD)..(5 * histospec_index::par::MIN_PER_THREAD),
+        n in (2 * crate::par::MIN_PER_THREAD)..(5 * crate::par::MIN_PER_THREAD),
         rounds in prop::collection::vec(prop::collection::vec((0usize..1000, 0u32..4, 0i64..4), 40..120), 1..4),
         follow in prop::sample::select(vec![0.0f32, 0.5]),
         threads in 2usize..5,

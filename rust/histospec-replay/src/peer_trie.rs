@@ -12,8 +12,7 @@
 //! Not a product path: it exists to measure a peer. Capacity is unbounded (SGLang evicts leaves
 //! from a fixed pool; with per-prompt history the pool is never full).
 
-use crate::draft::Node;
-use crate::store::FixedMap;
+use histospec_index::{FixedMap, Node};
 
 /// Parameters, with SGLang's defaults.
 #[derive(Clone, Copy, Debug, PartialEq)]
