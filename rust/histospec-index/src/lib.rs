@@ -17,8 +17,8 @@ mod snapshot;
 mod store;
 
 pub use draft::{DraftConfig, Drafter, KnobValue, Node};
-pub use snapshot::FORMAT_VERSION;
 pub use error::{CoreError, Result};
+pub use snapshot::FORMAT_VERSION;
 pub use store::{
     check_tokens, BatchDraftStats, Finish, FixedMap, HistoryIndex, IndexConfig, Response, Stats,
 };

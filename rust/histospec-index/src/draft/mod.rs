@@ -56,9 +56,9 @@ pub(crate) mod reference;
 mod tests;
 
 pub use config::{DraftConfig, KnobValue};
-pub use grow::{Drafter, Job, Pointer};
 #[cfg(test)]
 pub(crate) use grow::LANES;
+pub use grow::{Drafter, Job, Pointer};
 pub use layout::{write_chain, write_tree, MaskElem};
 
 /// One drafted node: its token, its parent's position (`NONE` for the root) and its estimated
