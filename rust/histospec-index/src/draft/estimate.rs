@@ -90,7 +90,7 @@ pub(super) fn estimate(kids: &mut Vec<Kid>, sam: &Sam, s: u32, w_new: f32, cfg: 
         if ranks < kids.len() {
             kids.select_nth_unstable_by(ranks - 1, by_recency);
         }
-        sort_small(&mut kids[..ranks], by_recency);
+        kids[..ranks].sort_unstable_by(by_recency);
         let mut r = r0;
         for k in &mut kids[..ranks] {
             k.p += r;
@@ -157,23 +157,4 @@ pub(super) fn mix_pointer(kids: &mut Vec<Kid>, log: &Log, clock: u32, lam: f32) 
 #[inline]
 pub(super) fn by_p(x: &Kid, y: &Kid) -> Ordering {
     y.p.total_cmp(&x.p).then(x.tok.cmp(&y.tok))
-}
-
-/// Sorts `v` by the total order `cmp`: insertion sort for the few children most nodes have, the
-/// standard sort otherwise (the same result either way, as the order is total).
-#[inline]
-pub(super) fn sort_small<T: Copy>(v: &mut [T], cmp: impl Fn(&T, &T) -> Ordering) {
-    if v.len() > 12 {
-        v.sort_unstable_by(cmp);
-        return;
-    }
-    for i in 1..v.len() {
-        let x = v[i];
-        let mut j = i;
-        while j > 0 && cmp(&x, &v[j - 1]) == Ordering::Less {
-            v[j] = v[j - 1];
-            j -= 1;
-        }
-        v[j] = x;
-    }
 }

@@ -1,7 +1,7 @@
 //! Best-first growth of one draft, and of a batch of drafts with their memory accesses
 //! interleaved.
 
-use super::estimate::{by_p, estimate, mix_pointer, one_child_estimate, sort_small, Kid};
+use super::estimate::{by_p, estimate, mix_pointer, one_child_estimate, Kid};
 use super::frontier::{Cand, Frontier};
 use super::{DraftConfig, Node};
 use crate::follow::Log;
@@ -480,7 +480,7 @@ impl Growth {
             self.kids.select_nth_unstable_by(m - 1, by_p);
             self.kids.truncate(m);
         }
-        sort_small(&mut self.kids, by_p);
+        self.kids.sort_unstable_by(by_p);
         let lone = self.kids.len() == 1;
         for i in 0..self.kids.len() {
             let Some(c) = self.candidate(sam, self.kids[i], parent, pprob, cfg) else {
@@ -532,61 +532,16 @@ impl Growth {
     /// with parent positions renumbered.
     pub(super) fn reorder_bfs(&mut self) {
         let n = self.nodes.len();
-        self.out.clear();
-        // Often the growth order is already BFS order (a chain, or siblings taken before their
-        // children).
-        if self.depth.windows(2).all(|w| w[0] <= w[1]) {
-            self.out.extend_from_slice(&self.nodes);
-            return;
-        }
-        if n <= 64 {
-            // A counting sort on the stack (a node's depth is below its position).
-            let mut at = [0u8; 65];
-            for &dp in &self.depth {
-                at[dp as usize + 1] += 1;
-            }
-            for k in 1..=n {
-                at[k] += at[k - 1];
-            }
-            let mut order = [0u8; 64];
-            let mut remap = [0u8; 64];
-            for (i, &dp) in self.depth.iter().enumerate() {
-                let slot = &mut at[dp as usize];
-                order[*slot as usize] = i as u8;
-                remap[i] = *slot;
-                *slot += 1;
-            }
-            for &old in &order[..n] {
-                let mut node = self.nodes[old as usize];
-                if node.parent != NONE {
-                    node.parent = u32::from(remap[node.parent as usize]);
-                }
-                self.out.push(node);
-            }
-            return;
-        }
-        // Counting sort by depth, stable in growth order.
-        let deepest = self.depth.iter().copied().max().unwrap_or(0) as usize;
-        self.remap.clear();
-        self.remap.resize(deepest + 2, 0);
-        for &dp in &self.depth {
-            self.remap[dp as usize + 1] += 1;
-        }
-        for k in 1..self.remap.len() {
-            self.remap[k] += self.remap[k - 1];
-        }
         self.order.clear();
-        self.order.resize(n, 0);
-        for (i, &dp) in self.depth.iter().enumerate() {
-            let at = &mut self.remap[dp as usize];
-            self.order[*at as usize] = i as u32;
-            *at += 1;
-        }
+        self.order.extend(0..n as u32);
+        let depth = &self.depth;
+        self.order.sort_by_key(|&i| depth[i as usize]);
         self.remap.clear();
         self.remap.resize(n, 0);
         for (new, &old) in self.order.iter().enumerate() {
             self.remap[old as usize] = new as u32;
         }
+        self.out.clear();
         for &old in &self.order {
             let mut node = self.nodes[old as usize];
             if node.parent != NONE {
