@@ -23,9 +23,9 @@ if TYPE_CHECKING:
         SNAPSHOT_FORMAT_VERSION,
         HistoryIndex,
         __version__,
-        huge_pages,
         prompt_key,
     )
+    from histospec_sgl.hugepages import huge_pages
     from histospec_sgl.index import Draft, draft
 
 # The native module loads on first use: SGLang imports this package (its plugin entry point) in
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "HistoryIndex": "histospec_sgl._core",
     "prompt_key": "histospec_sgl._core",
-    "huge_pages": "histospec_sgl._core",
+    "huge_pages": "histospec_sgl.hugepages",
     "SNAPSHOT_FORMAT_VERSION": "histospec_sgl._core",
     "__version__": "histospec_sgl._core",
     "Draft": "histospec_sgl.index",

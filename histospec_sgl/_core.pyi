@@ -12,7 +12,6 @@ __all__ = [
     "HistoryIndex",
     "TriePeer",
     "prompt_key",
-    "huge_pages",
     "encode_publish",
     "decode_publish_response",
     "encode_subscribe",
@@ -33,15 +32,6 @@ _Rids = Sequence[int] | npt.NDArray[np.int64]
 
 def prompt_key(prompt_ids: _Tokens) -> int:
     """XXH3-64 of the prompt's token ids as little-endian int32 bytes (the group key)."""
-
-def huge_pages(on: bool | None = None) -> bool:
-    """Whether the index's large buffers go on transparent huge pages in this process.
-
-    Decided once per process: by ``on`` if it is given before the first large buffer (64 KiB) is
-    allocated, otherwise by ``HISTOSPEC_HUGE_PAGES=1`` in the environment at that moment (off by
-    default). Returns the decision in force, which may differ from ``on`` when it came too late.
-    See the README's "Huge pages" bullet for the trade-off.
-    """
 
 class _DraftKnobs(TypedDict, total=False):
     """The draft policy's knobs (docs/index.md describes each)."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from histospec_sgl import hugepages
 
 
 def _fmt(v: Any) -> str:
@@ -569,6 +572,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_server(argv[1:])
     args = build_parser().parse_args(argv)
+    if hugepages.requested(os.environ) and hugepages.supported() and not hugepages.huge_pages():
+        # glibc reads its huge-page switch at process start: start again with it.
+        env = dict(os.environ)
+        hugepages.add_tunable(env)
+        os.execve(sys.executable, [sys.executable, "-m", "histospec_sgl.cli", *argv], env)
     if argv and argv[0] in ("bench", "replay"):
         import histospec_sgl
 

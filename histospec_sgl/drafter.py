@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl._core import HistoryIndex, huge_pages
+from histospec_sgl._core import HistoryIndex
+from histospec_sgl.hugepages import TUNABLE, huge_pages
 from histospec_sgl.plugin.config import HistoryConfig
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -149,9 +150,11 @@ class BatchDrafter:
             raise ValueError(f"draft_tokens must be >= 1, got {draft_tokens}")
         self.d = draft_tokens
         self.config = config or HistoryConfig()
-        if self.config.huge_pages == "1" and not huge_pages(True):
-            logger.warning("histospec: HISTOSPEC_HUGE_PAGES=1 is not in force: this process allocated "
-                           "large buffers before, or is not on Linux; the index uses ordinary pages")
+        if self.config.huge_pages == "1" and not huge_pages():
+            logger.warning("histospec: HISTOSPEC_HUGE_PAGES=1 is not in force: this process did not start "
+                           "with GLIBC_TUNABLES=%s (set it, or set HISTOSPEC_HUGE_PAGES before the engine "
+                           "starts), or its C library has no such switch (glibc >= 2.35 on Linux); the "
+                           "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
         self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
         #: Whether the last :meth:`draft` drafted (False: the switch-off rule held it off).

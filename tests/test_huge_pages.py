@@ -1,7 +1,6 @@
-"""HISTOSPEC_HUGE_PAGES=1: the index's large buffers on transparent huge pages, same drafts.
-
-The allocator decides once per process, so each case runs in its own interpreter.
-"""
+"""HISTOSPEC_HUGE_PAGES=1: the index's memory on transparent huge pages through glibc's own switch,
+which a process reads when it starts. So each case runs its own interpreter, started the way the
+engine's scheduler, the launcher and the command line start theirs."""
 
 from __future__ import annotations
 
@@ -12,13 +11,15 @@ import sys
 
 import pytest
 
+from histospec_sgl import hugepages
+
+pytestmark = pytest.mark.skipif(not hugepages.supported(), reason="needs Linux with glibc >= 2.35")
+
 CHILD = r"""
 import json, sys
 import numpy as np
 import histospec_sgl as hs
 
-if sys.argv[1:] == ["ask"]:
-    assert hs.huge_pages(True)  # decided here, before any large buffer
 rng = np.random.default_rng(7)
 ix = hs.HistoryIndex()
 truths = []
@@ -49,7 +50,6 @@ with open("/proc/self/smaps") as f:
             advised += size
 print(json.dumps({
     "on": hs.huge_pages(),
-    "too_late": hs.huge_pages(not hs.huge_pages()),  # the first decision stands
     "tokens": tokens.tolist(),
     "mask": mask.tolist(),
     "advised_kb": advised,
@@ -57,79 +57,63 @@ print(json.dumps({
 }))
 """
 
-
-def _run(env_value: str | None, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "HISTOSPEC_HUGE_PAGES"}
-    if env_value is not None:
-        env["HISTOSPEC_HUGE_PAGES"] = env_value
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, *args], env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are a Linux feature")
-def test_huge_pages_change_where_buffers_live_not_what_is_drafted():
-    off = _run(None)
-    zero = _run("0")
-    on = _run("1")
-    assert (off["on"], zero["on"], on["on"]) == (False, False, True)
-    # The same drafts, bit for bit.
-    assert on["tokens"] == off["tokens"] and on["mask"] == off["mask"]
-    assert any(t != 0 for t in on["tokens"])
-    # With the switch on, the index's large buffers (several MiB here) are advised for huge pages;
-    # off, nothing of ours is (numpy advises only arrays of 4 MiB and more; these are smaller).
-    assert on["advised_kb"] * 1024 >= on["index_bytes"] // 2, on
-    assert off["advised_kb"] < on["advised_kb"] // 4, (off, on)
-    assert (off["too_late"], on["too_late"]) == (False, True)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are a Linux feature")
-def test_huge_pages_can_be_asked_for_in_code_before_the_first_index():
-    asked = _run(None, "ask")
-    assert asked["on"] and asked["too_late"]
-    assert asked["advised_kb"] * 1024 >= asked["index_bytes"] // 2, asked
-
-
-FORKER = r"""
-import os, sys, threading
-import numpy as np
-import histospec_sgl as hs
-
-assert hs.huge_pages(True)
-stop = threading.Event()
-
-def churn():
-    # Builds and drops indexes: pool blocks are taken and given back all the time.
-    rng = np.random.default_rng(1)
-    while not stop.is_set():
-        ix = hs.HistoryIndex()
-        ix.add_response(0, [1], rng.integers(1, 300, 30000).tolist(), 0)
-        del ix
-
-t = threading.Thread(target=churn)
-t.start()
-for _ in range(int(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:
-        # The child allocates from the pools at once; a lock held across fork would hang it here.
-        ix = hs.HistoryIndex()
-        ix.add_response(0, [1], list(range(1, 20000)), 0)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert status == 0, status
-stop.set()
-t.join()
-print("ok")
+# A parent that prepares its children's environment as the plugin does in SGLang's launcher, then
+# starts the child (as SGLang starts its scheduler processes).
+PARENT = r"""
+import subprocess, sys
+from histospec_sgl import hugepages
+print(hugepages.prepare_children(), file=sys.stderr)
+sys.exit(subprocess.call([sys.executable, "-c", sys.argv[1]]))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are a Linux feature")
-def test_fork_while_another_thread_allocates_never_hangs_the_child():
-    # The pools' lock is held across fork by the fork handlers, so a child never starts with it
-    # taken by a thread it does not have.
-    out = subprocess.run(
-        [sys.executable, "-c", FORKER, "150"], capture_output=True, text=True, timeout=240, check=False
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("HISTOSPEC_HUGE_PAGES", "GLIBC_TUNABLES")}
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_huge_pages_change_where_memory_lives_not_what_is_drafted():
+    off = _run(["-c", CHILD], _env())
+    # Set in the parent's environment, the switch reaches the children it starts.
+    on = _run(["-c", PARENT, CHILD], _env(HISTOSPEC_HUGE_PAGES="1"))
+    # In a process that started without it, asking changes nothing.
+    late = _run(["-c", "from histospec_sgl import hugepages; hugepages.prepare_children(); " + CHILD], _env(
+        HISTOSPEC_HUGE_PAGES="1"))
+    assert (off["on"], on["on"], late["on"]) == (False, True, False)
+    # The same drafts, bit for bit.
+    assert on["tokens"] == off["tokens"] and on["mask"] == off["mask"]
+    assert any(t != 0 for t in on["tokens"])
+    # On, the index's memory (several MiB here) is advised for huge pages; off, little is.
+    assert on["advised_kb"] * 1024 >= on["index_bytes"] // 2, on
+    assert off["advised_kb"] < on["advised_kb"] // 4, (off, on)
+
+
+def test_the_command_line_starts_again_with_the_switch(tmp_path):
+    out = tmp_path / "index.json"
+    cmd = ["-m", "histospec_sgl.cli", "bench", "index", "--workloads", "W2", "--acc-prompts", "1",
+           "--json", str(out)]
+    for value, want in (("0", False), ("1", True)):
+        run = subprocess.run([sys.executable, *cmd], env=_env(HISTOSPEC_HUGE_PAGES=value, OPENBLAS_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=300, check=False)
+        assert run.returncode == 0, run.stderr
+        result = json.loads(out.read_text())
+        assert result["machine"]["huge_pages"] is want
+        if want and result["machine"]["transparent_hugepages"] in ("madvise", "always"):
+            assert result["workloads"]["W2"]["anon_huge_bytes"] > 0
+
+
+def test_tunables_are_added_not_replaced():
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HISTOSPEC_HUGE_PAGES": "1"}
+    assert hugepages.prepare_children(env)
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + hugepages.TUNABLE
+    hugepages.prepare_children(env)  # idempotent
+    assert env["GLIBC_TUNABLES"].count("hugetlb") == 1
+    assert not hugepages.prepare_children({"HISTOSPEC_HUGE_PAGES": "0"})

@@ -27,7 +27,7 @@ Metrics (keys of ``--json``):
   the process's memory the kernel backs with 2 MiB pages, and its THP mode. Batch draft times depend
   on it: the index's per-group arrays are 0.3-2 MB each, so with the usual allocator almost none of
   them get huge pages and most draft reads miss the TLB (bench/RESULTS.md, ``bench index``).
-  ``machine.huge_pages``: whether the index put its buffers on huge pages itself
+  ``machine.huge_pages``: whether this process runs with glibc's huge-page switch
   (``HISTOSPEC_HUGE_PAGES=1``; bench/RESULTS.md, ``bench index``).
 - ``finish_unkept_ms_per_request_deferred`` / ``_immediate`` and
   ``finish_unkept_rebuilds_per_group_deferred`` / ``_immediate``: a GRPO wave in an engine with a

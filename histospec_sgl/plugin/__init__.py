@@ -16,7 +16,9 @@ What registration does:
   mixed chunking, no DP attention), through the resolution hook on versions that have one;
 - picks ``--attention-backend flashinfer`` when none is given, and refuses any other backend (tree
   verification needs FlashInfer's custom masks);
-- checks every ``HISTOSPEC_*`` variable, so a bad value stops the launcher with a clear message.
+- checks every ``HISTOSPEC_*`` variable, so a bad value stops the launcher with a clear message;
+- with ``HISTOSPEC_HUGE_PAGES=1``, puts glibc's huge-page tunable in the environment the scheduler
+  processes start with (:mod:`histospec_sgl.hugepages`).
 
 SGLang logs (and then ignores) exceptions raised by plugins, which would surface much later as
 "Unknown speculative algorithm name: HISTORY". When the command line asks for HISTORY, a failed
@@ -57,8 +59,10 @@ def register() -> None:
     if _registered:
         return
     try:
+        from histospec_sgl import hugepages
         from histospec_sgl.plugin import registration
 
+        hugepages.prepare_children()
         registration.register_history()
         _registered = True
     except Exception as e:

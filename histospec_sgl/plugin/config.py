@@ -154,8 +154,8 @@ SETTINGS: tuple[Setting, ...] = (
             "threads for the index's batch calls (drafting, appending accepted tokens), the scheduler's "
             "included; batches of 32+ requests are split, drafts are the same (0: min(4, cores available))"),
     Setting("HISTOSPEC_HUGE_PAGES", "huge_pages", _choice("0", "1"), "0",
-            "1: the index's buffers on transparent huge pages (faster drafts and appends, slower first "
-            "touch of fresh memory, ~30% more memory); read once, when the scheduler builds its index"),
+            "1: the index's memory on transparent huge pages (glibc's GLIBC_TUNABLES=glibc.malloc.hugetlb=1, "
+            "set for the scheduler processes): faster drafts and appends, slower first touch of fresh memory"),
     Setting("HISTOSPEC_LOG_EVERY", "log_every", _int(0), 200,
             "log acceptance, coverage, index size and draft time every N decode steps (0: never)"),
     Setting("HISTOSPEC_LENIENCE", "lenience", _lenience, 1.0,

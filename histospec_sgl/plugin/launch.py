@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from histospec_sgl.hugepages import prepare_children
 from histospec_sgl.plugin import flag_value
 from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, settings_table
 
@@ -109,5 +110,6 @@ def main(argv: Sequence[str]) -> int:
         rest += ["--attention-backend", "flashinfer"]
     cmd = [sys.executable, "-m", "sglang.launch_server", *rest]
     print("histospec-sgl launch-server: " + " ".join(cmd), file=sys.stderr, flush=True)
+    prepare_children(env)
     os.execvpe(cmd[0], cmd, env)
     return 0  # not reached

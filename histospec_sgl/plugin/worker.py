@@ -40,8 +40,8 @@ import numpy as np
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
-from histospec_sgl._core import huge_pages
 from histospec_sgl.drafter import BatchDrafter, fill_root_only, group_of
+from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.config import HistoryConfig
 from histospec_sgl.plugin.metrics import HistoryMetrics

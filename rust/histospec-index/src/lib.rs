@@ -8,7 +8,6 @@
 mod draft;
 mod error;
 mod follow;
-pub mod huge;
 mod par;
 #[cfg(test)]
 mod props;
