@@ -8,63 +8,18 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from histospec_sgl import hugepages
 
+CHILD = Path(__file__).with_name("huge_pages_child.py")
+PARENT = Path(__file__).with_name("huge_pages_parent.py")
+
 pytestmark = pytest.mark.skipif(not hugepages.supported(), reason="needs Linux with glibc >= 2.35")
 
-CHILD = r"""
-import json, sys
-import numpy as np
-import histospec_sgl as hs
 
-rng = np.random.default_rng(7)
-ix = hs.HistoryIndex()
-truths = []
-for g in range(4):
-    base = rng.integers(1, 400, 5000)
-    for r in range(12):
-        resp = base.copy()
-        flip = rng.random(len(resp)) < 0.05
-        resp[flip] = rng.integers(1, 400, int(flip.sum()))
-        ix.add_response(g, [g + 1, 7], resp.tolist(), 0)
-    truths.append(resp)
-rids = np.arange(100, 116)
-for i, r in enumerate(rids):
-    g = i % 4
-    ix.begin_request(int(r), g, [g + 1, 7])
-    ix.extend_request(int(r), truths[g][: 50 + 37 * i].tolist())
-d = 16
-tokens = np.zeros(len(rids) * d, np.int64)
-mask = np.zeros(len(rids) * d * d, np.uint8)
-ix.draft_batch(rids, d, tokens, mask)
-advised = 0  # kB of mappings advised to use huge pages (VmFlags "hg")
-size = 0
-with open("/proc/self/smaps") as f:
-    for line in f:
-        if line.startswith("Size:"):
-            size = int(line.split()[1])
-        elif line.startswith("VmFlags:") and " hg" in line:
-            advised += size
-print(json.dumps({
-    "on": hs.huge_pages(),
-    "tokens": tokens.tolist(),
-    "mask": mask.tolist(),
-    "advised_kb": advised,
-    "index_bytes": ix.stats()["bytes"],
-}))
-"""
-
-# A parent that prepares its children's environment as the plugin does in SGLang's launcher, then
-# starts the child (as SGLang starts its scheduler processes).
-PARENT = r"""
-import subprocess, sys
-from histospec_sgl import hugepages
-print(hugepages.prepare_children(), file=sys.stderr)
-sys.exit(subprocess.call([sys.executable, "-c", sys.argv[1]]))
-"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -81,12 +36,13 @@ def _run(args: list[str], env: dict[str, str]) -> dict:
 
 
 def test_huge_pages_change_where_memory_lives_not_what_is_drafted():
-    off = _run(["-c", CHILD], _env())
+    off = _run([str(CHILD)], _env())
     # Set in the parent's environment, the switch reaches the children it starts.
-    on = _run(["-c", PARENT, CHILD], _env(HISTOSPEC_HUGE_PAGES="1"))
-    # In a process that started without it, asking changes nothing.
-    late = _run(["-c", "from histospec_sgl import hugepages; hugepages.prepare_children(); " + CHILD], _env(
-        HISTOSPEC_HUGE_PAGES="1"))
+    on = _run([str(PARENT), str(CHILD)], _env(HISTOSPEC_HUGE_PAGES="1"))
+    # In a process that started without it, asking changes nothing (the child prepares only its
+    # own children's environment).
+    late = _run(["-c", f"from histospec_sgl import hugepages; hugepages.prepare_children(); "
+                 f"import runpy; runpy.run_path({str(CHILD)!r})"], _env(HISTOSPEC_HUGE_PAGES="1"))
     assert (off["on"], on["on"], late["on"]) == (False, True, False)
     # The same drafts, bit for bit.
     assert on["tokens"] == off["tokens"] and on["mask"] == off["mask"]

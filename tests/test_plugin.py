@@ -30,6 +30,8 @@ from histospec_sgl.drafter import BatchDrafter
 ROOT = Path(__file__).resolve().parents[1]
 
 
+REGISTRATION = Path(__file__).with_name("sglang_registration.py")
+
 def test_entry_point_registers_history_and_resolves_ngram_defaults(sglang_py, tiny_model):
     r = resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
                              "--attention-backend", "flashinfer"])
@@ -73,42 +75,15 @@ def test_wrong_backend_and_bad_settings_are_clear_errors(sglang_py, tiny_model):
 
 
 def test_registration_is_idempotent_cheap_and_fails_loudly(sglang_py):
-    r = run_sglang(sglang_py, """
-        import sys
-        import histospec_sgl.plugin as p
-        p.register(); p.register()
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-        assert type(SpeculativeAlgorithm.from_string("HISTORY")).__name__ == "HistoryAlgo"
-        heavy = [m for m in ("histospec_sgl._core", "histospec_sgl.plugin.worker",
-                             "sglang.srt.speculative.ngram_worker", "histospec_sgl.drafter") if m in sys.modules]
-        print("RESULT", heavy)
-    """)
+    r = run_script(sglang_py, REGISTRATION.name, "idempotent")
     assert "RESULT []" in r.stdout, r.stdout + r.stderr[-3000:]
     # A registration that fails inside SGLang's loader (which only logs plugin errors) stops a
     # process that asked for HISTORY, with the reason and the fix.
-    r = run_sglang(sglang_py, """
-        import sys
-        import histospec_sgl.plugin.registration as c
-        def boom(): raise ImportError("simulated broken install")
-        c.register_history = boom
-        sys.argv = ["sglang.launch_server", "--speculative-algorithm", "HISTORY"]
-        from sglang.srt.plugins import load_plugins
-        load_plugins()
-        print("NOT REACHED")
-    """)
+    r = run_script(sglang_py, REGISTRATION.name, "broken-install")
     assert r.returncode != 0 and "NOT REACHED" not in r.stdout
     assert "simulated broken install" in r.stderr and "launch-server --check" in r.stderr
     # The worker needs SGLang's NGRAM worker (a CUDA sgl_kernel): without it the factory says so.
-    r = run_sglang(sglang_py, """
-        from sglang.srt.plugins import load_plugins
-        load_plugins()
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-        class SA: disable_overlap_schedule = False
-        try:
-            SpeculativeAlgorithm.from_string("HISTORY").create_worker(SA())
-        except RuntimeError as e:
-            print("RESULT", e)
-    """)
+    r = run_script(sglang_py, REGISTRATION.name, "no-worker")
     assert "RESULT histospec-sgl: the HISTORY worker cannot be imported" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
@@ -177,38 +152,7 @@ def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
     """Two real torch.distributed ranks (gloo, as SGLang's TP CPU group): rank 0 drafts from its
     index, rank 1 has none; both must return the same buffers, step after step, including a step
     where rank 0's drafting failed and it sent the empty draft."""
-    script = tmp_path / "tp.py"
-    script.write_text(textwrap.dedent("""
-        import os, sys, json
-        import numpy as np
-        import torch.distributed as dist
-        from histospec_sgl.drafter import BatchDrafter
-        from histospec_sgl.plugin.tp import DraftBroadcast
-        rank = int(sys.argv[1]); port = sys.argv[2]; out = sys.argv[3]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        g = dist.new_group([0, 1], backend="gloo")
-        bc = DraftBroadcast(g, src=0, rank_in_group=rank, world_size=2)
-        d, bs = 8, 3
-        dr = BatchDrafter(d) if bc.is_source else None
-        got = []
-        for step in range(20):
-            if dr is not None:
-                if step == 0:
-                    for k in range(bs):
-                        dr.add_finished([1, 2, 3], [10 + k, 11, 12, 13, 14, 15])
-                for k in range(bs):
-                    dr.sync(f"r{k}", [1, 2, 3], [10 + k, 11, 12, 13, 14, 15][: 1 + step % 5])
-                if step == 7:
-                    tokens = np.zeros(bs * d, np.int64); mask = np.tile(np.tril(np.ones((d, d), np.int64)).ravel(), bs)
-                else:
-                    tokens, mask = dr.draft([f"r{k}" for k in range(bs)])
-                tokens, mask = bc.share(tokens, mask, bs, d)
-            else:
-                tokens, mask = bc.share(None, None, bs, d)
-            got.append([tokens.tolist(), mask.tolist()])
-        json.dump(got, open(out, "w"))
-        dist.destroy_process_group()
-    """))
+    script = Path(__file__).with_name("tp_broadcast_rank.py")
     port = free_port()
     env = sglang_env()
     logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
