@@ -95,6 +95,76 @@ def _bench_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {name} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"error: {name} takes integers >= 1, got {text!r}")
+    return values
+
+
+def _bench_lengths(args: argparse.Namespace) -> int:
+    from histospec_sgl.control import run
+    from histospec_sgl.replay.data import ReplayDataError
+
+    try:
+        r = run.lengths([p.strip() for p in args.presets.split(",") if p.strip()],
+                        Path(args.data_root) if args.data_root else None,
+                        Path(args.tokenizer) if args.tokenizer else None)
+    except ReplayDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report(r, run.print_lengths, args.json)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from histospec_sgl.control import run
+    from histospec_sgl.replay.data import ReplayDataError
+
+    try:
+        r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
+                    Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
+                    _ints(args.max_running, "--max-running"), _ints(args.widths, "--widths"), args.fixed_width,
+                    args.history_policies, args.seed, args.plot)
+    except (ReplayDataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _report(r, run.print_simulation, args.json)
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _add_simulate(sub: Any) -> None:
+    sp = sub.add_parser(
+        "simulate",
+        help="a whole RL rollout step offline: makespan, tail and tokens/s under scheduling and speculation policies",
+        description="Replays B prompts x n samples of a rollout log on an engine with a KV budget and a step-cost "
+        "profile; acceptance per request-step comes from the real index drafting on the logged tokens. Policies: "
+        "baseline (FCFS, plain decoding), history_fixed, history_cost_model, length_first, full. Figures are "
+        "simulated, on the named profile.",
+    )
+    sp.add_argument("--preset", default="grpo", help="grpo (default) or ei: logs with several policies per prompt")
+    sp.add_argument("--profile", default="h100-8b-analytic",
+                    help="an analytic profile by name (h100-8b-analytic) or a measured profile JSON")
+    sp.add_argument("--groups", type=int, default=32, help="prompts in the step (default 32, slime's GRPO batch)")
+    sp.add_argument("--max-running", default="32,64,128,256",
+                    help="KV budgets to simulate, comma-separated; the first is the headline (default 32,64,128,256)")
+    sp.add_argument("--widths", default="4,8,12,16", help="verify widths the cost model may pick (default 4,8,12,16)")
+    sp.add_argument("--fixed-width", type=int, default=12, help="history_fixed's width (default 12, NGRAM's default)")
+    sp.add_argument("--history-policies", type=int, default=2,
+                    help="other policies whose responses to the prompt form its history (default 2)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    sp.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
+    sp.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    sp.add_argument("--plot", metavar="PNG", help="write the timeline of the first KV budget")
+    sp.set_defaults(func=_simulate)
+
+
 def _bench_specrl(args: argparse.Namespace) -> int:
     from histospec_sgl.bench import specrl_bench
     from histospec_sgl.specrl import SpecRLError
@@ -470,10 +540,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(sub)
     _add_draft_server(sub)
     _add_ray(sub)
+    _add_simulate(sub)
     sub.add_parser("launch-server", add_help=False,
                    help="start SGLang with --speculative-algorithm HISTORY (see launch-server --help)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    bl = bsub.add_parser("lengths", help="response length predicted from history vs actual (Spearman) on the logs")
+    bl.add_argument("--presets", default="grpo,ei,humaneval", help="comma-separated logs (default all three)")
+    bl.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    bl.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
+    bl.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    bl.set_defaults(func=_bench_lengths)
     bi = bsub.add_parser("index", help="index ingest, memory, batch draft latency and acceptance (W1/W2)")
     bi.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bi.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2 (default both)")

@@ -1,0 +1,133 @@
+"""Step-cost profiles: how long one engine step takes for a running batch of ``batch`` requests that
+verifies ``width`` tokens each (1: plain decoding) at a mean context of ``context`` tokens, plus
+the prompt tokens prefilled in the same step.
+
+Two kinds, and every output says which: an *analytic* profile computes the time from a model's
+size against a GPU's memory bandwidth and peak compute (no measurement), and a *measured* profile
+interpolates step times timed on a real engine (a JSON file, ``--profile PATH``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class Profile(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def analytic(self) -> bool: ...
+    @property
+    def description(self) -> str: ...
+
+    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float: ...
+
+
+@dataclass(frozen=True)
+class Analytic:
+    """A decode step as memory and compute time on one GPU: the weights and every running request's
+    KV cache are read once per step, and ``batch * width`` tokens (plus ``prefill``) are computed,
+    whichever takes longer, plus a fixed per-step overhead and, when drafts are verified, the
+    drafting and tree bookkeeping. Efficiencies are the shares of peak bandwidth and compute that
+    decode kernels reach."""
+
+    name: str
+    description: str
+    weight_bytes: float
+    kv_bytes_per_token: float
+    flops_per_token: float
+    bandwidth: float  # bytes/s, peak
+    peak_flops: float  # flop/s, peak (dense bf16)
+    bandwidth_eff: float = 0.8
+    compute_eff: float = 0.5
+    overhead_s: float = 0.0012
+    spec_overhead_s: float = 0.0004
+    analytic: bool = True
+
+    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
+        if batch <= 0:
+            return 0.0
+        memory = (self.weight_bytes + batch * context * self.kv_bytes_per_token) / (self.bandwidth * self.bandwidth_eff)
+        compute = (batch * width + prefill) * self.flops_per_token / (self.peak_flops * self.compute_eff)
+        return self.overhead_s + (self.spec_overhead_s if width > 1 else 0.0) + max(memory, compute)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__}
+
+
+#: An 8B Llama-3-shaped model in bf16 on one H100 SXM (3.35 TB/s HBM3, 989 Tflop/s dense bf16):
+#: 16.1 GB of weights, 128 KiB of KV per token (32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes).
+H100_8B = Analytic(
+    name="h100-8b-analytic",
+    description="analytic: 8B Llama-3-shaped model, bf16, one H100 SXM (3.35 TB/s, 989 Tflop/s); "
+                "80% of peak bandwidth, 50% of peak compute, 1.2 ms per step, 0.4 ms more to draft and verify",
+    weight_bytes=16.06e9,
+    kv_bytes_per_token=131072,
+    flops_per_token=2 * 8.03e9,
+    bandwidth=3.35e12,
+    peak_flops=989e12,
+)
+
+ANALYTIC = {H100_8B.name: H100_8B}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Step times timed on a real engine: ``points[(width)]`` is a sorted list of
+    ``(batch, seconds)``, interpolated linearly in the batch size (held flat beyond the ends);
+    ``context_s_per_token`` adds the KV read per running request and context token, and
+    ``prefill_s_per_token`` the prefill. A width that was not timed takes the nearest timed one."""
+
+    name: str
+    description: str
+    points: dict[int, list[tuple[int, float]]]
+    context_s_per_token: float = 0.0
+    prefill_s_per_token: float = 0.0
+    analytic: bool = False
+
+    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
+        if batch <= 0:
+            return 0.0
+        w = min(self.points, key=lambda k: (abs(k - width), k))
+        pts = self.points[w]
+        bs = [b for b, _ in pts]
+        i = bisect.bisect_left(bs, batch)
+        if i == 0:
+            base = pts[0][1]
+        elif i == len(pts):
+            base = pts[-1][1]
+        else:
+            (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+            base = t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+        return base + batch * context * self.context_s_per_token + prefill * self.prefill_s_per_token
+
+    @classmethod
+    def load(cls, path: Path) -> Measured:
+        """Reads a profile JSON: ``{"name", "description", "points": [{"batch", "width", "step_s"}],
+        "context_s_per_token"?, "prefill_s_per_token"?}``."""
+        raw = json.loads(Path(path).read_text())
+        if raw.get("analytic"):
+            raise ValueError(f"{path}: an analytic profile is named, not loaded (--profile {raw.get('name')})")
+        points: dict[int, list[tuple[int, float]]] = {}
+        for p in raw["points"]:
+            points.setdefault(int(p["width"]), []).append((int(p["batch"]), float(p["step_s"])))
+        if 1 not in points:
+            raise ValueError(f"{path}: a profile needs plain decode steps (width 1)")
+        return cls(raw.get("name", Path(path).stem), raw.get("description", str(path)),
+                   {w: sorted(v) for w, v in points.items()},
+                   float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)))
+
+
+def resolve(name_or_path: str) -> Profile:
+    """An analytic profile by name, or a measured one from a JSON file."""
+    if name_or_path in ANALYTIC:
+        return ANALYTIC[name_or_path]
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ValueError(f"--profile {name_or_path!r}: neither an analytic profile ({', '.join(ANALYTIC)}) "
+                         "nor a profile JSON file")
+    return Measured.load(path)

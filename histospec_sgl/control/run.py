@@ -1,0 +1,112 @@
+"""``histospec-sgl simulate`` and ``histospec-sgl bench lengths``: loading the logs, running, tables."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from histospec_sgl.control import length, simulate
+from histospec_sgl.control.profile import resolve
+from histospec_sgl.replay.data import (
+    PRESETS,
+    ReplayDataError,
+    Tokenization,
+    default_tokenizer,
+    load_rollouts,
+    preset_path,
+)
+
+#: Logs with several policies per prompt and step, as a simulated step's history needs.
+SIMULATE_PRESETS = ("grpo", "ei")
+
+
+def _rows(preset: str, data_root: Path | None, tokenizer: Path | None) -> list[Any]:
+    if preset not in PRESETS:
+        raise ReplayDataError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    pre = PRESETS[preset]
+    rows = load_rollouts(preset_path(pre, data_root), pre.fields)
+    if not pre.fields.token_ids:
+        Tokenization(tokenizer or default_tokenizer()).ensure(rows)
+    return rows
+
+
+def lengths(presets: list[str], data_root: Path | None, tokenizer: Path | None) -> dict[str, Any]:
+    """Spearman of predicted vs actual response length on each log, per scenario."""
+    out: dict[str, Any] = {"logs": {}}
+    for p in presets:
+        rows = _rows(p, data_root, tokenizer)
+        resp = [length.Response(r.group, r.policy, r.step, len(r.response_ids)) for r in rows]
+        out["logs"][p] = {"responses": len(resp), "scenarios": length.evaluate(resp)}
+    return out
+
+
+def print_lengths(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from histospec_sgl.console import console
+
+    def f(x: float) -> str:
+        return "n/a (constant)" if isinstance(x, float) and math.isnan(x) else f"{x:.3f}"
+
+    t = Table(title="response length from history: Spearman of predicted vs actual length")
+    for c in ("log", "scenario", "requests", "history (ours)", "probe sibling (Seer)", "dataset mean"):
+        t.add_column(c, justify="left" if c in ("log", "scenario") else "right")
+    for log, r in result["logs"].items():
+        for sc, v in r["scenarios"].items():
+            t.add_row(log, sc, str(v["requests"]), f(v["ours"]), f(v["probe"]), f(v["mean"]))
+    console().print(t)
+
+
+def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_name: str, groups: int,
+        max_running: list[int], widths: list[int], fixed_width: int, history_policies: int, seed: int,
+        plot: str | None = None) -> dict[str, Any]:
+    """Simulates one rollout step under every policy, at each KV budget in ``max_running``."""
+    if preset not in SIMULATE_PRESETS:
+        raise ReplayDataError(f"simulate needs a log with several policies per prompt: {', '.join(SIMULATE_PRESETS)}")
+    if fixed_width not in widths:
+        raise ValueError(f"--fixed-width {fixed_width} is not one of --widths {widths}")
+    profile = resolve(profile_name)
+    rows = _rows(preset, data_root, tokenizer)
+    reqs, info = simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed), widths)
+    sweep = []
+    first: dict[str, simulate.Outcome] | None = None
+    for r in max_running:
+        outcomes = simulate.run_policies(reqs, profile, r, widths, fixed_width)
+        first = first or outcomes
+        sweep.append({"max_running": r, "policies": simulate.summarize(outcomes)})
+    assert first is not None
+    result = {
+        "profile": profile.name,
+        "analytic": profile.analytic,
+        "profile_description": profile.description,
+        "preset": preset,
+        "step": {**info, "max_running": max_running[0], "widths": widths, "fixed_width": fixed_width,
+                 "tokens": sum(q.length for q in reqs)},
+        "policies": sweep[0]["policies"],
+        "sweep": sweep,
+    }
+    if plot:
+        Path(plot).parent.mkdir(parents=True, exist_ok=True)
+        label = "ANALYTIC profile" if profile.analytic else "measured profile"
+        simulate.plot_timeline(first, plot, f"simulated step ({label}: {profile.name}), {info['requests']} "
+                                            f"requests, at most {max_running[0]} running")
+    return result
+
+
+def print_simulation(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from histospec_sgl.console import console
+
+    kind = "ANALYTIC (not measured)" if result["analytic"] else "measured"
+    for s in result["sweep"]:
+        t = Table(title=f"simulated rollout step: profile {result['profile']} ({kind}), "
+                        f"{result['step']['requests']} requests, at most {s['max_running']} running")
+        for c in ("policy", "makespan s", "tail s (last 10%)", "tokens/s", "vs baseline", "steps", "widths used"):
+            t.add_column(c, justify="left" if c in ("policy", "widths used") else "right")
+        for name, v in s["policies"].items():
+            widths = " ".join(f"{w}:{n}" for w, n in v["width_steps"].items())
+            t.add_row(name, f"{v['makespan_s']:.2f}", f"{v['tail_s']:.2f}", f"{v['tokens_per_s']:.0f}",
+                      f"{v['ratio_vs_baseline']:.2f}x", str(v["steps"]), widths)
+        console().print(t)

@@ -1,0 +1,194 @@
+"""Rollout control: the length predictor, the cost model and the step simulator on hand-made
+inputs with hand-computed answers, and ``histospec-sgl simulate`` / ``bench lengths`` on the logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from histospec_sgl.control.costmodel import CostModel
+from histospec_sgl.control.length import LengthPredictor, Response, evaluate, spearman
+from histospec_sgl.control.profile import H100_8B, Measured, resolve
+from histospec_sgl.control.simulate import SimRequest, draft_traces, run_policies, run_step
+from histospec_sgl.replay.data import default_data_root
+
+#: A plain step costs 1 s at any batch size; a verify step at width 4 costs 2 s.
+FLAT = Measured("flat", "test: 1 s plain, 2 s at width 4", {1: [(1, 1.0), (64, 1.0)], 4: [(1, 2.0), (64, 2.0)]})
+
+
+def _req(length: int, accepted4: list[int] | None = None, promised4: list[float] | None = None,
+         predicted: float = 0.0, group: str = "g") -> SimRequest:
+    acc = np.array(accepted4 or [0] * length, np.int32)
+    prom = np.array(promised4 or [0.0] * length, np.float32)
+    return SimRequest(group, length, prompt_len=3, predicted=predicted, accepted={4: acc}, promised={4: prom})
+
+
+# -- length ----------------------------------------------------------------------------------------
+
+
+def test_predictor_conditions_on_progress_and_falls_back_without_history():
+    p = LengthPredictor()
+    for n in (10, 20, 60):
+        p.record("a", n)
+    assert p.predict("a") == pytest.approx(30.0)  # (10 + 20 + 60) / 3
+    assert p.predict("a", progress=15) == pytest.approx(40.0)  # known lengths above 15: 20, 60
+    assert p.predict("a", progress=60) == 61.0  # it outran every known length
+    assert p.predict("new") == pytest.approx(30.0)  # no history: the mean of everything recorded
+    assert LengthPredictor(prior=7.0).predict("new", progress=9) == 10.0
+    with pytest.raises(ValueError):
+        p.record("a", -1)
+
+
+def test_evaluate_scenarios_on_a_hand_made_log():
+    # Policy A at steps 1 and 2 and policy B at step 1 answer prompt "q" and "r". Prompt q's
+    # responses are long everywhere, r's short: history orders them perfectly.
+    rows = []
+    for pol, step, q_lens, r_lens in (("A", 1, (100, 120), (10, 12)), ("A", 2, (110, 130), (11, 9)),
+                                      ("B", 1, (90, 140), (8, 14))):
+        rows += [Response("q", pol, step, n) for n in q_lens] + [Response("r", pol, step, n) for n in r_lens]
+    res = evaluate(rows)
+    assert set(res) == {"cross-epoch", "cross-policy", "cross-sample", "in-flight"}
+    # cross-epoch: step 2 of A predicted from step 1 of A: q -> 110, r -> 11 for both of each prompt.
+    assert res["cross-epoch"]["requests"] == 4
+    ranks_pred, ranks_true = [110, 110, 11, 11], [110, 130, 11, 9]
+    assert res["cross-epoch"]["ours"] == pytest.approx(spearman(ranks_pred, ranks_true))
+    assert res["cross-epoch"]["ours"] > 0.8
+    # The dataset mean is one number for everyone: no order.
+    assert all(math.isnan(v["mean"]) for v in res.values())
+
+
+# -- cost model ------------------------------------------------------------------------------------
+
+
+def test_cost_model_picks_the_width_with_the_most_tokens_per_second():
+    # Batch of 2: plain gives 2 tokens per 1 s; width 4 gives (2 + promised) per 2 s.
+    cm = CostModel(FLAT, [4])
+    assert cm.choose({4: 6.0}, batch=2, context=10) == 4  # 8/2 = 4 > 2
+    assert cm.choose({4: 1.0}, batch=2, context=10) == 1  # 3/2 = 1.5 < 2
+    # Measured acceptance scales the promises: drafts that deliver a quarter of what they promise.
+    cm.observe(promised=40.0, accepted=10.0)
+    assert cm.calibration() == 0.25
+    assert cm.choose({4: 6.0}, batch=2, context=10) == 1  # (2 + 1.5)/2 = 1.75 < 2
+    assert cm.chosen == {4: 1, 1: 2}
+
+
+def test_analytic_profile_is_labelled_and_monotone():
+    assert H100_8B.analytic and "analytic" in H100_8B.description
+    assert resolve("h100-8b-analytic") is H100_8B
+    assert H100_8B.step_s(64, 16, 500) > H100_8B.step_s(64, 4, 500) > H100_8B.step_s(64, 1, 500)
+    assert H100_8B.step_s(128, 1, 500) > H100_8B.step_s(1, 1, 500)
+    with pytest.raises(ValueError, match="neither an analytic profile"):
+        resolve("no-such-profile")
+
+
+def test_measured_profile_interpolates_and_rejects_bad_files(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"name": "cpu", "points": [{"batch": 1, "width": 1, "step_s": 0.01},
+                                                        {"batch": 5, "width": 1, "step_s": 0.05},
+                                                        {"batch": 1, "width": 8, "step_s": 0.03}]}))
+    m = resolve(str(p))
+    assert not m.analytic
+    assert m.step_s(3, 1, 0) == pytest.approx(0.03)  # halfway between 1 and 5
+    assert m.step_s(9, 1, 0) == pytest.approx(0.05)  # flat beyond the last point
+    assert m.step_s(1, 6, 0) == pytest.approx(0.03)  # the nearest timed width
+    p.write_text(json.dumps({"name": "x", "points": [{"batch": 1, "width": 8, "step_s": 0.03}]}))
+    with pytest.raises(ValueError, match="width 1"):
+        resolve(str(p))
+
+
+# -- the simulator ---------------------------------------------------------------------------------
+
+
+def test_two_request_step_makespan_by_hand():
+    # A: 5 tokens; at position 1 a width-4 draft gets 2 accepted. B: 2 tokens, nothing accepted.
+    a = _req(5, accepted4=[0, 2, 0, 0, 0])
+    b = _req(2)
+    # Width 4, both running: step 1 prefills both (A at 1, B at 1) in 2 s; step 2: A 1+2 -> 4, B -> 2
+    # (done, t=4); step 3: A alone -> 5 (done, t=6).
+    spec = run_step([a, b], FLAT, max_running=2, length_first=False, width=4)
+    assert (spec.makespan_s, spec.steps, spec.finish_s) == (6.0, 3, [4.0, 6.0])
+    assert spec.tokens_per_s == pytest.approx(7 / 6)
+    # Plain decoding: A needs 5 steps of 1 s; B is done after its second.
+    plain = run_step([a, b], FLAT, max_running=2, length_first=False)
+    assert (plain.makespan_s, plain.finish_s) == (5.0, [2.0, 5.0])
+    # The tail is the time from the 90th-percentile finish to the last: here the last alone.
+    assert plain.tail_s == 0.0
+
+
+def test_length_first_admits_the_longest_predicted_first():
+    # One slot; lengths 1, 1, 4 submitted in that order. FCFS: finishes at 1, 2, 6. Longest
+    # predicted first: 4 first (t=4), then the short ones (5, 6). Same makespan, and the tail (from
+    # the 90% finish, here the third, to the last) is the same; the order is what changes.
+    reqs = [_req(1, predicted=1), _req(1, predicted=1), _req(4, predicted=4)]
+    fcfs = run_step(reqs, FLAT, max_running=1, length_first=False)
+    lf = run_step(reqs, FLAT, max_running=1, length_first=True)
+    assert fcfs.finish_s == [1.0, 2.0, 6.0] and lf.finish_s == [4.0, 5.0, 6.0]
+    # Two slots: FCFS runs the short pair first and the long one alone at the end (makespan 5);
+    # longest first overlaps it with the short ones (makespan 4).
+    fcfs2 = run_step(reqs, FLAT, max_running=2, length_first=False)
+    lf2 = run_step(reqs, FLAT, max_running=2, length_first=True)
+    assert (fcfs2.makespan_s, lf2.makespan_s) == (5.0, 4.0)
+
+
+def test_cost_model_policy_never_loses_to_plain_on_the_step():
+    # Drafts that promise much but deliver nothing: the cost model stops verifying wide once the
+    # calibration has measured that, and stays within a few steps of plain decoding.
+    rng = np.random.default_rng(0)
+    reqs = [_req(int(n), promised4=[3.0] * int(n)) for n in rng.integers(20, 60, 16)]
+    out = run_policies(reqs, FLAT, max_running=8, widths=[4], fixed_width=4)
+    base = out["baseline"].makespan_s
+    assert out["history_fixed"].makespan_s > 1.5 * base  # fixed width pays 2 s a step for nothing
+    assert out["history_cost_model"].makespan_s <= base + 2 * 16  # at most the calibration steps
+    assert out["history_cost_model"].widths.get(1, 0) > out["history_cost_model"].widths.get(4, 0)
+
+
+def test_draft_traces_accept_along_the_history():
+    # History 5 6 7 8; the response 5 6 7 9 rewrites it. At position 1 (after 5) the draft is the
+    # chain 6 7 8: width 4 (3 nodes) accepts 6 7, width 2 (1 node) accepts 6.
+    acc, prom = draft_traces([[5, 6, 7, 8]], [1, 2], [5, 6, 7, 9], widths=[2, 4])
+    assert acc[4][1] == 2 and acc[2][1] == 1
+    assert acc[4][0] == 0  # position 0 is the prefill's token: nothing drafted
+    assert 0 < prom[2][1] < prom[4][1] <= 3
+
+
+# -- the commands on the logs -----------------------------------------------------------------------
+
+needs_logs = pytest.mark.skipif(default_data_root() is None, reason="the shared rollout logs are not beside the checkout")
+
+
+@needs_logs
+def test_simulate_command_writes_the_documented_json(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    r = subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "simulate", "--groups", "6", "--max-running",
+                        "16,48", "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["profile"] == "h100-8b-analytic" and res["analytic"] is True
+    assert "ANALYTIC" in r.stdout
+    assert set(res["policies"]) == {"baseline", "history_fixed", "history_cost_model", "length_first", "full"}
+    for v in res["policies"].values():
+        assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline"} <= set(v)
+    assert res["policies"]["baseline"]["ratio_vs_baseline"] == 1.0
+    assert [s["max_running"] for s in res["sweep"]] == [16, 48]
+    assert res["step"]["requests"] == 6 * 8
+    # Every request's tokens are produced whatever the policy: throughput x makespan = tokens.
+    for v in res["policies"].values():
+        assert v["tokens_per_s"] * v["makespan_s"] == pytest.approx(res["step"]["tokens"], rel=1e-6)
+    assert png.stat().st_size > 10_000
+
+
+@needs_logs
+def test_bench_lengths_on_the_logs(tmp_path):
+    out = tmp_path / "len.json"
+    r = subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "bench", "lengths", "--presets", "humaneval",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    sc = json.loads(out.read_text())["logs"]["humaneval"]["scenarios"]
+    assert sc["cross-sample"]["requests"] == 16400
+    assert sc["cross-sample"]["ours"] > 0.2  # history orders lengths; the constant mean cannot
+    assert math.isnan(sc["cross-sample"]["mean"])
