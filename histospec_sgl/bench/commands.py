@@ -1,0 +1,287 @@
+"""The ``histospec-sgl bench ...`` commands and ``histospec-sgl simulate``: arguments, runs, tables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from histospec_sgl.cliutil import counts, floats, fmt, kv, report
+
+
+def _print_index(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from histospec_sgl.bench.index_bench import TARGETS
+    from histospec_sgl.console import console
+
+    con = console()
+    t = Table(title="histospec-sgl bench index (one thread unless *_threaded)")
+    t.add_column("metric")
+    t.add_column("ours", justify="right")
+    t.add_column("target", justify="right")
+    t.add_column("met", justify="center")
+    for k, v in result["ours"].items():
+        tgt = TARGETS.get(k)
+        met = ""
+        if tgt:
+            op, x = tgt
+            met = "yes" if (v >= x if op == ">=" else v <= x) else "no"
+        t.add_row(k, fmt(v), f"{tgt[0]} {fmt(tgt[1])}" if tgt else "", met)
+    con.print(t)
+    p = Table(title="peers (same run)")
+    p.add_column("peer")
+    p.add_column("status")
+    measured = [n for n, i in result["peers"].items() if i.get("status") == "ok"]
+    for name, info in result["peers"].items():
+        p.add_row(name, info.get("status", "") + (f": {info['reason']}" if "reason" in info else ""))
+    con.print(p)
+    if measured:
+        m = Table(title="ours and peers side by side (W1 unless noted)")
+        m.add_column("metric")
+        m.add_column("ours", justify="right")
+        for n in measured:
+            m.add_column(n, justify="right")
+        for k, v in result["ours"].items():
+            m.add_row(k, fmt(v), *(fmt(result["peers"][n][k]) if k in result["peers"][n] else "" for n in measured))
+        con.print(m)
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import index_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench index] {msg}", file=sys.stderr, flush=True)
+
+    result = index_bench.run(
+        workloads=[w.strip().upper() for w in args.workloads.split(",") if w.strip()],
+        latency_steps=args.latency_steps,
+        acc_prompts=args.acc_prompts,
+        progress=progress,
+        threads=args.threads,
+    )
+    report(result, _print_index, args.json)
+    return 0
+
+
+def _bench_lengths(args: argparse.Namespace) -> int:
+    from histospec_sgl.control import run
+    from histospec_sgl.replay.data import ReplayDataError
+
+    try:
+        r = run.lengths([p.strip() for p in args.presets.split(",") if p.strip()],
+                        Path(args.data_root) if args.data_root else None,
+                        Path(args.tokenizer) if args.tokenizer else None)
+    except ReplayDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report(r, run.print_lengths, args.json)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from histospec_sgl.control import run
+    from histospec_sgl.replay.data import ReplayDataError
+
+    try:
+        r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
+                    Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
+                    args.max_running, args.widths, args.fixed_width,
+                    args.history_policies, args.seed, args.plot)
+    except (ReplayDataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report(r, run.print_simulation, args.json)
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def add_simulate(sub: Any) -> None:
+    """``histospec-sgl simulate``."""
+    sp = sub.add_parser(
+        "simulate",
+        help="a whole RL rollout step offline: makespan, tail and tokens/s under scheduling and speculation policies",
+        description="Replays B prompts x n samples of a rollout log on an engine with a KV budget and a step-cost "
+        "profile; acceptance per request-step comes from the real index drafting on the logged tokens. Policies: "
+        "baseline (FCFS, plain decoding), history_fixed, history_cost_model, length_first, full. Figures are "
+        "simulated, on the named profile.",
+    )
+    sp.add_argument("--preset", default="grpo", help="grpo (default) or ei: logs with several policies per prompt")
+    sp.add_argument("--profile", default="h100-8b-analytic",
+                    help="an analytic profile by name (h100-8b-analytic) or a measured profile JSON")
+    sp.add_argument("--groups", type=int, default=32, help="prompts in the step (default 32, slime's GRPO batch)")
+    sp.add_argument("--max-running", type=counts, default=[32, 64, 128, 256],
+                    help="KV budgets to simulate, comma-separated; the first is the headline (default 32,64,128,256)")
+    sp.add_argument("--widths", type=counts, default=[4, 8, 12, 16], help="verify widths the cost model may pick (default 4,8,12,16)")
+    sp.add_argument("--fixed-width", type=int, default=12, help="history_fixed's width (default 12, NGRAM's default)")
+    sp.add_argument("--history-policies", type=int, default=2,
+                    help="other policies whose responses to the prompt form its history (default 2)")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    sp.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
+    sp.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    sp.add_argument("--plot", metavar="PNG", help="write the timeline of the first KV budget")
+    sp.set_defaults(func=_simulate)
+
+
+def _bench_specrl(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import specrl_bench
+    from histospec_sgl.specrl import SpecRLError
+
+    try:
+        r = specrl_bench.run(
+            lenience=args.lenience or specrl_bench.DEFAULT_LENIENCE,
+            vocab=args.vocab,
+            length=args.length,
+            divergence=args.divergence,
+            seed=args.seed,
+            samples=args.samples,
+        )
+    except SpecRLError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report(r, specrl_bench.print_table, args.json)
+    if args.plot:
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        specrl_bench.plot(r, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _bench_worker(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import worker_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench worker] {msg}", file=sys.stderr, flush=True)
+
+    if args.groups < 1 or args.steps < 1 or not 2 <= args.draft_tokens <= 64:
+        print("error: --groups and --steps need values >= 1, --draft-tokens one in 2..64", file=sys.stderr)
+        return 2
+    if not 0 < args.warm < 1900:
+        print("error: --warm must be in 1..1899 (W1 responses have 2000 tokens)", file=sys.stderr)
+        return 2
+    if not 1 <= args.threads <= 64:
+        print("error: --threads must be in 1..64", file=sys.stderr)
+        return 2
+    r = worker_bench.run(args.batch_sizes, groups=args.groups, d=args.draft_tokens, warm=args.warm, steps=args.steps,
+                         progress=progress, threads=args.threads)
+    report(r, worker_bench.print_table, args.json)
+    return 0
+
+
+def _bench_sync(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import sync_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench sync] {msg}", file=sys.stderr, flush=True)
+
+    r = sync_bench.run(
+        prompts=args.prompts, samples=args.samples, tokens=args.tokens, prompt_tokens=args.prompt_tokens,
+        vocab=args.vocab, mutation=args.mutation, replicas=args.replicas, batch_records=args.batch_records,
+        durable=args.durable, seed=args.seed, progress=progress,
+    )
+    report(r, sync_bench.print_table, args.json)
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import engine_bench
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        r = engine_bench.run(model=args.model, methods=tuple(args.methods.split(",")),
+                             batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
+                             siblings=args.siblings, max_new_tokens=args.max_new_tokens,
+                             draft_tokens=args.draft_tokens, device=args.device, python=args.python,
+                             switch_off=args.switch_off, repeats=args.repeats, log=progress,
+                             log_dir=args.log_dir)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report(r, engine_bench.print_table, args.json)
+    return 0
+
+
+def add_bench(sub: Any) -> None:
+    """``histospec-sgl bench``."""
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bl = bsub.add_parser("lengths", help="response length predicted from history vs actual (Spearman) on the logs")
+    bl.add_argument("--presets", default="grpo,ei,humaneval", help="comma-separated logs (default all three)")
+    bl.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    bl.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
+    bl.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    bl.set_defaults(func=_bench_lengths)
+    bi = bsub.add_parser("index", help="index ingest, memory, batch draft latency and acceptance (W1/W2)")
+    bi.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bi.add_argument("--workloads", default="W1,W2", help="comma-separated: W1, W2 (default both)")
+    bi.add_argument("--latency-steps", type=int, default=100)
+    bi.add_argument("--acc-prompts", type=int, default=64, help="prompts replayed for acceptance")
+    bi.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="also time the batch calls split across this many threads (*_threaded keys); "
+        "the targets are for one thread",
+    )
+    bi.set_defaults(func=_bench_index)
+    bs = bsub.add_parser("specrl", help="SPEC-RL lenience trade-off on a synthetic policy pair")
+    bs.add_argument("--json", metavar="PATH")
+    bs.add_argument("--plot", metavar="PNG", help="write the trade-off plot")
+    bs.add_argument("--lenience", type=floats, help="comma list of ℓ >= 1 (inf allowed); default 1,e^.15,e^.3,e^.5,e,e^2,inf")
+    bs.add_argument("--vocab", type=int, default=4)
+    bs.add_argument("--length", type=int, default=6)
+    bs.add_argument("--divergence", type=float, default=0.5, help="std of the old policy's logit noise")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--samples", type=int, default=100_000)
+    bs.set_defaults(func=_bench_specrl)
+    bw = bsub.add_parser("worker", help="host time the SGLang worker adds per decode step (context sync + draft)")
+    bw.add_argument("--json", metavar="PATH")
+    bw.add_argument("--batch-sizes", type=counts, default=[32, 128, 256], help="comma list of decode batch sizes")
+    bw.add_argument("--groups", type=int, default=64, help="prompts (groups); siblings per group = batch / groups")
+    bw.add_argument("--draft-tokens", type=int, default=12, help="d, the verify width (SGLang's default 12)")
+    bw.add_argument("--warm", type=int, default=1000, help="response tokens already decoded when timing starts")
+    bw.add_argument("--steps", type=int, default=60)
+    bw.add_argument("--threads", type=int, default=1,
+                    help="the index's threads (HISTOSPEC_THREADS; the worker's default is min(4, cores))")
+    bw.set_defaults(func=_bench_worker)
+    by = bsub.add_parser("sync", help="draft server: publish throughput, time until 1/2/4 replicas applied a step")
+    by.add_argument("--json", metavar="PATH")
+    by.add_argument("--prompts", type=int, default=256)
+    by.add_argument("--samples", type=int, default=16)
+    by.add_argument("--tokens", type=int, default=2000, help="response tokens")
+    by.add_argument("--prompt-tokens", type=int, default=200)
+    by.add_argument("--vocab", type=int, default=150_000)
+    by.add_argument("--mutation", type=float, default=0.2, help="share of a response resampled from its group's base")
+    by.add_argument("--replicas", type=counts, default=[1, 2, 4], help="comma list of replica counts, one run each")
+    by.add_argument("--batch-records", type=int, default=256, help="records per Publish call")
+    by.add_argument("--durable", action="store_true", help="give the server a data dir (fsync before ack)")
+    by.add_argument("--seed", type=int, default=0)
+    by.set_defaults(func=_bench_sync)
+    be = bsub.add_parser("engine", help="plain decoding, NGRAM and HISTORY on a real SGLang server (CPU or GPU)")
+    be.add_argument("--json", metavar="PATH")
+    be.add_argument("--model", default="rhyme",
+                    help="rhyme (a small Llama trained on the shipped HumanEval completions, built and cached on "
+                    "first use), random (random weights), or a model directory")
+    be.add_argument("--methods", default="plain,ngram,history,history_switchoff",
+                    help="comma list of plain, ngram, history, history_switchoff")
+    be.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
+    be.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
+    be.add_argument("--siblings", type=int, default=8, help="samples per prompt in the sibling rows (sampled only)")
+    be.add_argument("--max-new-tokens", type=int, default=128)
+    be.add_argument("--draft-tokens", type=int, default=8, help="d, the verify width of NGRAM and HISTORY")
+    be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: SGLang's torch_native backend with the checkout's CPU stand-ins (tests/_cpu_engine); "
+                    "cuda: FlashInfer and CUDA graphs")
+    be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
+    be.add_argument("--switch-off", type=kv, metavar="K=V,...",
+                    help="history_switchoff's HISTOSPEC_* settings (default HISTOSPEC_MIN_ACCEPT=1.0,"
+                    "HISTOSPEC_NARROW_VERIFY=1)")
+    be.add_argument("--repeats", type=int, default=1,
+                    help="run every row this many times (fresh groups each time) and report the medians")
+    be.add_argument("--log-dir", help="keep each server's log here")
+    be.set_defaults(func=_bench_engine)
