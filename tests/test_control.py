@@ -170,7 +170,8 @@ def test_simulate_command_writes_the_documented_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["profile"] == "h100-8b-analytic" and res["analytic"] is True
     assert "ANALYTIC" in r.stdout
-    assert set(res["policies"]) == {"baseline", "history_fixed", "history_cost_model", "length_first", "full"}
+    assert set(res["policies"]) == {"baseline", "history_fixed", "history_cost_model", "length_first", "full",
+                                    "length_first_oracle"}
     for v in res["policies"].values():
         assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline"} <= set(v)
     assert res["policies"]["baseline"]["ratio_vs_baseline"] == 1.0

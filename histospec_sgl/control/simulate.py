@@ -12,12 +12,14 @@ only), so the acceptance is what cross-epoch history alone gives.
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
 :class:`~histospec_sgl.control.costmodel.CostModel`), ``length_first`` (longest predicted first,
-plain decoding) and ``full`` (length first with the cost model). Every figure is a simulation on
-the named profile; an analytic profile is labelled as such.
+plain decoding) and ``full`` (length first with the cost model); ``length_first_oracle`` is the
+ceiling of length-first scheduling (every true length known), not a policy. Every figure is a
+simulation on the named profile; an analytic profile is labelled as such.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,8 @@ from histospec_sgl.control.length import LengthPredictor
 from histospec_sgl.control.profile import Profile
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
+#: Not a policy but its ceiling: length first with every request's true length known.
+ORACLE = "length_first_oracle"
 
 
 @dataclass
@@ -173,6 +177,8 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
                                        cost_model=CostModel(profile, widths)),
         "length_first": run_step(reqs, profile, max_running, length_first=True),
         "full": run_step(reqs, profile, max_running, length_first=True, cost_model=CostModel(profile, widths)),
+        ORACLE: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in reqs], profile, max_running,
+                         length_first=True),
     }
 
 
