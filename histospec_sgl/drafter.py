@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl._core import HistoryIndex
+from histospec_sgl.control.costmodel import EngineControl
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 from histospec_sgl.plugin.config import HistoryConfig
 
@@ -157,16 +158,20 @@ class BatchDrafter:
                            "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
         self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
+        #: ``HISTOSPEC_CONTROL=cost``: each step verifies the drafts or decodes plainly, whichever the
+        #: measured step costs and the drafts' promised acceptance say gives more tokens per second.
+        self.control = EngineControl(draft_tokens) if self.config.control == "cost" else None
         #: Whether the last :meth:`draft` drafted (False: the switch-off rule held it off).
         self.drafting = True
         # Whether each drafted-for step not yet verified drafted (overlap scheduling verifies a step
         # after the next one is drafted).
-        self._drafted_steps: collections.deque[bool] = collections.deque(maxlen=4)
+        self._drafted_steps: collections.deque[tuple[bool, float]] = collections.deque(maxlen=4)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
         self._tokens = np.zeros(0, dtype=np.int64)
         self._mask = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(0, dtype=np.int64)
+        self._probs = np.zeros(0, dtype=np.float32)
         self.totals = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
                            offered=0, draft_seconds=0.0, finished=0, kept=0)
         self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
@@ -304,14 +309,23 @@ class BatchDrafter:
             self._tokens = np.zeros(cap * d, dtype=np.int64)
             self._mask = np.zeros(cap * d * d, dtype=np.int64)
             self._counts = np.zeros(cap, dtype=np.int64)
+            self._probs = np.zeros(cap * d, dtype=np.float32)
         tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
         lives = [self._live[r] for r in rids]
-        drafting = self.drafting = self.switch.should_draft(bs)
-        self._drafted_steps.append(drafting)
+        drafting = self.switch.should_draft(bs)
+        promised = 0.0
         if drafting:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
-            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
-        else:
+            if self.control is None:
+                nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+            else:
+                probs = self._probs[: bs * d]
+                nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
+                promised = float(probs.reshape(bs, d)[:, 1:].sum())  # pads have probability 0
+                drafting = self.control.choose(bs, promised) > 1
+        self.drafting = drafting
+        self._drafted_steps.append((drafting, promised))
+        if not drafting:
             # Switched off: the root alone, padded like an empty draft.
             fill_root_only(tokens, mask, [lv.last for lv in lives], d)
             counts[:] = 0
@@ -340,9 +354,11 @@ class BatchDrafter:
         ``on_verify_complete_cpu``); feeds the switch-off rule."""
         acc = list(accepted)
         # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
-        drafted = self._drafted_steps.popleft() if self._drafted_steps else True
+        drafted, promised = self._drafted_steps.popleft() if self._drafted_steps else (True, 0.0)
         if drafted:
             self.switch.observe(sum(acc), len(acc))
+            if self.control is not None:
+                self.control.observe(promised, sum(acc))
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

@@ -177,15 +177,17 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
     return steps
 
 
-def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None) -> dict:
+def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None, cost: bool = False) -> dict:
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
     from histospec_sgl.plugin.worker import HistoryWorker
 
-    for k in ("HISTOSPEC_NARROW_VERIFY", "HISTOSPEC_MAX_BATCH"):
+    for k in ("HISTOSPEC_NARROW_VERIFY", "HISTOSPEC_MAX_BATCH", "HISTOSPEC_CONTROL"):
         os.environ.pop(k, None)
     if narrow:
         os.environ.update(HISTOSPEC_NARROW_VERIFY="1", HISTOSPEC_MAX_BATCH="3")
+    if cost:
+        os.environ.update(HISTOSPEC_CONTROL="cost")
     args = ["--model-path", model_path, "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
             "--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(D),
             "--attention-backend", "flashinfer"]
@@ -228,6 +230,8 @@ def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None
             calls=sorted(set(target.calls))))
     out.update(narrow_steps=worker.narrow_steps, width_after=worker.draft_token_num,
                responses=worker.history_stats().get("responses"))
+    control = worker.drafter.control if worker.drafter is not None else None
+    out["measured_widths"] = sorted({w for w, _ in control.clock.table}) if control is not None else []
     return out
 
 
@@ -244,4 +248,5 @@ if __name__ == "__main__":
         tp = (dist.new_group([0, 1], backend="gloo"), rank)
     results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n, tp)
                for o in (False, True) for n in (False, True)}
+    results.update({f"overlap={o},cost": engine(sys.argv[1], o, False, tp, cost=True) for o in (False, True)})
     print("RESULT " + json.dumps(results))

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from histospec_sgl.control.costmodel import CostModel
+from histospec_sgl.control.costmodel import CostModel, EngineControl
 from histospec_sgl.control.length import LengthPredictor, Response, evaluate, spearman
 from histospec_sgl.control.profile import H100_8B, Measured, resolve
 from histospec_sgl.control.simulate import SimRequest, draft_traces, run_policies, run_step
@@ -193,3 +193,56 @@ def test_bench_lengths_on_the_logs(tmp_path):
     assert sc["cross-sample"]["requests"] == 16400
     assert sc["cross-sample"]["ours"] > 0.2  # history orders lengths; the constant mean cannot
     assert math.isnan(sc["cross-sample"]["mean"])
+
+
+# -- the engine's control --------------------------------------------------------------------------
+
+
+def test_engine_control_measures_both_widths_then_chooses_by_cost():
+    ec = EngineControl(d=8)
+    # A new batch-size bucket is measured first: one step at width d, one at width 1.
+    assert ec.choose(4, promised=0.0) == 8
+    ec.begin(0.0)
+    ec.decode_step(4, 8, 0.0)
+    ec.begin(2.0)  # the wide step took 2 s
+    assert ec.choose(4, promised=0.0) == 1
+    ec.decode_step(4, 1, 2.0)
+    ec.begin(3.0)  # the plain one 1 s
+    # 4 requests: plain gives 4 tokens/s; wide (4 + promised) / 2.
+    assert ec.choose(4, promised=3.0) == 1  # 3.5 < 4
+    assert ec.choose(4, promised=5.0) == 8  # 4.5 > 4
+    assert ec.choose(3, promised=5.0) == 8  # 3 shares the bucket of 4: no new measurement
+    assert ec.choose(5, promised=0.0) == 8  # 5-8 is a new bucket: measured first
+    # An interval far beyond the bucket's estimate held an idle engine, not a step.
+    ec.decode_step(4, 1, 10.0)
+    ec.begin(100.0)
+    assert ec.clock.step_s(4, 1) == 1.0
+    # A width the engine never runs in a bucket is given up after three tries; drafting goes on.
+    ec2 = EngineControl(d=8)
+    ec2.clock.record(2, 8, 1.0)
+    assert [ec2.choose(2, 0.0) for _ in range(4)] == [1, 1, 1, 8]
+
+
+def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
+    from histospec_sgl.drafter import BatchDrafter
+    from histospec_sgl.plugin.config import HistoryConfig
+
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    for _ in range(3):
+        dr.add_finished([1, 2, 3], list(range(10, 40)))
+    for r in ("a", "b"):
+        dr.sync(r, [1, 2, 3], [10, 11])
+    assert dr.control is not None
+    # Verifying wide costs 100x plain decoding here: the drafts cannot pay, the step is plain.
+    dr.control.clock.record(2, d, 100.0)
+    dr.control.clock.record(2, 1, 1.0)
+    tokens, _ = dr.draft(["a", "b"])
+    assert not tokens.reshape(2, d)[:, 1:].any() and not dr.drafting
+    dr.observe_step([0, 0])
+    # At the same cost as plain decoding, any promised token pays: the history is drafted.
+    dr.control.clock.table[(d, 2)] = 1.0
+    tokens, _ = dr.draft(["a", "b"])
+    assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting
+    dr.observe_step([7, 7])
+    assert dr.control.model is not None and dr.control.model.accepted == 14 and dr.control.model.promised > 0

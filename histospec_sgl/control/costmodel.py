@@ -57,3 +57,91 @@ class CostModel:
         """A verified step: what its drafts promised and what was accepted."""
         self.promised += promised
         self.accepted += accepted
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share a measured step cost within powers of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class StepClock:
+    """Step costs measured on the running engine: the time from one decode step's start to the
+    next's, per verify width and batch-size bucket (an exponential moving average). A profile
+    (:class:`~histospec_sgl.control.profile.Profile`) once a bucket has both widths measured."""
+
+    name: str = "measured online"
+    description: str = "step costs timed by the engine as it runs"
+    analytic: bool = False
+    decay: float = 0.2
+    table: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    #: An interval this many times the bucket's estimate held more than a step (the engine idled).
+    outlier: float = 5.0
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        key = (width, bucket(batch))
+        old = self.table.get(key)
+        if old is None:
+            self.table[key] = seconds
+        elif seconds <= self.outlier * old:
+            self.table[key] = (1 - self.decay) * old + self.decay * seconds
+
+    def known(self, batch: int, width: int) -> bool:
+        return (width, bucket(batch)) in self.table
+
+    def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
+        return self.table[(width, bucket(batch))]
+
+
+@dataclass
+class EngineControl:
+    """The engine's per-step choice between verifying the drafts at width ``d`` and plain decoding
+    (width 1, narrow verify), from step costs it measures itself (:class:`StepClock`) and what the
+    drafts promise. A batch-size bucket whose cost at a width is not yet known tries that width
+    first, so each bucket is measured within its first steps."""
+
+    d: int
+    clock: StepClock = field(default_factory=StepClock)
+    model: CostModel | None = None
+    #: Steps that tried a width in a bucket to measure it (a width the engine cannot run there,
+    #: e.g. narrow verify with a grammar, is given up after a few tries).
+    tries: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: (width, batch) of the step in flight and when it started.
+    _current: tuple[int, int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = CostModel(self.clock, [self.d])
+
+    def choose(self, batch: int, promised: float) -> int:
+        """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised``
+        accepted tokens in all."""
+        assert self.model is not None
+        unknown = False
+        for w in (self.d, 1):
+            if not self.clock.known(batch, w):
+                key = (w, bucket(batch))
+                if self.tries.get(key, 0) < 3:
+                    self.tries[key] = self.tries.get(key, 0) + 1
+                    return w
+                unknown = True
+        if unknown:
+            return self.d
+        return self.model.choose({self.d: promised}, batch, 0.0)
+
+    def begin(self, now: float) -> None:
+        """The engine starts a forward pass (of any kind): the decode step before it, if any, took
+        the time since that step started."""
+        if self._current is not None:
+            w, b, t0 = self._current
+            self.clock.record(b, w, now - t0)
+        self._current = None
+
+    def decode_step(self, batch: int, width: int, started: float) -> None:
+        """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
+        self._current = (width, batch, started)
+
+    def observe(self, promised: float, accepted: float) -> None:
+        assert self.model is not None
+        self.model.observe(promised, accepted)

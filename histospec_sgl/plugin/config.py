@@ -146,6 +146,10 @@ SETTINGS: tuple[Setting, ...] = (
             "is below this (0: never); re-measured by probe steps"),
     Setting("HISTOSPEC_PROBE_EVERY", "probe_every", _int(1), 64,
             "while switched off by HISTOSPEC_MIN_ACCEPT, draft every N-th step to re-measure"),
+    Setting("HISTOSPEC_CONTROL", "control", _choice("thresholds", "cost"), "thresholds",
+            "cost: each decode step verifies the drafts or decodes plainly (narrow verify), whichever gives "
+            "more tokens per second by step costs the engine measures per batch size and the acceptance the "
+            "drafts promise (calibrated by what was accepted); thresholds: the switch-off settings below only"),
     Setting("HISTOSPEC_NARROW_VERIFY", "narrow_verify", _int(0), 0,
             "verify a decode step in which no request has a draft at width 1 instead of d (the cost of a "
             "plain decode step, run outside CUDA graphs) when the batch has at least this many requests; "
@@ -202,6 +206,7 @@ class HistoryConfig:
     max_batch: int = 0
     min_accept: float = 0.0
     probe_every: int = 64
+    control: str = "thresholds"
     narrow_verify: int = 0
     threads: int = 0
     huge_pages: str = "0"

@@ -21,6 +21,10 @@ overlap relay. What differs:
 - narrow verify (``HISTOSPEC_NARROW_VERIFY``): a decode step in which no request has a draft is
   verified at width 1, NGRAM's own code run with one node per request, instead of d nodes that
   cost d times the compute of plain decoding;
+- the cost model (``HISTOSPEC_CONTROL=cost``): each decode step verifies the drafts at width d or
+  decodes plainly (narrow verify), whichever the step costs it times per batch size and the
+  acceptance the drafts promise say gives more tokens per second
+  (:class:`~histospec_sgl.control.costmodel.EngineControl`);
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
 
@@ -130,12 +134,12 @@ class HistoryWorker(NGRAMWorker):
 
     def alloc_memory_pool(self, **kwargs: Any) -> None:
         super().alloc_memory_pool(**kwargs)
-        if self.config.narrow_verify:
+        if self._narrow_from():
             # At start, where a failure stops the server with a message, not in the middle of a run.
             if not callable(getattr(self, "_init_preallocated_tensors", None)):
                 raise RuntimeError(
-                    f"HISTOSPEC_NARROW_VERIFY is not supported with sglang {compat.sglang_version()} "
-                    "(its NGRAM worker has no _init_preallocated_tensors); unset it"
+                    f"HISTOSPEC_NARROW_VERIFY and HISTOSPEC_CONTROL=cost are not supported with sglang "
+                    f"{compat.sglang_version()} (its NGRAM worker has no _init_preallocated_tensors); unset them"
                 )
             self._narrow_buffers = self._width_buffers(1)
 
@@ -163,23 +167,36 @@ class HistoryWorker(NGRAMWorker):
         if req is not None:
             self._finalize(rid, req)
 
+    def _narrow_from(self) -> int:
+        """Decode batches of at least this many requests verify at width 1 when none has a draft
+        (0: never). The cost model decides per step, so with it every batch size may."""
+        return 1 if self.config.control == "cost" else self.config.narrow_verify
+
     def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        control = self.drafter.control if self.drafter is not None else None
+        if control is not None:
+            control.begin(started)
         if self.drafter is not None:
             current = set()
             for req in batch.reqs:
                 self._reqs.setdefault(req.rid, req)
                 current.add(req.rid)
             self._sweep(current)
-        narrow = self.config.narrow_verify
-        if (narrow and len(batch.reqs) >= narrow and batch.forward_mode.is_decode()
-                and not getattr(batch, "has_grammar", False)):
+        narrow = self._narrow_from()
+        decode = batch.forward_mode.is_decode()
+        if narrow and len(batch.reqs) >= narrow and decode and not getattr(batch, "has_grammar", False):
             # Draft first (every TP rank gets rank 0's drafts here), then pick the width from what
             # all ranks share, so that every rank takes the same branch.
             tokens, mask = self._prepare_draft_tokens(batch)
             d = self.draft_token_num
             if not tokens.reshape(-1, d)[:, 1:].any():
+                if control is not None:
+                    control.decode_step(len(batch.reqs), 1, started)
                 return self._narrow_verify(batch, tokens[::d].copy(), *args, **kwargs)
             self._staged = (tokens, mask)
+        if control is not None and decode:
+            control.decode_step(len(batch.reqs), self.draft_token_num, started)
         try:
             return super().forward_batch_generation(batch, *args, **kwargs)
         finally:
@@ -401,7 +418,7 @@ class HistoryWorker(NGRAMWorker):
             "index %d groups / %d responses / %.1f MB%s",
             w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
             st["groups"], st["responses"], st["bytes"] / 1e6,
-            f", {self.narrow_steps} narrow-verify steps so far" if self.config.narrow_verify else "",
+            f", {self.narrow_steps} narrow-verify steps so far" if self._narrow_from() else "",
         )
 
 
