@@ -16,7 +16,8 @@ what an RL epoch sees when it re-samples its prompts. A batch of B requests goes
 for plain decoding); ``step_ms`` the row's wall time over the longest request's forward passes, so
 ``verify_cost`` (a speculative method's step time over plain decoding's in the same row) is the cost
 of one verify step relative to one decode step at that batch size: the profile a rollout simulator
-needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWITCH_OFF`, or ``--switch-off``).
+needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWITCH_OFF`, or ``--switch-off``);
+``history_cost`` is HISTORY with the cost model choosing each step's width (:data:`COST`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
-METHODS = ("plain", "ngram", "history", "history_switchoff")
+METHODS = ("plain", "ngram", "history", "history_switchoff", "history_cost")
+#: ``history_cost``: the cost model picks each step's width (:mod:`histospec_sgl.control.costmodel`).
+COST = {"HISTOSPEC_CONTROL": "cost"}
 #: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
 #: is accepted (a verify step costs about two decode steps on this CPU engine), and verify steps
 #: without drafts at width 1, the cost of a plain decode step.
@@ -138,7 +141,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     runs: dict[tuple, list[dict[str, Any]]] = {}
     servers: dict[str, EngineServer] = {}
     for method in methods:
-        env = switch_off_env if method == "history_switchoff" else {}
+        env = {"history_switchoff": switch_off_env, "history_cost": COST}.get(method, {})
         algo = "history" if method.startswith("history") else method
         servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",
