@@ -48,6 +48,8 @@ def make_args(mode: str, router: str, model: str, prompts: str, draft_server: st
         sglang_enable_deterministic_inference=False, num_gpus_per_node=1,
         # histospec.yaml (--custom-config-path sets these on args)
         histospec_mode=mode, histospec_draft_server=draft_server, histospec_lenience=1.0, histospec_seed=7,
+        # Length-first scheduling on: epoch 2's requests wait for each other and go longest first.
+        histospec_length_first=True,
     )
 
 

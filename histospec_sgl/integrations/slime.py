@@ -36,7 +36,20 @@ Settings: keys of the ``--custom-config-path`` YAML (slime sets each as an ``arg
 ``histospec_inner_generate_path``  the generate to hand requests to (default
                                    ``HISTOSPEC_SLIME_INNER_GENERATE`` or slime's own)
 ``histospec_seed``                 seed of SPEC-RL's acceptance draws (default 0)
+``histospec_length_first``         ``true``: a rollout's requests go to the engines longest
+                                   predicted first (history mode; default off, see below)
+``histospec_length_first_window``  seconds a request waits for the rest of its rollout (default
+                                   0.02)
 =================================  ==============================================================
+
+Length-first scheduling (``histospec_length_first: true``): a GRPO step ends when its longest
+response ends, so the requests predicted to run longest should start first. slime submits a
+rollout's requests all at once; each waits until no new one has arrived for the window, then they
+go to the inner generate (and so to the router and the engines, whose scheduler admits in arrival
+order) in descending order of predicted length: the mean length of the group's previous responses
+(:class:`~histospec_sgl.control.length.LengthPredictor`; a group without any goes last, in
+submission order). It is off by default: on the GRPO log the prediction across runs orders a step
+too weakly to pay (bench/RESULTS.md, ``simulate``).
 """
 
 from __future__ import annotations
@@ -48,6 +61,7 @@ import inspect
 import json
 import logging
 import os
+import weakref
 from typing import Any
 
 import numpy as np
@@ -67,6 +81,8 @@ class Settings:
     draft_server: str | None = None
     inner_generate_path: str = DEFAULT_INNER
     seed: int = 0
+    length_first: bool = False
+    length_first_window: float = 0.02
 
     @classmethod
     def from_args(cls, args: Any) -> Settings:
@@ -84,7 +100,17 @@ class Settings:
             inner_generate_path=(getattr(args, "histospec_inner_generate_path", None)
                                  or os.environ.get("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
             seed=int(getattr(args, "histospec_seed", None) or 0),
+            length_first=_flag(getattr(args, "histospec_length_first", None)),
+            length_first_window=float(getattr(args, "histospec_length_first_window", None) or 0.02),
         )
+
+
+def _flag(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.strip().lower() not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+            raise ValueError(f"histospec_length_first must be true or false, not {value!r}")
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def sample_group(sample: Any) -> int:
@@ -139,6 +165,8 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
     params["custom_params"] = {**(params.get("custom_params") or {}), "histospec_group": group}
     if settings.mode == "history" or evaluation:
         inner = _load_inner(settings.inner_generate_path)
+        if settings.length_first and not evaluation:
+            await _gate(settings.length_first_window).wait_turn(_predicted_length(args, settings, group))
         if "evaluation" in inspect.signature(inner).parameters:
             return await inner(args, sample, params, evaluation=evaluation)
         return await inner(args, sample, params)
@@ -190,6 +218,61 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     sample.metadata["histospec"] = {"reused": res.reused, "generated": res.generated,
                                     "previous_len": res.previous_len}
     return sample
+
+
+# -- length-first ----------------------------------------------------------------------------------
+
+
+class LengthFirstGate:
+    """Holds requests until none has arrived for ``window`` seconds, then lets them go longest
+    predicted first (ties and unknown lengths: arrival order)."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self._pending: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def wait_turn(self, predicted: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        key = -predicted if predicted is not None else float("inf")
+        self._pending.append((key, self._seq, fut))
+        self._seq += 1
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_later(self.window, self._release)
+        await fut
+
+    def _release(self) -> None:
+        batch, self._pending, self._timer = sorted(self._pending, key=lambda x: x[:2]), [], None
+        for _, _, fut in batch:
+            if not fut.done():  # a cancelled request is skipped
+                fut.set_result(None)
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LengthFirstGate] = weakref.WeakKeyDictionary()
+
+
+def _gate(window: float) -> LengthFirstGate:
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        gate = _GATES[loop] = LengthFirstGate(window)
+    return gate
+
+
+def _predicted_length(args: Any, settings: Settings, group: int) -> float | None:
+    """The mean length of the group's previous responses (None: it has none)."""
+    from histospec_sgl.control.length import LengthPredictor
+
+    predictor = LengthPredictor()
+    n = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    for slot in range(n):
+        prev = shared().get(settings.draft_server, group, slot)
+        if prev is not None:
+            predictor.record(group, len(prev.response_ids))
+    return predictor.predict(group) if predictor.known(group) else None
 
 
 # -- record -----------------------------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""Length-first scheduling in the slime adapter: a rollout's requests reach the inner generate (and
+so the engines) longest predicted first. slime's own rollout is exercised with it in
+tests/test_slime.py; here the order is checked with the inner generate stood in by a recorder."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from histospec_sgl.integrations import slime as adapter
+from histospec_sgl.integrations.previous import shared
+
+
+def _sample(prompt: str, index: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(prompt=prompt, index=index, metadata={}, session_id=None)
+
+
+def test_gate_releases_longest_predicted_first_then_unknown_in_arrival_order():
+    order: list[str] = []
+
+    async def main() -> None:
+        gate = adapter.LengthFirstGate(window=0.01)
+
+        async def req(name: str, predicted: float | None) -> None:
+            await gate.wait_turn(predicted)
+            order.append(name)
+
+        await asyncio.gather(req("short", 10), req("unknown-1", None), req("long", 500), req("mid", 90),
+                             req("unknown-2", None))
+
+    asyncio.run(main())
+    assert order == ["long", "mid", "short", "unknown-1", "unknown-2"]
+
+
+def test_generate_orders_a_rollout_by_the_groups_previous_lengths(monkeypatch):
+    prompts = {"p-short": 5, "p-long": 300, "p-new": None, "p-mid": 40}
+    n = 2
+    for prompt, length in prompts.items():
+        if length is None:
+            continue
+        group = adapter.sample_group(_sample(prompt, 0))
+        for slot in range(n):
+            shared().record(None, [1, 2], list(range(length + slot)), [-0.1] * (length + slot), "stop",
+                            group=group, slot=slot, version=0)
+    calls: list[str] = []
+
+    async def inner(args, sample, params):
+        calls.append(sample.prompt)
+        return sample
+
+    monkeypatch.setattr(adapter, "_load_inner", lambda path: inner)
+    args = types.SimpleNamespace(histospec_mode="history", histospec_length_first=True, n_samples_per_prompt=n,
+                                 histospec_length_first_window=0.01)
+
+    async def rollout() -> None:
+        # slime submits every sample of the rollout at once, in data order.
+        await asyncio.gather(*(adapter.generate(args, _sample(p, i), {"max_new_tokens": 8})
+                               for i, p in enumerate(p for p in prompts for _ in range(n))))
+
+    asyncio.run(rollout())
+    assert calls == ["p-long"] * n + ["p-mid"] * n + ["p-short"] * n + ["p-new"] * n
+    # Off (the default), requests go in as they come.
+    calls.clear()
+    args.histospec_length_first = False
+    asyncio.run(rollout())
+    assert calls == [p for p in prompts for _ in range(n)]
+    with pytest.raises(ValueError, match="histospec_length_first"):
+        adapter.Settings.from_args(types.SimpleNamespace(histospec_length_first="sometimes"))
