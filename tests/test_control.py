@@ -246,3 +246,22 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
     assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting
     dr.observe_step([7, 7])
     assert dr.control.model is not None and dr.control.model.accepted == 14 and dr.control.model.promised > 0
+
+
+def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
+    from histospec_sgl.control.profile import from_engine_bench
+
+    rows = [{"method": m, "batch_size": b, "pass": p, "step_ms": ms}
+            for m, b, p, ms in (("plain", 1, 1, 10.0), ("plain", 1, 2, 12.0), ("plain", 8, 1, 20.0),
+                                ("history", 1, 1, 30.0), ("history", 8, 1, 70.0), ("ngram", 1, 1, 99.0))]
+    engine = {"settings": {"draft_tokens": 8}, "rows": rows, "device": "cpu", "model": {"kind": "rhyme"},
+              "machine": {"cpu": "test", "sglang": "0.5.17"}}
+    prof = from_engine_bench(engine)
+    assert prof["points"] == [{"batch": 1, "width": 1, "step_s": 0.011}, {"batch": 8, "width": 1, "step_s": 0.02},
+                              {"batch": 1, "width": 8, "step_s": 0.03}, {"batch": 8, "width": 8, "step_s": 0.07}]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    m = resolve(str(path))
+    assert not m.analytic and m.step_s(4, 8, 0) == pytest.approx(0.03 + (0.07 - 0.03) * 3 / 7)
+    with pytest.raises(ValueError, match="plain decoding and of HISTORY"):
+        from_engine_bench({**engine, "rows": rows[:3]})

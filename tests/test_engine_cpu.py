@@ -413,3 +413,13 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
         elif x["pass"] == 2 and x["temperature"] == 0.0:
             assert x["tokens_per_step"] > 2.0, x
     assert "history" in r.stdout and "tokens_per_step" in r.stdout
+    # The same result as a measured step-cost profile for simulate: plain steps at width 1, HISTORY's
+    # verify steps at width d, per batch size.
+    prof = tmp_path / "profile.json"
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "profile", "--engine-json", str(out),
+                        "--out", str(prof)], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-2000:]
+    p = json.loads(prof.read_text())
+    assert p["analytic"] is False and "measured" in p["description"]
+    assert {(x["batch"], x["width"]) for x in p["points"]} == {(b, w) for b in (1, 4) for w in (1, 8)}
+    assert all(x["step_s"] > 0 for x in p["points"])

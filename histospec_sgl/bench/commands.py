@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.cliutil import counts, floats, fmt, kv, report
+from histospec_sgl.cliutil import command, counts, floats, fmt, kv, report, write_json
 
 
 def _print_index(result: dict[str, Any]) -> None:
@@ -206,10 +206,53 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_profile(args: argparse.Namespace) -> int:
+    import json
+
+    from histospec_sgl.control.profile import from_engine_bench
+
+    if args.engine_json:
+        engine = json.loads(Path(args.engine_json).read_text())
+    else:
+        from histospec_sgl.bench import engine_bench
+
+        try:
+            engine = engine_bench.run(model=args.model, methods=("plain", "history"), batch_sizes=tuple(args.batch_sizes),
+                                      temperatures=(0.0,), draft_tokens=args.draft_tokens, device=args.device,
+                                      python=args.python, repeats=args.repeats,
+                                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        engine["command"] = command()
+    try:
+        prof = from_engine_bench(engine, args.name)
+    except (KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for p in prof["points"]:
+        print(f"  batch {p['batch']:>4}  width {p['width']:>3}  {p['step_s'] * 1e3:9.2f} ms")
+    write_json(args.out, prof)
+    return 0
+
+
 def add_bench(sub: Any) -> None:
     """``histospec-sgl bench``."""
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    bp = bsub.add_parser("profile", help="a measured step-cost profile for simulate: plain and HISTORY step times "
+                                         "per batch size on a real engine")
+    bp.add_argument("--out", required=True, metavar="PATH", help="where to write the profile JSON")
+    bp.add_argument("--engine-json", metavar="PATH",
+                    help="make it from a bench engine result instead of running the engine")
+    bp.add_argument("--name", help="the profile's name (default DEVICE-MODEL-measured)")
+    bp.add_argument("--model", default="rhyme", help="as bench engine's --model")
+    bp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bp.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
+    bp.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
+    bp.add_argument("--draft-tokens", type=int, default=8, help="d, HISTORY's verify width")
+    bp.add_argument("--repeats", type=int, default=1)
+    bp.set_defaults(func=_bench_profile)
     bl = bsub.add_parser("lengths", help="response length predicted from history vs actual (Spearman) on the logs")
     bl.add_argument("--presets", default="grpo,ei,humaneval", help="comma-separated logs (default all three)")
     bl.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")

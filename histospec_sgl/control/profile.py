@@ -122,6 +122,34 @@ class Measured:
                    float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)))
 
 
+def from_engine_bench(result: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    """A measured profile (the JSON :meth:`Measured.load` reads) from a ``histospec-sgl bench engine``
+    result: plain decoding's step time per batch size is width 1, HISTORY's verify step time is
+    width d; the median over the result's passes and temperatures."""
+    import statistics
+
+    d = int(result["settings"]["draft_tokens"])
+    times: dict[tuple[int, int], list[float]] = {}
+    for r in result["rows"]:
+        width = {"plain": 1, "history": d}.get(r["method"])
+        if width is not None and r.get("step_ms"):
+            times.setdefault((width, int(r["batch_size"])), []).append(float(r["step_ms"]) / 1e3)
+    if not any(w == 1 for w, _ in times) or not any(w == d for w, _ in times):
+        raise ValueError("the engine result needs rows of plain decoding and of HISTORY (--methods plain,history)")
+    m = result.get("machine", {})
+    model = result.get("model", {})
+    device = result.get("device", "?")
+    hw = m.get("gpu") or m.get("cpu") or "?"
+    return {
+        "name": name or f"{device}-{model.get('kind', 'model')}-measured",
+        "analytic": False,
+        "description": f"measured: histospec-sgl bench engine on {device} ({hw}), model {model.get('kind', '?')}, "
+                       f"sglang {m.get('sglang')}, d={d}",
+        "points": [{"batch": b, "width": w, "step_s": statistics.median(v)} for (w, b), v in sorted(times.items())],
+        "source": result.get("command"),
+    }
+
+
 def resolve(name_or_path: str) -> Profile:
     """An analytic profile by name, or a measured one from a JSON file."""
     if name_or_path in ANALYTIC:
