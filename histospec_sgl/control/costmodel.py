@@ -5,8 +5,10 @@ The index's node probabilities estimate how likely each draft node is to be acce
 draft promises the sum of its w-1 best nodes' probabilities in accepted tokens (the drafts are
 grown best-first, so a narrower draft is the wider one's most probable nodes). Those promises are
 scaled by a calibration factor: accepted tokens over promised tokens, measured on the steps
-verified so far. Width 1 is plain decoding (no draft), so the choice is never worse than plain
-decoding by the model's own account, and it turns speculation on when the batch shrinks.
+verified so far (while plain decoding wins, one step in ``probe_every`` is verified wide to keep
+measuring it). Width 1 is plain decoding (no draft), so apart from those probes the choice is
+never worse than plain decoding by the model's own account, and it turns speculation on when the
+batch shrinks.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ class CostModel:
     promised: float = 0.0
     #: The first steps trust the promises as they are (no measurement yet).
     min_promised: float = 32.0
+    #: While plain decoding wins, every this many steps one is verified wide anyway, so that the
+    #: calibration keeps measuring what the drafts deliver (promises that understate acceptance
+    #: would otherwise keep it plain for good).
+    probe_every: int = 16
     chosen: dict[int, int] = field(default_factory=dict)
+    _since_wide: int = 0
 
     def calibration(self) -> float:
         """Accepted over promised draft tokens so far (1 until enough has been promised)."""
@@ -43,13 +50,16 @@ class CostModel:
         (default: the whole batch)."""
         n = batch if decoding is None else decoding
         c = self.calibration()
-        best, best_rate = 1, n / self.profile.step_s(batch, 1, context, prefill)
+        plain = n / self.profile.step_s(batch, 1, context, prefill)
+        wide, wide_rate = 1, 0.0
         for w in self.widths:
             if w <= 1:
                 continue
             rate = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
-            if rate > best_rate:
-                best, best_rate = w, rate
+            if rate > wide_rate:
+                wide, wide_rate = w, rate
+        best = wide if wide > 1 and (wide_rate > plain or self._since_wide >= self.probe_every) else 1
+        self._since_wide = 0 if best > 1 else self._since_wide + 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
