@@ -124,7 +124,7 @@ def test_length_first_admits_the_longest_predicted_first():
     # One slot; lengths 1, 1, 4 submitted in that order. FCFS: finishes at 1, 2, 6. Longest
     # predicted first: 4 first (t=4), then the short ones (5, 6). Same makespan, and the tail (from
     # the 90% finish, here the third, to the last) is the same; the order is what changes.
-    reqs = [_req(1, predicted=1), _req(1, predicted=1), _req(4, predicted=4)]
+    reqs = [_req(1, predicted=1, group="a"), _req(1, predicted=1, group="b"), _req(4, predicted=4, group="c")]
     fcfs = run_step(reqs, FLAT, max_running=1, length_first=False)
     lf = run_step(reqs, FLAT, max_running=1, length_first=True)
     assert fcfs.finish_s == [1.0, 2.0, 6.0] and lf.finish_s == [4.0, 5.0, 6.0]
@@ -133,6 +133,16 @@ def test_length_first_admits_the_longest_predicted_first():
     fcfs2 = run_step(reqs, FLAT, max_running=2, length_first=False)
     lf2 = run_step(reqs, FLAT, max_running=2, length_first=True)
     assert (fcfs2.makespan_s, lf2.makespan_s) == (5.0, 4.0)
+
+
+def test_length_first_learns_from_siblings_that_finished():
+    # One slot. Group a's history says 10 tokens, group b's 6; a1 and a2 are 1 token long.
+    # a1 goes first (10, submitted first) and finishes at 1: group a's prediction becomes
+    # (10 + 1) / 2 = 5.5 < 6, so b1 (3 tokens, done at 4) goes before a2 (done at 5). From history
+    # alone, a2 (still 10) would go second (done at 2) and b1 last (done at 5).
+    reqs = [_req(1, predicted=10, group="a"), _req(3, predicted=6, group="b"), _req(1, predicted=10, group="a")]
+    assert run_step(reqs, FLAT, max_running=1, length_first=True).finish_s == [1.0, 4.0, 5.0]
+    assert run_step(reqs, FLAT, max_running=1, length_first=True, siblings=False).finish_s == [1.0, 2.0, 5.0]
 
 
 def test_cost_model_policy_never_loses_to_plain_on_the_step():

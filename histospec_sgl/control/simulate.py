@@ -105,17 +105,28 @@ class Outcome:
 
 
 def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, length_first: bool,
-             width: int | None = None, cost_model: CostModel | None = None) -> Outcome:
+             width: int | None = None, cost_model: CostModel | None = None, siblings: bool = True) -> Outcome:
     """Simulates one rollout step. ``width``: a fixed verify width (None or 1: plain decoding);
     ``cost_model``: choose the width each step instead. New requests join when slots free up, in
-    submission order or, with ``length_first``, longest predicted first (ties: submission order);
-    a request's first token comes from its prefill, in the step it joins."""
+    submission order or, with ``length_first``, longest predicted first (ties: submission order).
+    A waiting request's prediction is its group's history mean (``predicted``) shrunk towards the
+    lengths of its siblings that finished in this step: ``(predicted + sum) / (1 + count)``, so
+    the history counts as one sibling's worth (it comes from related policies, the siblings from
+    this one); without ``siblings``, ``predicted`` alone. A request's first token comes from its
+    prefill, in the step it joins."""
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
     queue = list(range(len(reqs)))
-    if length_first:
-        queue.sort(key=lambda i: -reqs[i].predicted)
-    queue.reverse()  # pop() from the end
+    queue.reverse()  # pop() from the end: submission order
+    finished_sum: dict[Hashable, float] = {}
+    finished_n: dict[Hashable, int] = {}
+
+    def predicted(i: int) -> float:
+        if not siblings:
+            return reqs[i].predicted
+        g = reqs[i].group
+        return (reqs[i].predicted + finished_sum.get(g, 0.0)) / (1 + finished_n.get(g, 0))
+
     running: list[list[int]] = []  # [request index, tokens generated]
     t, steps = 0.0, 0
     finish: list[float] = []
@@ -123,6 +134,9 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     used: dict[int, int] = {}
     while queue or running:
         prefill = 0
+        if length_first and queue and len(running) < max_running:
+            # Longest predicted last (popped first); the sort is stable, so ties keep submission order.
+            queue.sort(key=lambda i: (predicted(i), -i))
         while queue and len(running) < max_running:
             i = queue.pop()
             running.append([i, 0])
@@ -159,6 +173,9 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
             finish.append(t)
+            g = reqs[entry[0]].group
+            finished_sum[g] = finished_sum.get(g, 0.0) + reqs[entry[0]].length
+            finished_n[g] = finished_n.get(g, 0) + 1
     finish.sort()
     n = len(finish)
     tail = finish[-1] - finish[max(0, int(np.ceil(0.9 * n)) - 1)] if n else 0.0
@@ -178,7 +195,7 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
         "length_first": run_step(reqs, profile, max_running, length_first=True),
         "full": run_step(reqs, profile, max_running, length_first=True, cost_model=CostModel(profile, widths)),
         ORACLE: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in reqs], profile, max_running,
-                         length_first=True),
+                         length_first=True, siblings=False),
     }
 
 
