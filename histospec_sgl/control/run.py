@@ -21,12 +21,12 @@ from histospec_sgl.replay.data import (
 SIMULATE_PRESETS = ("grpo", "ei")
 
 
-def _rows(preset: str, data_root: Path | None, tokenizer: Path | None) -> list[Any]:
+def _rows(preset: str, data_root: Path | None, tokenizer: Path | None, tokenize: bool = True) -> list[Any]:
     if preset not in PRESETS:
         raise ReplayDataError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     pre = PRESETS[preset]
     rows = load_rollouts(preset_path(pre, data_root), pre.fields)
-    if not pre.fields.token_ids:
+    if tokenize and not pre.fields.token_ids:
         Tokenization(tokenizer or default_tokenizer()).ensure(rows)
     return rows
 
@@ -67,8 +67,10 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
     if fixed_width not in widths:
         raise ValueError(f"--fixed-width {fixed_width} is not one of --widths {widths}")
     profile = resolve(profile_name)
-    rows = _rows(preset, data_root, tokenizer)
-    reqs, info = simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed), widths)
+    rows = _rows(preset, data_root, tokenizer, tokenize=False)  # only the step's rows are tokenized
+    tok = Tokenization(tokenizer or default_tokenizer())
+    reqs, info = simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed), widths,
+                                     ensure=tok.ensure)
     sweep = []
     first: dict[str, simulate.Outcome] | None = None
     for r in max_running:

@@ -214,12 +214,13 @@ class StepSpec:
     seed: int = 0
 
 
-def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int],
-               progress: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
+def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
+               ensure: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
     """A step of ``spec.groups`` groups from a log with several policies (``Rollout`` rows with
     token ids): each group is one policy's samples of one prompt at one step, its history the same
     prompt's responses from ``spec.history_policies`` other policies at that step (the responses
-    an earlier epoch of a closely related policy gives). Lengths are predicted from the history."""
+    an earlier epoch of a closely related policy gives). Lengths are predicted from the history.
+    ``ensure(rows)`` fills the token ids of the rows the step uses (rows of text logs)."""
     from collections import defaultdict
 
     by_key: dict[Any, list[Any]] = defaultdict(list)
@@ -244,6 +245,8 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int],
         members = by_key[(grp, step)]
         mine = sorted((m for m in members if m.policy == target), key=lambda m: m.sample)
         hist = [m for m in members if m.policy in others]
+        if ensure is not None:
+            ensure([*mine, *hist])
         history_responses += len(hist)
         predictor = LengthPredictor()
         for h in hist:
