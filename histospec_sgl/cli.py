@@ -309,10 +309,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch_server(argv[1:])
     args = build_parser().parse_args(argv)
-    if hugepages.requested(os.environ) and hugepages.supported() and not hugepages.huge_pages():
+    env = dict(os.environ)
+    if hugepages.prepare_children(env) and not hugepages.huge_pages():
         # glibc reads its huge-page switch at process start: start again with it.
-        env = dict(os.environ)
-        hugepages.add_tunable(env)
         os.execve(sys.executable, [sys.executable, "-m", "histospec_sgl.cli", *argv], env)
     if argv and argv[0] in ("bench", "replay"):
         import histospec_sgl

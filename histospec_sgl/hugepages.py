@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 #: glibc's first version with the ``glibc.malloc.hugetlb`` tunable.
@@ -57,7 +58,7 @@ def add_tunable(env: MutableMapping[str, str]) -> None:
 def _start_environment() -> dict[str, str]:
     """The environment this process started with (what glibc read), not later changes."""
     try:
-        raw = open("/proc/self/environ", "rb").read()  # noqa: SIM115 - read whole at once
+        raw = Path("/proc/self/environ").read_bytes()
     except OSError:
         return dict(os.environ)
     pairs = (item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)

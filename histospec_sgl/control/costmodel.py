@@ -113,7 +113,7 @@ class EngineControl:
 
     d: int
     clock: StepClock = field(default_factory=StepClock)
-    model: CostModel | None = None
+    model: CostModel = field(init=False)
     #: Steps that tried a width in a bucket to measure it (a width the engine cannot run there,
     #: e.g. narrow verify with a grammar, is given up after a few tries).
     tries: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -121,13 +121,11 @@ class EngineControl:
     _current: tuple[int, int, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            self.model = CostModel(self.clock, [self.d])
+        self.model = CostModel(self.clock, [self.d])
 
     def choose(self, batch: int, promised: float) -> int:
         """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised``
         accepted tokens in all."""
-        assert self.model is not None
         unknown = False
         for w in (self.d, 1):
             if not self.clock.known(batch, w):
@@ -153,5 +151,4 @@ class EngineControl:
         self._current = (width, batch, started)
 
     def observe(self, promised: float, accepted: float) -> None:
-        assert self.model is not None
         self.model.observe(promised, accepted)
