@@ -12,20 +12,30 @@ import numpy as np
 import pytest
 
 from histospec_sgl.control.costmodel import CostModel, EngineControl
-from histospec_sgl.control.length import LengthPredictor, Response, evaluate, spearman
+from histospec_sgl.control.length import LengthPredictor, Response, evaluate, expected_longest, spearman
 from histospec_sgl.control.profile import H100_8B, Measured, resolve
-from histospec_sgl.control.simulate import SimRequest, draft_traces, run_policies, run_step
-from histospec_sgl.replay.data import default_data_root
+from histospec_sgl.control.simulate import (
+    SimRequest,
+    StepSpec,
+    aggregate,
+    build_step,
+    draft_traces,
+    engine_of,
+    run_policies,
+    run_step,
+)
+from histospec_sgl.replay.data import Rollout, default_data_root
 
 #: A plain step costs 1 s at any batch size; a verify step at width 4 costs 2 s.
 FLAT = Measured("flat", "test: 1 s plain, 2 s at width 4", {1: [(1, 1.0), (64, 1.0)], 4: [(1, 2.0), (64, 2.0)]})
 
 
 def _req(length: int, accepted4: list[int] | None = None, promised4: list[float] | None = None,
-         predicted: float = 0.0, group: str = "g") -> SimRequest:
+         predicted: float = 0.0, group: str = "g", history: tuple[int, ...] = ()) -> SimRequest:
     acc = np.array(accepted4 or [0] * length, np.int32)
     prom = np.array(promised4 or [0.0] * length, np.float32)
-    return SimRequest(group, length, prompt_len=3, predicted=predicted, accepted={4: acc}, promised={4: prom})
+    return SimRequest(group, length, prompt_len=3, predicted=predicted, history=history, accepted={4: acc},
+                      promised={4: prom})
 
 
 # -- length ----------------------------------------------------------------------------------------
@@ -42,6 +52,24 @@ def test_predictor_conditions_on_progress_and_falls_back_without_history():
     assert LengthPredictor(prior=7.0).predict("new", progress=9) == 10.0
     with pytest.raises(ValueError):
         p.record("a", -1)
+
+
+def test_expected_longest_of_n_draws_by_hand():
+    # Two known lengths, 1 and 10: the longest of two draws is 1 only when both draws are 1
+    # (probability 1/4), so 0.25 * 1 + 0.75 * 10 = 7.75; one draw is the mean.
+    assert expected_longest([10, 1], 2) == pytest.approx(7.75)
+    assert expected_longest([10, 1], 1) == pytest.approx(5.5)
+    # Three: P(longest = 4) = 1 - (2/3)^2 = 5/9, P(= 2) = (2/3)^2 - (1/3)^2 = 3/9, P(= 1) = 1/9.
+    assert expected_longest([1, 2, 4], 2) == pytest.approx((4 * 5 + 2 * 3 + 1) / 9)
+    p = LengthPredictor()
+    p.record("a", 1)
+    p.record("a", 10)
+    assert p.longest("a", 2) == pytest.approx(7.75)
+    assert p.longest("new", 8) == pytest.approx(5.5)  # no history: the fallback
+    with pytest.raises(ValueError):
+        expected_longest([], 2)
+    with pytest.raises(ValueError):
+        expected_longest([3], 0)
 
 
 def test_evaluate_scenarios_on_a_hand_made_log():
@@ -136,13 +164,77 @@ def test_length_first_admits_the_longest_predicted_first():
 
 
 def test_length_first_learns_from_siblings_that_finished():
-    # One slot. Group a's history says 10 tokens, group b's 6; a1 and a2 are 1 token long.
-    # a1 goes first (10, submitted first) and finishes at 1: group a's prediction becomes
-    # (10 + 1) / 2 = 5.5 < 6, so b1 (3 tokens, done at 4) goes before a2 (done at 5). From history
-    # alone, a2 (still 10) would go second (done at 2) and b1 last (done at 5).
-    reqs = [_req(1, predicted=10, group="a"), _req(3, predicted=6, group="b"), _req(1, predicted=10, group="a")]
+    # One slot. Group a (a1, a2: 1 token each) has history [10], group b (b1: 3 tokens) history [8].
+    # A group is ranked by the expected longest of its samples: a's 2 samples from {10} -> 10, b's
+    # 1 sample -> 8, so a1 goes first (done at 1). Then a's known lengths are {10, 1}: the longest
+    # of 2 draws is 0.75 * 10 + 0.25 * 1 = 7.75 < 8, so b1 (done at 4) goes before a2 (done at 5).
+    # From history alone (``predicted``: a 10, b 8) a2 goes second (done at 2), b1 last (done at 5).
+    reqs = [_req(1, predicted=10, group="a", history=(10,)), _req(3, predicted=8, group="b", history=(8,)),
+            _req(1, predicted=10, group="a", history=(10,))]
     assert run_step(reqs, FLAT, max_running=1, length_first=True).finish_s == [1.0, 4.0, 5.0]
     assert run_step(reqs, FLAT, max_running=1, length_first=True, siblings=False).finish_s == [1.0, 2.0, 5.0]
+
+
+def test_groups_spread_over_engines_end_with_the_last_engine():
+    # Groups "a" and "b" hash to engines 0 and 1 of two. One slot each: engine 0 runs a's 2 + 3
+    # tokens (done at 2 and 5), engine 1 b's 4 (done at 4). On one engine with two slots: a1 and b1
+    # together, a2 after a1 (2 + 3): done at 2, 4, 5 as well; with one slot: 2, 5, 9.
+    assert (engine_of("a", 2), engine_of("b", 2)) == (0, 1)
+    reqs = [_req(2, group="a"), _req(3, group="a"), _req(4, group="b")]
+    two = run_policies(reqs, FLAT, max_running=1, widths=[4], fixed_width=4, engines=2)
+    one = run_policies(reqs, FLAT, max_running=1, widths=[4], fixed_width=4)
+    assert two["baseline"].finish_s == [2.0, 4.0, 5.0] and two["baseline"].makespan_s == 5.0
+    assert one["baseline"].finish_s == [2.0, 5.0, 9.0]
+    assert two["baseline"].tokens_per_s == pytest.approx(9 / 5)
+    assert two["baseline"].steps == 5 + 4  # both engines' steps
+    with pytest.raises(ValueError):
+        run_policies(reqs, FLAT, max_running=1, widths=[4], fixed_width=4, engines=0)
+
+
+def test_aggregate_takes_medians_and_ranges_over_steps():
+    steps = []
+    for base_mk, lf_mk in ((10.0, 8.0), (10.0, 12.0), (20.0, 15.0)):
+        row = {}
+        for name, mk in (("baseline", base_mk), ("length_first", lf_mk)):
+            row[name] = {"makespan_s": mk, "tail_s": 1.0, "tokens_per_s": 100 / mk, "ratio_vs_baseline": base_mk / mk,
+                         "makespan_change": mk / base_mk - 1, "tail_change": 0.0, "steps": 10, "width_steps": {}}
+        steps.append(row)
+    agg = aggregate(steps)["length_first"]
+    assert agg["makespan_s"] == 12.0
+    assert agg["ratio_vs_baseline"] == pytest.approx(10 / 8)  # ratios 1.25, 0.833, 1.333
+    assert agg["ratio_vs_baseline_range"] == pytest.approx([10 / 12, 20 / 15])
+    assert agg["makespan_change"] == pytest.approx(-0.2) and agg["makespan_change_range"] == pytest.approx([-0.25, 0.2])
+    assert agg["slower_than_baseline_in"] == 1
+
+
+def test_one_policy_step_takes_consecutive_steps_of_one_policy():
+    # Policies P, Q, R answer prompt "q<s>" at steps 1..4 (2 samples each); P's response at step s is
+    # s tokens long, Q's and R's 10 * s. A 3-group one-policy step is 3 consecutive steps of one
+    # policy, with the other two policies' responses as each group's history.
+    rows = []
+    for pol, scale in (("P", 1), ("Q", 10), ("R", 10)):
+        for s in range(1, 5):
+            for k in range(2):
+                ids = list(range(100, 100 + scale * s))
+                rows.append(Rollout(f"q{s}", "p", "r", pol, s, k, "x", prompt_ids=[1, 2, s], response_ids=ids))
+    for seed in range(6):
+        reqs, info = build_step(rows, StepSpec(groups=3, history_policies=2, seed=seed), widths=[4])
+        assert len(info["sampled_by"]) == 1 and info["requests"] == 6
+        pol = info["sampled_by"][0]
+        steps = sorted({r.group[1] for r in reqs})
+        assert steps in ([1, 2, 3], [2, 3, 4])
+        scale = 1 if pol == "P" else 10
+        for r in reqs:
+            s = r.group[1]
+            assert r.length == scale * s
+            others = [x for x in ("P", "Q", "R") if x != pol]
+            assert sorted(set(r.history)) == sorted({(1 if o == "P" else 10) * s for o in others})
+    mixed, info = build_step(rows, StepSpec(groups=3, history_policies=2, seed=0, kind="mixed"), widths=[4])
+    assert info["requests"] == 6 and len({r.group for r in mixed}) == 3
+    with pytest.raises(ValueError, match="no policy"):
+        build_step(rows, StepSpec(groups=5, history_policies=2), widths=[4])
+    with pytest.raises(ValueError, match="step kind"):
+        build_step(rows, StepSpec(groups=3, kind="bogus"), widths=[4])
 
 
 def test_cost_model_policy_never_loses_to_plain_on_the_step():
@@ -175,21 +267,29 @@ needs_logs = pytest.mark.skipif(default_data_root() is None, reason="the shared 
 def test_simulate_command_writes_the_documented_json(tmp_path):
     out, png = tmp_path / "sim.json", tmp_path / "sim.png"
     r = subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "simulate", "--groups", "6", "--max-running",
-                        "16,48", "--json", str(out), "--plot", str(png)], capture_output=True, text=True, timeout=600)
+                        "16,48", "--steps", "2", "--engines", "2", "--json", str(out), "--plot", str(png)],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["profile"] == "h100-8b-analytic" and res["analytic"] is True
     assert "ANALYTIC" in r.stdout
-    assert set(res["policies"]) == {"baseline", "history_fixed", "history_cost_model", "length_first", "full",
-                                    "length_first_oracle"}
+    names = {"baseline", "history_fixed", "history_cost_model", "length_first", "full", "length_first_oracle"}
+    assert set(res["policies"]) == names
     for v in res["policies"].values():
-        assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline"} <= set(v)
+        assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline", "ratio_vs_baseline_range"} <= set(v)
     assert res["policies"]["baseline"]["ratio_vs_baseline"] == 1.0
     assert [s["max_running"] for s in res["sweep"]] == [16, 48]
-    assert res["step"]["requests"] == 6 * 8
-    # Every request's tokens are produced whatever the policy: throughput x makespan = tokens.
-    for v in res["policies"].values():
-        assert v["tokens_per_s"] * v["makespan_s"] == pytest.approx(res["step"]["tokens"], rel=1e-6)
+    assert (res["step"]["steps"], res["step"]["engines"], res["step"]["kind"]) == (2, 2, "one-policy")
+    built = res["step"]["built"]
+    assert [b["requests"] for b in built] == [6 * 8, 6 * 8] and all(len(b["sampled_by"]) == 1 for b in built)
+    for s in res["sweep"]:
+        for k, step in enumerate(s["per_step"]):
+            # Every request's tokens are produced whatever the policy: throughput x makespan = tokens.
+            for v in step.values():
+                assert v["tokens_per_s"] * v["makespan_s"] == pytest.approx(built[k]["tokens"], rel=1e-6)
+        for name in names:  # the headline is the median over the steps
+            ratios = [step[name]["ratio_vs_baseline"] for step in s["per_step"]]
+            assert s["policies"][name]["ratio_vs_baseline"] == pytest.approx(float(np.median(ratios)))
     assert png.stat().st_size > 10_000
 
 

@@ -68,3 +68,31 @@ def test_generate_orders_a_rollout_by_the_groups_previous_lengths(monkeypatch):
     assert calls == [p for p in prompts for _ in range(n)]
     with pytest.raises(ValueError, match="histospec_length_first"):
         adapter.Settings.from_args(types.SimpleNamespace(histospec_length_first="sometimes"))
+
+
+def test_groups_go_by_their_expected_longest_sample_not_their_mean(monkeypatch):
+    # "p-even" answered 100 and 100 tokens (mean 100, longest of two 100); "p-spread" 10 and 150
+    # (mean 80, but the longest of two draws is 0.25 * 10 + 0.75 * 150 = 115): a group ends with its
+    # longest sample, so "p-spread" goes first.
+    n = 2
+    for prompt, lengths in {"p-even": (100, 100), "p-spread": (10, 150)}.items():
+        group = adapter.sample_group(_sample(prompt, 0))
+        for slot, length in enumerate(lengths):
+            shared().record(None, [1, 2], list(range(length)), [-0.1] * length, "stop", group=group, slot=slot,
+                            version=0)
+    calls: list[str] = []
+
+    async def inner(args, sample, params):
+        calls.append(sample.prompt)
+        return sample
+
+    monkeypatch.setattr(adapter, "_load_inner", lambda path: inner)
+    args = types.SimpleNamespace(histospec_mode="history", histospec_length_first=True, n_samples_per_prompt=n,
+                                 histospec_length_first_window=0.01)
+
+    async def rollout() -> None:
+        await asyncio.gather(*(adapter.generate(args, _sample(p, i), {"max_new_tokens": 8})
+                               for i, p in enumerate(p for p in ("p-even", "p-spread") for _ in range(n))))
+
+    asyncio.run(rollout())
+    assert calls == ["p-spread"] * n + ["p-even"] * n

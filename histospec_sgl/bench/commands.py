@@ -88,7 +88,7 @@ def _simulate(args: argparse.Namespace) -> int:
         r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
                     Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
                     args.max_running, args.widths, args.fixed_width,
-                    args.history_policies, args.seed, args.plot)
+                    args.history_policies, args.seed, args.plot, args.steps, args.engines, args.step_kind)
     except (ReplayDataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,7 +118,15 @@ def add_simulate(sub: Any) -> None:
     sp.add_argument("--fixed-width", type=int, default=12, help="history_fixed's width (default 12, NGRAM's default)")
     sp.add_argument("--history-policies", type=int, default=2,
                     help="other policies whose responses to the prompt form its history (default 2)")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=int, default=0, help="the first step's seed (default 0)")
+    sp.add_argument("--steps", type=int, default=5,
+                    help="steps simulated (seeds seed, seed+1, ...); figures are medians with ranges (default 5)")
+    sp.add_argument("--step-kind", choices=("one-policy", "mixed"), default="one-policy",
+                    help="one-policy: consecutive logged steps of one policy, as a trainer's step (default); "
+                         "mixed: each group's policy drawn at random")
+    sp.add_argument("--engines", type=int, default=1,
+                    help="engines the step's groups are spread over by a hash of the group, each with the KV budget "
+                         "(slime: one engine per GPU with --rollout-num-gpus-per-engine 1; default 1)")
     sp.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
     sp.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
     sp.add_argument("--json", metavar="PATH", help="write the result as JSON")

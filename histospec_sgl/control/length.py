@@ -6,6 +6,8 @@ first shortens the step's tail. :class:`LengthPredictor` estimates a request's l
 group's known lengths (earlier epochs or related policies, and siblings of the same step that
 finished), conditioned on how far the request has already run: ``E[L | L > progress]`` over the
 group's known lengths. Without history it falls back to a prior (the mean length of the data seen).
+A group's *longest* sample, what decides when the step ends, is estimated as the expected longest of
+n draws from the group's known lengths (:meth:`LengthPredictor.longest`).
 
 :func:`evaluate` measures it on rollout logs as a rank correlation (Spearman) of predicted against
 actual length, next to the no-history baseline (one mean for every request: no order at all) and
@@ -66,6 +68,27 @@ class LengthPredictor:
         if not longer:
             return progress + 1.0
         return sum(longer) / len(longer)
+
+    def longest(self, group: Hashable, n: int) -> float:
+        """Expected length of the longest of ``n`` samples of ``group`` (a GRPO group ends when its
+        longest sample does): :func:`expected_longest` over the group's known lengths, the
+        fallback when it has none. What length-first scheduling orders groups by."""
+        known = self._known.get(group)
+        return expected_longest(known, n) if known else self.fallback()
+
+
+def expected_longest(lengths: Sequence[float], n: int) -> float:
+    """The expected longest of ``n`` responses drawn (with replacement) from ``lengths``: with the
+    lengths sorted, the j-th of m is the longest of the n with probability (j/m)^n - ((j-1)/m)^n.
+    ``n = 1`` gives the mean."""
+    if not lengths:
+        raise ValueError("expected_longest needs at least one length")
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    xs = np.sort(np.asarray(lengths, float))
+    cdf = np.arange(1, len(xs) + 1) / len(xs)
+    weights = cdf**n - np.concatenate(([0.0], cdf[:-1])) ** n
+    return float(weights @ xs)
 
 
 def spearman(predicted: Sequence[float], actual: Sequence[float]) -> float:

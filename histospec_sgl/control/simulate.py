@@ -11,16 +11,19 @@ only), so the acceptance is what cross-epoch history alone gives.
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
-:class:`~histospec_sgl.control.costmodel.CostModel`), ``length_first`` (longest predicted first,
-plain decoding) and ``full`` (length first with the cost model); ``length_first_oracle`` is the
-ceiling of length-first scheduling (every true length known), not a policy. Every figure is a
-simulation on the named profile; an analytic profile is labelled as such.
+:class:`~histospec_sgl.control.costmodel.CostModel`), ``length_first`` (plain decoding, the groups
+whose longest sample is expected to run longest first) and ``full`` (length first with the cost
+model); ``length_first_oracle`` is the ceiling of length-first scheduling (every true length
+known), not a policy. A step's groups may be spread over several engines (:func:`run_policies`).
+Every figure is a simulation on the named profile; an analytic profile is labelled as such.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import zlib
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.control.costmodel import CostModel
-from histospec_sgl.control.length import LengthPredictor
+from histospec_sgl.control.length import expected_longest
 from histospec_sgl.control.profile import Profile
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
@@ -38,13 +41,16 @@ ORACLE = "length_first_oracle"
 
 @dataclass
 class SimRequest:
-    """One request of the step: its logged length and, per draft width, the tokens accepted and
-    the tokens its draft promised at each position (index = response tokens generated so far)."""
+    """One request of the step: its logged length, its group's history (earlier responses'
+    lengths) and, per draft width, the tokens accepted and the tokens its draft promised at each
+    position (index = response tokens generated so far). ``predicted``: the prediction of a request
+    whose group has no known length (and the only one with ``siblings=False``)."""
 
     group: Hashable
     length: int
     prompt_len: int
     predicted: float = 0.0
+    history: tuple[int, ...] = ()
     accepted: dict[int, np.ndarray] = field(default_factory=dict)
     promised: dict[int, np.ndarray] = field(default_factory=dict)
 
@@ -109,23 +115,29 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     """Simulates one rollout step. ``width``: a fixed verify width (None or 1: plain decoding);
     ``cost_model``: choose the width each step instead. New requests join when slots free up, in
     submission order or, with ``length_first``, longest predicted first (ties: submission order).
-    A waiting request's prediction is its group's history mean (``predicted``) shrunk towards the
-    lengths of its siblings that finished in this step: ``(predicted + sum) / (1 + count)``, so
-    the history counts as one sibling's worth (it comes from related policies, the siblings from
-    this one); without ``siblings``, ``predicted`` alone. A request's first token comes from its
-    prefill, in the step it joins."""
+    A group ends when its longest sample does, so a waiting request's prediction is the expected
+    longest of its group's n samples (n: the group's requests in the step) drawn from the group's
+    known lengths: its history and its siblings that finished in this step
+    (:func:`~histospec_sgl.control.length.expected_longest`); ``predicted`` for a group with none.
+    Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
+    the step it joins."""
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
     queue = list(range(len(reqs)))
     queue.reverse()  # pop() from the end: submission order
-    finished_sum: dict[Hashable, float] = {}
-    finished_n: dict[Hashable, int] = {}
+    sizes = Counter(r.group for r in reqs)
+    finished: dict[Hashable, list[int]] = defaultdict(list)
 
-    def predicted(i: int) -> float:
+    def predictions() -> dict[int, float]:
         if not siblings:
-            return reqs[i].predicted
-        g = reqs[i].group
-        return (reqs[i].predicted + finished_sum.get(g, 0.0)) / (1 + finished_n.get(g, 0))
+            return {i: reqs[i].predicted for i in queue}
+        by_group: dict[Hashable, float] = {}
+        for i in queue:
+            r = reqs[i]
+            if r.group not in by_group:
+                known = [*r.history, *finished.get(r.group, ())]
+                by_group[r.group] = expected_longest(known, sizes[r.group]) if known else r.predicted
+        return {i: by_group[reqs[i].group] for i in queue}
 
     running: list[list[int]] = []  # [request index, tokens generated]
     t, steps = 0.0, 0
@@ -136,7 +148,8 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         prefill = 0
         if length_first and queue and len(running) < max_running:
             # Longest predicted last (popped first); the sort is stable, so ties keep submission order.
-            queue.sort(key=lambda i: (predicted(i), -i))
+            pred = predictions()
+            queue.sort(key=lambda i: (pred[i], -i))
         while queue and len(running) < max_running:
             i = queue.pop()
             running.append([i, 0])
@@ -173,92 +186,177 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
             finish.append(t)
-            g = reqs[entry[0]].group
-            finished_sum[g] = finished_sum.get(g, 0.0) + reqs[entry[0]].length
-            finished_n[g] = finished_n.get(g, 0) + 1
+            finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
     finish.sort()
-    n = len(finish)
-    tail = finish[-1] - finish[max(0, int(np.ceil(0.9 * n)) - 1)] if n else 0.0
     tokens = sum(r.length for r in reqs)
+    makespan = finish[-1] if finish else 0.0
+    return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, steps, finish, timeline, used)
+
+
+def engine_of(group: Hashable, engines: int) -> int:
+    """The engine a group's requests go to: a stable hash of the group, as a router with consistent
+    hashing on the group sends every sample of a prompt to one engine."""
+    return zlib.crc32(repr(group).encode()) % engines
+
+
+def combine(parts: Sequence[Outcome]) -> Outcome:
+    """One step over several engines running side by side: it ends when the last engine does.
+    Finish times are merged; the timeline is the engine that finishes last."""
+    finish = sorted(t for o in parts for t in o.finish_s)
+    n = len(finish)
     makespan = finish[-1] if n else 0.0
-    return Outcome(makespan, tail, tokens / makespan if makespan else 0.0, steps, finish, timeline, used)
+    tokens = sum(o.tokens_per_s * o.makespan_s for o in parts)
+    widths: dict[int, int] = {}
+    for o in parts:
+        for w, k in o.widths.items():
+            widths[w] = widths.get(w, 0) + k
+    last = max(parts, key=lambda o: o.makespan_s)
+    return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, sum(o.steps for o in parts),
+                   finish, last.timeline, widths)
+
+
+def _tail(finish: Sequence[float]) -> float:
+    """From the 90th-percentile finish to the last (``finish`` sorted)."""
+    n = len(finish)
+    return finish[-1] - finish[max(0, int(np.ceil(0.9 * n)) - 1)] if n else 0.0
 
 
 def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int, widths: Sequence[int],
-                 fixed_width: int) -> dict[str, Outcome]:
-    """Every policy on the same step."""
-    return {
-        "baseline": run_step(reqs, profile, max_running, length_first=False),
-        "history_fixed": run_step(reqs, profile, max_running, length_first=False, width=fixed_width),
-        "history_cost_model": run_step(reqs, profile, max_running, length_first=False,
-                                       cost_model=CostModel(profile, widths)),
-        "length_first": run_step(reqs, profile, max_running, length_first=True),
-        "full": run_step(reqs, profile, max_running, length_first=True, cost_model=CostModel(profile, widths)),
-        ORACLE: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in reqs], profile, max_running,
-                         length_first=True, siblings=False),
+                 fixed_width: int, engines: int = 1) -> dict[str, Outcome]:
+    """Every policy on the same step. With ``engines`` > 1 the step's groups are spread over that
+    many engines (:func:`engine_of`), each with ``max_running`` slots and its own cost model, and
+    the step ends when the last engine finishes."""
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
+    parts = [[r for r in reqs if engine_of(r.group, engines) == e] for e in range(engines)] if engines > 1 else [reqs]
+    parts = [p for p in parts if p]
+    runs = {
+        "baseline": lambda rs: run_step(rs, profile, max_running, length_first=False),
+        "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, width=fixed_width),
+        "history_cost_model": lambda rs: run_step(rs, profile, max_running, length_first=False,
+                                                  cost_model=CostModel(profile, widths)),
+        "length_first": lambda rs: run_step(rs, profile, max_running, length_first=True),
+        "full": lambda rs: run_step(rs, profile, max_running, length_first=True, cost_model=CostModel(profile, widths)),
+        ORACLE: lambda rs: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in rs], profile,
+                                    max_running, length_first=True, siblings=False),
     }
+    return {name: (fn(parts[0]) if len(parts) == 1 else combine([fn(p) for p in parts])) for name, fn in runs.items()}
 
 
 def summarize(outcomes: dict[str, Outcome]) -> dict[str, dict[str, Any]]:
-    base = outcomes["baseline"].tokens_per_s
-    return {name: o.summary(base) for name, o in outcomes.items()}
+    base = outcomes["baseline"]
+    out = {name: o.summary(base.tokens_per_s) for name, o in outcomes.items()}
+    for name, o in outcomes.items():
+        out[name]["makespan_change"] = o.makespan_s / base.makespan_s - 1 if base.makespan_s else 0.0
+        out[name]["tail_change"] = o.tail_s / base.tail_s - 1 if base.tail_s else 0.0
+    return out
+
+
+#: A step counts as slower than the baseline's when its throughput is more than this share below.
+SLOWER = 1e-3
+
+#: The per-step figures :func:`aggregate` takes the median of.
+AGGREGATED = ("makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline", "makespan_change", "tail_change")
+
+
+def aggregate(steps: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Several simulated steps (each :func:`summarize`'s output) as one: per policy the median of
+    each figure over the steps, and the range of the throughput ratio, the makespan and the tail
+    changes (``*_range``: [min, max])."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in steps[0]:
+        per = [s[name] for s in steps]
+        v: dict[str, Any] = {k: float(np.median([p[k] for p in per])) for k in AGGREGATED}
+        for k in ("ratio_vs_baseline", "makespan_change", "tail_change"):
+            v[f"{k}_range"] = [float(min(p[k] for p in per)), float(max(p[k] for p in per))]
+        v["steps"] = int(np.median([p["steps"] for p in per]))
+        v["width_steps"] = per[0]["width_steps"] if len(per) == 1 else {}
+        v["slower_than_baseline_in"] = sum(p["ratio_vs_baseline"] < 1 - SLOWER for p in per)
+        out[name] = v
+    return out
 
 
 # -- a step from the rollout logs -------------------------------------------------------------------
 
 
+#: How a simulated step's groups are drawn from a log (``StepSpec.kind``).
+STEP_KINDS = ("one-policy", "mixed")
+
+
 @dataclass(frozen=True)
 class StepSpec:
+    """``one-policy``: the groups are ``groups`` consecutive logged steps of one policy (a run logs
+    a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
+    ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
+    share the step)."""
+
     groups: int = 32
     history_policies: int = 2
     seed: int = 0
+    kind: str = "one-policy"
 
 
 def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
                ensure: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
     """A step of ``spec.groups`` groups from a log with several policies (``Rollout`` rows with
-    token ids): each group is one policy's samples of one prompt at one step, its history the same
-    prompt's responses from ``spec.history_policies`` other policies at that step (the responses
-    an earlier epoch of a closely related policy gives). Lengths are predicted from the history.
-    ``ensure(rows)`` fills the token ids of the rows the step uses (rows of text logs)."""
-    from collections import defaultdict
-
+    token ids): each group is one policy's samples of one prompt at one logged step, its history
+    the same prompt's responses from ``spec.history_policies`` other policies at that step (the
+    responses an earlier epoch of a closely related policy gives). ``spec.kind`` says how the
+    groups are drawn (:class:`StepSpec`). ``ensure(rows)`` fills the token ids of the rows the step
+    uses (rows of text logs)."""
+    if spec.kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {spec.kind!r}; choose from {', '.join(STEP_KINDS)}")
     by_key: dict[Any, list[Any]] = defaultdict(list)
     for r in rows:
         by_key[(r.group, r.step)].append(r)
-    candidates = []
-    for (grp, step), members in by_key.items():
+    # (prompt, step, policy) whose prompt has enough other policies' responses at that step.
+    eligible: list[tuple[Any, Any, Any]] = []
+    for (grp, step), members in sorted(by_key.items(), key=repr):
         pols = sorted({m.policy for m in members}, key=repr)
-        if len(pols) < 1 + spec.history_policies:
-            continue
-        candidates.append((grp, step, pols))
-    if len(candidates) < spec.groups:
-        raise ValueError(f"only {len(candidates)} prompts have {spec.history_policies} other policies' "
-                         f"responses at their step; asked for {spec.groups} groups")
+        if len(pols) >= 1 + spec.history_policies:
+            eligible += [(grp, step, pol) for pol in pols]
     rng = random.Random(spec.seed)
-    chosen = rng.sample(sorted(candidates, key=repr), spec.groups)
+    if spec.kind == "mixed":
+        keys = sorted({(g, s) for g, s, _ in eligible}, key=repr)
+        if len(keys) < spec.groups:
+            raise ValueError(f"only {len(keys)} prompts have {spec.history_policies} other policies' "
+                             f"responses at their step; asked for {spec.groups} groups")
+        chosen = [(g, s, rng.choice(sorted({p for g2, s2, p in eligible if (g2, s2) == (g, s)}, key=repr)))
+                  for g, s in rng.sample(keys, spec.groups)]
+    else:
+        by_policy: dict[Any, list[tuple[Any, Any, Any]]] = defaultdict(list)
+        for e in eligible:
+            by_policy[e[2]].append(e)
+        runs = sorted((p for p, es in by_policy.items() if len(es) >= spec.groups), key=repr)
+        if not runs:
+            raise ValueError(f"no policy has {spec.groups} prompts with {spec.history_policies} other policies' "
+                             "responses at their step; ask for fewer groups or --step-kind mixed")
+        run = rng.choice(runs)
+        entries = sorted(by_policy[run], key=lambda e: (e[1] if e[1] is not None else -1, repr(e[0])))
+        first = rng.randrange(len(entries) - spec.groups + 1)
+        chosen = entries[first:first + spec.groups]
     reqs: list[SimRequest] = []
     history_responses = 0
-    for grp, step, pols in chosen:
-        target = rng.choice(pols)
-        others = rng.sample([p for p in pols if p != target], spec.history_policies)
+    for grp, step, target in chosen:
         members = by_key[(grp, step)]
+        others = rng.sample(sorted({m.policy for m in members if m.policy != target}, key=repr),
+                            spec.history_policies)
         mine = sorted((m for m in members if m.policy == target), key=lambda m: m.sample)
         hist = [m for m in members if m.policy in others]
         if ensure is not None:
             ensure([*mine, *hist])
         history_responses += len(hist)
-        predictor = LengthPredictor()
-        for h in hist:
-            predictor.record(grp, len(h.response_ids))
+        lengths = tuple(len(h.response_ids) for h in hist)
         for m in mine:
             acc, prom = draft_traces([h.response_ids for h in hist], m.prompt_ids, m.response_ids, widths)
-            reqs.append(SimRequest(grp, len(m.response_ids), len(m.prompt_ids), predictor.predict(grp), acc, prom))
+            reqs.append(SimRequest((grp, step), len(m.response_ids), len(m.prompt_ids),
+                                   float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom))
             if progress is not None:
                 progress()
-    info = {"groups": spec.groups, "requests": len(reqs), "history_responses": history_responses,
+    info = {"kind": spec.kind, "groups": spec.groups, "requests": len(reqs), "tokens": sum(r.length for r in reqs),
+            "history_responses": history_responses,
             "history": f"{spec.history_policies} other policies' responses to the prompt at the same step",
-            "seed": spec.seed}
+            "sampled_by": sorted({str(c[2]) for c in chosen}), "seed": spec.seed}
     return reqs, info
 
 

@@ -46,10 +46,10 @@ Length-first scheduling (``histospec_length_first: true``): a GRPO step ends whe
 response ends, so the requests predicted to run longest should start first. slime submits a
 rollout's requests all at once; each waits until no new one has arrived for the window, then they
 go to the inner generate (and so to the router and the engines, whose scheduler admits in arrival
-order) in descending order of predicted length: the mean length of the group's previous responses
-(:class:`~histospec_sgl.control.length.LengthPredictor`; a group without any goes last, in
-submission order). It is off by default: on the GRPO log the prediction across runs orders a step
-too weakly to pay (bench/RESULTS.md, ``simulate``).
+order) in descending order of predicted length: the expected longest of the group's n samples,
+from the lengths of its previous responses (:meth:`~histospec_sgl.control.length.LengthPredictor.longest`;
+a group without any goes last, in submission order). It is off by default: on the GRPO log the
+prediction across runs orders a step too weakly to pay (bench/RESULTS.md, ``simulate``).
 """
 
 from __future__ import annotations
@@ -263,7 +263,8 @@ def _gate(window: float) -> LengthFirstGate:
 
 
 def _predicted_length(args: Any, settings: Settings, group: int) -> float | None:
-    """The mean length of the group's previous responses (None: it has none)."""
+    """The expected longest of the group's n samples, from its previous responses' lengths
+    (:meth:`~histospec_sgl.control.length.LengthPredictor.longest`; None: it has none)."""
     from histospec_sgl.control.length import LengthPredictor
 
     predictor = LengthPredictor()
@@ -272,7 +273,7 @@ def _predicted_length(args: Any, settings: Settings, group: int) -> float | None
         prev = shared().get(settings.draft_server, group, slot)
         if prev is not None:
             predictor.record(group, len(prev.response_ids))
-    return predictor.predict(group) if predictor.known(group) else None
+    return predictor.longest(group, n) if predictor.known(group) else None
 
 
 # -- record -----------------------------------------------------------------------------------------
