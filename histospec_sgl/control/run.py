@@ -104,7 +104,7 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
     if plot:
         Path(plot).parent.mkdir(parents=True, exist_ok=True)
         label = "ANALYTIC profile" if profile.analytic else "measured profile"
-        simulate.plot_timeline(first, plot, f"simulated step ({label}: {profile.name}), {infos[0]['requests']} "
+        simulate.plot_timeline(first, plot, f"simulated step 1 of {steps} ({label}: {profile.name}), {infos[0]['requests']} "
                                             f"requests, at most {max_running[0]} running"
                                             + (f" on each of {engines} engines (the last to finish)" if engines > 1 else ""))
     return result
