@@ -34,16 +34,18 @@ def test_gate_releases_longest_predicted_first_then_unknown_in_arrival_order():
     assert order == ["long", "mid", "short", "unknown-1", "unknown-2"]
 
 
-def test_generate_orders_a_rollout_by_the_groups_previous_lengths(monkeypatch):
-    prompts = {"p-short": 5, "p-long": 300, "p-new": None, "p-mid": 40}
-    n = 2
-    for prompt, length in prompts.items():
-        if length is None:
-            continue
+def _previous(lengths: dict[str, tuple[int, ...]]) -> None:
+    """Records each prompt's previous responses, one per slot, with the given lengths."""
+    for prompt, per_slot in lengths.items():
         group = adapter.sample_group(_sample(prompt, 0))
-        for slot in range(n):
-            shared().record(None, [1, 2], list(range(length + slot)), [-0.1] * (length + slot), "stop",
-                            group=group, slot=slot, version=0)
+        for slot, length in enumerate(per_slot):
+            shared().record(None, [1, 2], list(range(length)), [-0.1] * length, "stop", group=group, slot=slot,
+                            version=0)
+
+
+def _rollout_order(monkeypatch, prompts: list[str], n: int, length_first: bool = True) -> list[str]:
+    """The prompts in the order slime's generate hands their samples to the inner generate, when
+    the rollout submits every sample at once, in data order."""
     calls: list[str] = []
 
     async def inner(args, sample, params):
@@ -51,21 +53,24 @@ def test_generate_orders_a_rollout_by_the_groups_previous_lengths(monkeypatch):
         return sample
 
     monkeypatch.setattr(adapter, "_load_inner", lambda path: inner)
-    args = types.SimpleNamespace(histospec_mode="history", histospec_length_first=True, n_samples_per_prompt=n,
-                                 histospec_length_first_window=0.01)
+    args = types.SimpleNamespace(histospec_mode="history", histospec_length_first=length_first,
+                                 n_samples_per_prompt=n, histospec_length_first_window=0.01)
 
     async def rollout() -> None:
-        # slime submits every sample of the rollout at once, in data order.
         await asyncio.gather(*(adapter.generate(args, _sample(p, i), {"max_new_tokens": 8})
                                for i, p in enumerate(p for p in prompts for _ in range(n))))
 
     asyncio.run(rollout())
-    assert calls == ["p-long"] * n + ["p-mid"] * n + ["p-short"] * n + ["p-new"] * n
+    return calls
+
+
+def test_generate_orders_a_rollout_by_the_groups_previous_lengths(monkeypatch):
+    n = 2
+    _previous({"p-short": (5, 6), "p-long": (300, 301), "p-mid": (40, 41)})
+    prompts = ["p-short", "p-long", "p-new", "p-mid"]
+    assert _rollout_order(monkeypatch, prompts, n) == ["p-long"] * n + ["p-mid"] * n + ["p-short"] * n + ["p-new"] * n
     # Off (the default), requests go in as they come.
-    calls.clear()
-    args.histospec_length_first = False
-    asyncio.run(rollout())
-    assert calls == [p for p in prompts for _ in range(n)]
+    assert _rollout_order(monkeypatch, prompts, n, length_first=False) == [p for p in prompts for _ in range(n)]
     with pytest.raises(ValueError, match="histospec_length_first"):
         adapter.Settings.from_args(types.SimpleNamespace(histospec_length_first="sometimes"))
 
@@ -74,25 +79,5 @@ def test_groups_go_by_their_expected_longest_sample_not_their_mean(monkeypatch):
     # "p-even" answered 100 and 100 tokens (mean 100, longest of two 100); "p-spread" 10 and 150
     # (mean 80, but the longest of two draws is 0.25 * 10 + 0.75 * 150 = 115): a group ends with its
     # longest sample, so "p-spread" goes first.
-    n = 2
-    for prompt, lengths in {"p-even": (100, 100), "p-spread": (10, 150)}.items():
-        group = adapter.sample_group(_sample(prompt, 0))
-        for slot, length in enumerate(lengths):
-            shared().record(None, [1, 2], list(range(length)), [-0.1] * length, "stop", group=group, slot=slot,
-                            version=0)
-    calls: list[str] = []
-
-    async def inner(args, sample, params):
-        calls.append(sample.prompt)
-        return sample
-
-    monkeypatch.setattr(adapter, "_load_inner", lambda path: inner)
-    args = types.SimpleNamespace(histospec_mode="history", histospec_length_first=True, n_samples_per_prompt=n,
-                                 histospec_length_first_window=0.01)
-
-    async def rollout() -> None:
-        await asyncio.gather(*(adapter.generate(args, _sample(p, i), {"max_new_tokens": 8})
-                               for i, p in enumerate(p for p in ("p-even", "p-spread") for _ in range(n))))
-
-    asyncio.run(rollout())
-    assert calls == ["p-spread"] * n + ["p-even"] * n
+    _previous({"p-even": (100, 100), "p-spread": (10, 150)})
+    assert _rollout_order(monkeypatch, ["p-even", "p-spread"], 2) == ["p-spread"] * 2 + ["p-even"] * 2
