@@ -21,6 +21,7 @@ from histospec_sgl.control.simulate import (
     build_step,
     draft_traces,
     engine_of,
+    group_traces,
     run_policies,
     run_step,
 )
@@ -256,6 +257,22 @@ def test_draft_traces_accept_along_the_history():
     assert acc[4][1] == 2 and acc[2][1] == 1
     assert acc[4][0] == 0  # position 0 is the prefill's token: nothing drafted
     assert 0 < prom[2][1] < prom[4][1] <= 3
+
+
+def test_group_traces_draft_from_siblings_decoding_alongside():
+    # No history. A = 5 6 7 8, B = 9 9 5 6 7 8, in lockstep. At B's position 3 (B has 9 9 5, A has
+    # 5 6 7) B's "5" matches A's and A's 6 7 follow: width 4 accepts both. At position 4 A has
+    # finished (history now) and 7 8 follow B's 5 6; at 5, 8 alone. Without siblings: nothing.
+    a, b = [5, 6, 7, 8], [9, 9, 5, 6, 7, 8]
+    (_, _), (acc, prom) = group_traces([], [1, 2], [a, b], widths=[2, 4])
+    assert acc[4].tolist() == [0, 0, 0, 2, 2, 1] and acc[2].tolist() == [0, 0, 0, 1, 1, 1]
+    assert prom[4][3] > 0
+    (_, _), (alone, _) = group_traces([], [1, 2], [a, b], widths=[2, 4], siblings=False)
+    assert not alone[4].any()
+    # One sample: the same as draft_traces.
+    single = group_traces([[5, 6, 7, 8]], [1, 2], [[5, 6, 7, 9]], widths=[2, 4])[0]
+    assert all((single[0][w] == draft_traces([[5, 6, 7, 8]], [1, 2], [5, 6, 7, 9], [2, 4])[0][w]).all()
+               for w in (2, 4))
 
 
 # -- the commands on the logs -----------------------------------------------------------------------

@@ -88,7 +88,8 @@ def _simulate(args: argparse.Namespace) -> int:
         r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
                     Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
                     args.max_running, args.widths, args.fixed_width,
-                    args.history_policies, args.seed, args.plot, args.steps, args.engines, args.step_kind)
+                    args.history_policies, args.seed, args.plot, args.steps, args.engines, args.step_kind,
+                    not args.no_siblings)
     except (ReplayDataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -124,6 +125,8 @@ def add_simulate(sub: Any) -> None:
     sp.add_argument("--step-kind", choices=("one-policy", "mixed"), default="one-policy",
                     help="one-policy: consecutive logged steps of one policy, as a trainer's step (default); "
                          "mixed: each group's policy drawn at random")
+    sp.add_argument("--no-siblings", action="store_true",
+                    help="draft from the history alone, not from the group's samples decoding alongside")
     sp.add_argument("--engines", type=int, default=1,
                     help="engines the step's groups are spread over by a hash of the group, each with the KV budget "
                          "(slime: one engine per GPU with --rollout-num-gpus-per-engine 1; default 1)")

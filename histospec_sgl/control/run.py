@@ -60,7 +60,8 @@ def print_lengths(result: dict[str, Any]) -> None:
 
 def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_name: str, groups: int,
         max_running: list[int], widths: list[int], fixed_width: int, history_policies: int, seed: int,
-        plot: str | None = None, steps: int = 5, engines: int = 1, kind: str = "one-policy") -> dict[str, Any]:
+        plot: str | None = None, steps: int = 5, engines: int = 1, kind: str = "one-policy",
+        siblings: bool = True) -> dict[str, Any]:
     """Simulates ``steps`` rollout steps (seeds ``seed``, ``seed + 1``, ...) under every policy, at
     each KV budget in ``max_running``; figures are medians over the steps, with their ranges."""
     if preset not in SIMULATE_PRESETS:
@@ -74,7 +75,7 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
     profile = resolve(profile_name)
     rows = _rows(preset, data_root, tokenizer, tokenize=False)  # only the step's rows are tokenized
     tok = Tokenization(tokenizer or default_tokenizer())
-    built = [simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed + k, kind), widths,
+    built = [simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed + k, kind, siblings), widths,
                                  ensure=tok.ensure) for k in range(steps)]
     sweep = []
     first: dict[str, simulate.Outcome] | None = None
@@ -94,7 +95,7 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
         "analytic": profile.analytic,
         "profile_description": profile.description,
         "preset": preset,
-        "step": {"kind": kind, "groups": groups, "steps": steps, "engines": engines,
+        "step": {"kind": kind, "groups": groups, "steps": steps, "engines": engines, "siblings": siblings,
                  "requests": infos[0]["requests"], "history": infos[0]["history"],
                  "max_running": max_running[0], "widths": widths, "fixed_width": fixed_width,
                  "built": infos},

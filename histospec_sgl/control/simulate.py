@@ -3,11 +3,11 @@ engine with a KV budget (at most ``max_running`` requests at once) and a step-co
 several policies side by side.
 
 Per request and position, the acceptance comes from the real index drafting on the real tokens,
-as in ``histospec-sgl replay``: the request's group history is loaded, the request advances one
-logged token at a time, and at each position a ``max(widths)``-node draft is grown; a width-w
+as in ``histospec-sgl replay``: the group's history is loaded, the group's samples advance together
+one logged token at a time, and at each position a ``max(widths)``-node draft is grown; a width-w
 draft is its w most probable nodes (the drafts grow best-first), accepted greedily against the
-logged continuation. In-flight siblings are not drafted from (each request sees its history
-only), so the acceptance is what cross-epoch history alone gives.
+logged continuation. A group's samples draft from each other's tokens so far, as HISTORY's
+in-flight siblings do (``StepSpec.siblings``; off, each request sees its history only).
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
@@ -55,38 +55,68 @@ class SimRequest:
     promised: dict[int, np.ndarray] = field(default_factory=dict)
 
 
+Traces = tuple[dict[int, np.ndarray], dict[int, np.ndarray]]
+
+
 def draft_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], response: Sequence[int],
-                 widths: Sequence[int]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+                 widths: Sequence[int]) -> Traces:
     """Accepted and promised draft tokens at every position of ``response`` for each width, the
     index holding ``history`` (earlier responses to ``prompt``)."""
+    return group_traces(history, prompt, [response], widths)[0]
+
+
+def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], responses: Sequence[Sequence[int]],
+                 widths: Sequence[int], siblings: bool = True) -> list[Traces]:
+    """:func:`draft_traces` for a group's samples decoding together, as the engine runs them: the
+    samples start at once and advance in lockstep, one logged token a step, and with ``siblings``
+    each drafts from the others' tokens so far (and a sample that finished is history of the group,
+    as the engine keeps it); without, each sees the history alone."""
     from histospec_sgl import HistoryIndex
 
     top = max(widths)
-    n = len(response)
-    accepted = {w: np.zeros(n, np.int32) for w in widths}
-    promised = {w: np.zeros(n, np.float32) for w in widths}
-    ix = HistoryIndex()
+    out: list[Traces] = [({w: np.zeros(len(r), np.int32) for w in widths},
+                          {w: np.zeros(len(r), np.float32) for w in widths}) for r in responses]
+    shared = HistoryIndex()
     for h in history:
-        ix.add_response(0, list(prompt), list(h), 0)
-    ix.begin_request(1, 0, list(prompt))
-    if n:
-        ix.extend_request(1, [response[0]])
-    for p in range(1, n):
-        toks, parents, probs = ix.draft(1, top)
-        # Nodes by probability (parents first among equals: a parent's index is smaller).
-        order = sorted(range(1, len(toks)), key=lambda i: (-probs[i], i))
-        for w in widths:
-            keep = set(order[: w - 1])
-            promised[w][p] = sum(probs[i] for i in keep)
-            cur, acc = 0, 0
-            while p + acc < n:
-                nxt = next((i for i in keep if parents[i] == cur and toks[i] == response[p + acc]), None)
-                if nxt is None:
-                    break
-                cur, acc = nxt, acc + 1
-            accepted[w][p] = acc
-        ix.extend_request(1, [response[p]])
-    return accepted, promised
+        shared.add_response(0, list(prompt), list(h), 0)
+    if not siblings:  # one index per sample, each holding the history only
+        ixs = [shared] + [HistoryIndex() for _ in responses[1:]]
+        for ix in ixs[1:]:
+            for h in history:
+                ix.add_response(0, list(prompt), list(h), 0)
+    else:
+        ixs = [shared] * len(responses)
+    live = [k for k, r in enumerate(responses) if r]
+    for k in live:
+        ixs[k].begin_request(k + 1, 0, list(prompt))
+        ixs[k].extend_request(k + 1, [responses[k][0]])
+    p = 1
+    while live:
+        for k in live:
+            resp, (accepted, promised) = responses[k], out[k]
+            if p >= len(resp):
+                continue
+            toks, parents, probs = ixs[k].draft(k + 1, top)
+            # Nodes by probability (parents first among equals: a parent's index is smaller).
+            order = sorted(range(1, len(toks)), key=lambda i: (-probs[i], i))
+            for w in widths:
+                keep = set(order[: w - 1])
+                promised[w][p] = sum(probs[i] for i in keep)
+                cur, acc = 0, 0
+                while p + acc < len(resp):
+                    nxt = next((i for i in keep if parents[i] == cur and toks[i] == resp[p + acc]), None)
+                    if nxt is None:
+                        break
+                    cur, acc = nxt, acc + 1
+                accepted[w][p] = acc
+        for k in list(live):
+            if p < len(responses[k]):
+                ixs[k].extend_request(k + 1, [responses[k][p]])
+            if p + 1 >= len(responses[k]):
+                ixs[k].finish_request(k + 1, keep=siblings)
+                live.remove(k)
+        p += 1
+    return out
 
 
 @dataclass
@@ -288,12 +318,14 @@ class StepSpec:
     """``one-policy``: the groups are ``groups`` consecutive logged steps of one policy (a run logs
     a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
     ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
-    share the step)."""
+    share the step). ``siblings``: a group's samples draft from each other while they decode
+    (:func:`group_traces`), as HISTORY does; off, from the history alone."""
 
     groups: int = 32
     history_policies: int = 2
     seed: int = 0
     kind: str = "one-policy"
+    siblings: bool = True
 
 
 def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
@@ -347,8 +379,9 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progr
             ensure([*mine, *hist])
         history_responses += len(hist)
         lengths = tuple(len(h.response_ids) for h in hist)
-        for m in mine:
-            acc, prom = draft_traces([h.response_ids for h in hist], m.prompt_ids, m.response_ids, widths)
+        traces = group_traces([h.response_ids for h in hist], mine[0].prompt_ids, [m.response_ids for m in mine],
+                              widths, siblings=spec.siblings)
+        for m, (acc, prom) in zip(mine, traces):
             reqs.append(SimRequest((grp, step), len(m.response_ids), len(m.prompt_ids),
                                    float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom))
             if progress is not None:
@@ -356,6 +389,7 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progr
     info = {"kind": spec.kind, "groups": spec.groups, "requests": len(reqs), "tokens": sum(r.length for r in reqs),
             "history_responses": history_responses,
             "history": f"{spec.history_policies} other policies' responses to the prompt at the same step",
+            "siblings": spec.siblings,
             "sampled_by": sorted({str(c[2]) for c in chosen}), "seed": spec.seed}
     return reqs, info
 
