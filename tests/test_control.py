@@ -87,6 +87,10 @@ def test_evaluate_scenarios_on_a_hand_made_log():
     ranks_pred, ranks_true = [110, 110, 11, 11], [110, 130, 11, 9]
     assert res["cross-epoch"]["ours"] == pytest.approx(spearman(ranks_pred, ranks_true))
     assert res["cross-epoch"]["ours"] > 0.8
+    # Groups by their longest: q's two of {100, 120} -> 0.25 * 100 + 0.75 * 120 = 115, r's of {10, 12}
+    # -> 11.5; actual longest 130 and 11: the order is right. Cross-policy: two groups per policy.
+    assert res["cross-epoch"]["longest"] == {"groups": 2, "ours": pytest.approx(1.0), "probe": pytest.approx(1.0)}
+    assert res["cross-policy"]["longest"]["groups"] == 4 and "longest" not in res["cross-sample"]
     # The dataset mean is one number for everyone: no order.
     assert all(math.isnan(v["mean"]) for v in res.values())
 

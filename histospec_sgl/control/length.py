@@ -135,12 +135,18 @@ def evaluate(rows: Sequence[Response]) -> dict[str, dict]:
         at the same step (where the log has them) and its own progress.
     The probe baseline is the same in every scenario (it needs no history); the mean baseline is a
     constant, so its correlation is undefined (NaN: it gives the scheduler no order).
+
+    Where a whole group is predicted before it starts (cross-epoch, cross-policy), ``longest`` also
+    ranks groups by what length-first scheduling orders them by: the expected longest of the
+    group's n samples (:meth:`LengthPredictor.longest`) against the group's actual longest, next to
+    the probe (the group's first finished sibling).
     """
     mean_len = float(np.mean([r.length for r in rows])) if rows else 1.0
     groups = _by(rows, lambda r: (r.policy, r.step, r.group))
     out: dict[str, dict] = {}
 
-    def report(name: str, cases: list[tuple[float, float, int]]) -> None:
+    def report(name: str, cases: list[tuple[float, float, int]],
+               longest: list[tuple[float, float, int]] | None = None) -> None:
         if not cases:
             return
         pred, probe, actual = zip(*cases)
@@ -150,9 +156,16 @@ def evaluate(rows: Sequence[Response]) -> dict[str, dict]:
             "probe": spearman(probe, actual),
             "mean": spearman([mean_len] * len(actual), actual),
         }
+        if longest:
+            gp, gprobe, gmax = zip(*longest)
+            out[name]["longest"] = {"groups": len(longest), "ours": spearman(gp, gmax),
+                                    "probe": spearman(gprobe, gmax)}
+
+    def group_case(pred: LengthPredictor, grp: Hashable, members: Sequence[Response]) -> tuple[float, float, int]:
+        return pred.longest(grp, len(members)), _probe(members), max(m.length for m in members)
 
     # cross-epoch
-    cases = []
+    cases, longest = [], []
     by_prompt = _by(rows, lambda r: (r.policy, r.group))
     for (pol, grp), members in by_prompt.items():
         steps = sorted({m.step for m in members if m.step is not None})
@@ -163,9 +176,10 @@ def evaluate(rows: Sequence[Response]) -> dict[str, dict]:
                     pred.record(grp, m.length)
             later = groups[(pol, s1, grp)]
             cases += [(pred.predict(grp), _probe(later), m.length) for m in later]
-    report("cross-epoch", cases)
+            longest.append(group_case(pred, grp, later))
+    report("cross-epoch", cases, longest)
     # cross-policy
-    cases = []
+    cases, longest = [], []
     by_step = _by(rows, lambda r: (r.group, r.step))
     for (grp, step), members in by_step.items():
         pols = {m.policy for m in members}
@@ -178,7 +192,8 @@ def evaluate(rows: Sequence[Response]) -> dict[str, dict]:
                     pred.record(grp, m.length)
             mine = groups[(pol, step, grp)]
             cases += [(pred.predict(grp), _probe(mine), m.length) for m in mine]
-    report("cross-policy", cases)
+            longest.append(group_case(pred, grp, mine))
+    report("cross-policy", cases, longest)
     # cross-sample and in-flight
     cases, flight = [], []
     for (_, _, grp), members in groups.items():  # noqa: B007 - the key names the group

@@ -50,11 +50,14 @@ def print_lengths(result: dict[str, Any]) -> None:
         return "n/a (constant)" if isinstance(x, float) and math.isnan(x) else f"{x:.3f}"
 
     t = Table(title="response length from history: Spearman of predicted vs actual length")
-    for c in ("log", "scenario", "requests", "history (ours)", "probe sibling (Seer)", "dataset mean"):
+    for c in ("log", "scenario", "requests", "history (ours)", "probe sibling (Seer)", "dataset mean", "groups",
+              "group's longest: ours", "probe"):
         t.add_column(c, justify="left" if c in ("log", "scenario") else "right")
     for log, r in result["logs"].items():
         for sc, v in r["scenarios"].items():
-            t.add_row(log, sc, str(v["requests"]), f(v["ours"]), f(v["probe"]), f(v["mean"]))
+            g = v.get("longest")
+            t.add_row(log, sc, str(v["requests"]), f(v["ours"]), f(v["probe"]), f(v["mean"]),
+                      *((str(g["groups"]), f(g["ours"]), f(g["probe"])) if g else ("", "", "")))
     console().print(t)
 
 
