@@ -69,7 +69,8 @@ class KVStore:
 
 
 class Target:
-    """Stands for SGLang's TpModelWorker: memory pools and a TARGET_VERIFY forward."""
+    """Stands for SGLang's TpModelWorker: memory pools, a TARGET_VERIFY forward and a DECODE forward
+    with its sampling (greedy), reading each request's context from its KV slots."""
 
     def __init__(self, server_args, policy: Policy):
         from sglang.srt.configs.model_config import ModelConfig
@@ -82,7 +83,10 @@ class Target:
         self.model_runner = types.SimpleNamespace(max_running_requests=SLOTS,
                                                   model_config=ModelConfig.from_server_args(server_args),
                                                   watermark_state=None)  # read by 0.5.23
-        self.calls: list[tuple[int, int]] = []  # (batch size, tree width) of every verify forward
+        # (batch size, tokens per request) of every forward: the tree width of a verify, 1 of a
+        # plain decode step; and the forward modes seen
+        self.calls: list[tuple[int, int]] = []
+        self.modes: set[str] = set()
 
     def get_memory_pool(self):
         return self.pools
@@ -90,7 +94,10 @@ class Target:
     def forward_batch_generation(self, batch, is_verify=False, **_kwargs):  # 0.5.23 adds pp_proxy_tensors
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        assert is_verify and batch.forward_mode.is_target_verify()
+        if not is_verify:
+            return self._decode(batch)
+        assert batch.forward_mode.is_target_verify()
+        self.modes.add("verify")
         bs = len(batch.reqs)
         si = batch.spec_info
         w = si.draft_token_num
@@ -111,6 +118,32 @@ class Target:
                 logits[b * w + i, self.policy(ctx)] = 0.0
         return types.SimpleNamespace(logits_output=LogitsProcessorOutput(next_token_logits=logits),
                                      can_run_cuda_graph=False)
+
+    def _decode(self, batch):
+        """A plain decode step as SGLang's TpModelWorker runs it: one input token per request,
+        written to its cache slot, at position ``seq_lens - 1`` (``seq_lens`` counts it), sampled
+        from the context in the request's committed slots."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        assert batch.forward_mode.is_decode() and batch.spec_info is None
+        bs = len(batch.reqs)
+        assert batch.input_ids.numel() == bs and batch.out_cache_loc.numel() == bs
+        assert batch.seq_lens_sum == int(batch.seq_lens_cpu.sum()) and (batch.seq_lens == batch.seq_lens_cpu).all()
+        self.calls.append((bs, 1))
+        self.modes.add("decode")
+        store = self.kv.store
+        store[batch.out_cache_loc.long()] = batch.input_ids.long()
+        logits = torch.full((bs, V), -1e4)
+        nxt = torch.empty(bs, dtype=torch.int64)
+        for b in range(bs):
+            slot, n = int(batch.req_pool_indices[b]), int(batch.seq_lens[b])
+            assert int(batch.out_cache_loc[b]) == int(self.req_to_token[slot, n - 1]), "the new token's slot"
+            ctx = store[self.req_to_token[slot, :n].long()].tolist()
+            assert -1 not in ctx, "a position has no KV"
+            nxt[b] = self.policy(ctx)
+            logits[b, nxt[b]] = 0.0
+        return types.SimpleNamespace(logits_output=LogitsProcessorOutput(next_token_logits=logits),
+                                     next_token_ids=nxt, can_run_cuda_graph=False)
 
 
 class Req:
@@ -152,6 +185,7 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
             reqs=live, forward_mode=ForwardMode.DECODE, seq_lens=seq, seq_lens_cpu=seq.clone(),
             req_pool_indices=torch.tensor([r.slot for r in live]), req_to_token_pool=target.pools[0],
             has_grammar=False, return_logprob=False, device="cpu", input_ids=None, out_cache_loc=None,
+            seq_lens_sum=None,
             sampling_info=types.SimpleNamespace(is_all_greedy=True, acc_additive_penalties=None,
                                                 acc_scaling_penalties=None, logit_bias=None),
             spec_info=types.SimpleNamespace(accept_tokens=acc, accept_lens=lens),
@@ -227,7 +261,7 @@ def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None
         out["epochs"].append(dict(
             steps=steps, tokens=sum(r.max_new for r in reqs),
             identical=all(r.output_ids == policy.greedy(r.origin_input_ids, r.max_new) for r in reqs),
-            calls=sorted(set(target.calls))))
+            calls=sorted(set(target.calls)), modes=sorted(target.modes)))
     out.update(narrow_steps=worker.narrow_steps, width_after=worker.draft_token_num,
                responses=worker.history_stats().get("responses"))
     control = worker.drafter.control if worker.drafter is not None else None

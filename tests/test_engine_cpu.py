@@ -47,18 +47,22 @@ def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineS
     """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep."""
     tag = kw.pop("tag", method)
     return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
-                        log_path=tmp_path / f"server-{tag}.log", extra_args=["--sleep-on-idle"], **kw)
+                        log_path=tmp_path / f"server-{tag}.log", extra_args=["--sleep-on-idle", *kw.pop("extra", ())],
+                        **kw)
 
 
 def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48) -> list[dict]:
-    """Pass 1 and 2 (each: two prompts at batch 1, then all prompts as one batch), flush_cache, pass 3."""
+    """Pass 1 and 2 (each: two prompts at batch 1, then all prompts as one batch), flush_cache, pass 3;
+    with each token's log-prob, as a trainer asks for them."""
     sp = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
     passes = []
     for i in range(3):
         if i == 2:
             srv.flush_cache()
-        outs = [srv.generate([p], sp)[0] for p in prompts[:2]] + srv.generate(prompts, sp)
+        outs = ([srv.generate([p], sp, return_logprob=True)[0] for p in prompts[:2]]
+                + srv.generate(prompts, sp, return_logprob=True))
         passes.append({"outputs": [o["output_ids"] for o in outs],
+                       "logprobs": [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs],
                        "tokens": sum(len(o["output_ids"]) for o in outs),
                        "steps": sum(verify_steps(o) for o in outs)})
     return passes
@@ -67,9 +71,12 @@ def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 
 def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
     plain = runs["plain"][0]["outputs"]
     assert all(len(o) == 48 for o in plain)
+    plain_logprobs = np.concatenate(runs["plain"][0]["logprobs"])
     for method, passes in runs.items():
         for i, p in enumerate(passes):
             assert p["outputs"] == plain, f"{method} pass {i + 1} differs from plain decoding"
+            # The current policy's log-probs, whichever way a token was decoded (float32 model).
+            assert np.abs(np.concatenate(p["logprobs"]) - plain_logprobs).max() < 1e-4, (method, i)
     assert runs["plain"][0]["steps"] == runs["plain"][0]["tokens"]
     hist = runs["history"]
     # Pass 2 drafts each response whole from pass 1's: d tokens per verify step.
@@ -81,20 +88,28 @@ def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
 
 
 def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp_path):
-    """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens equal plain
-    decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so does a pass
-    after flush_cache."""
+    """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens and log-probs
+    equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
+    does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
+    some steps plainly through the target's DECODE forward and verifies the others, they equal them
+    too, and the plain steps are counted in ``histospec:plain_steps_total``."""
     prompts = _prompts(8)
     methods = ("plain", "ngram", "history")
+    cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
+                   env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
     # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place of
     # the tree mask, branching drafts attend to their siblings and the outputs go wrong.
     broken_mask = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="broken-mask",
                           env={"CPU_ENGINE_BROKEN": "mask"})
     with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8) for m in methods),
-                 broken_mask) as servers:
+                 broken_mask, cost) as servers:
         runs = {m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)}
         broken = _greedy_passes(broken_mask, prompts)
+        runs["history_cost"] = _greedy_passes(cost, prompts)
+        plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
+                          if line.startswith("histospec:plain_steps_total"))
     _check_greedy(runs)
+    assert plain_steps > 0
     assert any(p["outputs"] != runs["plain"][0]["outputs"] for p in broken)
 
 

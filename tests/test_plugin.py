@@ -233,7 +233,8 @@ def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sg
     CPU, against a fake model that emulates tree attention from the KV slots and the mask it is
     given (tests/sglang_cpu_verify.py). Every response must equal plain greedy decoding, with and
     without overlap scheduling; history must be accepted; and with narrow verify, batches above
-    HISTOSPEC_MAX_BATCH (which draft nothing) must reach the model at width 1, the rest at width d."""
+    HISTOSPEC_MAX_BATCH (which draft nothing) must be decoded plainly (the model's DECODE forward,
+    one token per request), the rest verified at width d."""
     cmd, kw = _cpu_verify(sglang_py, tiny_model)
     _check_cpu_verify(result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)), "0.5.17")
 
@@ -260,6 +261,9 @@ def _check_cpu_verify(res: dict, version: str) -> None:
         assert run["width_after"] == d and run["responses"] == 12, name
         narrow = name.endswith("narrow=True")
         widths = {w for _, w in first["calls"] + second["calls"]}
+        # Width 1 is a plain DECODE forward; a verify forward is always d wide.
+        modes = set(first["modes"] + second["modes"])
+        assert modes == ({"decode", "verify"} if 1 in widths else {"verify"}), name
         if name.endswith("cost"):
             # The cost model measures both widths at each batch size before it chooses, and every
             # response stays what greedy decoding gives whichever it chooses.
@@ -270,7 +274,7 @@ def _check_cpu_verify(res: dict, version: str) -> None:
             assert second["steps"] * 4 < first["steps"], name
         else:
             assert run["narrow_steps"] > 0 and widths == {1, d}, name
-            # Above HISTOSPEC_MAX_BATCH=3 nothing is drafted and the step is verified at width 1;
+            # Above HISTOSPEC_MAX_BATCH=3 nothing is drafted and the step is decoded plainly;
             # at 3 or fewer the second epoch drafts from history at width d.
             assert all(w == 1 for bs, w in second["calls"] if bs > 3), name
             assert all(w == d for bs, w in second["calls"] if bs <= 3), name

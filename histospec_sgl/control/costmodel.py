@@ -107,7 +107,7 @@ class StepClock:
 @dataclass
 class EngineControl:
     """The engine's per-step choice between verifying the drafts at width ``d`` and plain decoding
-    (width 1, narrow verify), from step costs it measures itself (:class:`StepClock`) and what the
+    (width 1: the target's DECODE forward), from step costs it measures itself (:class:`StepClock`) and what the
     drafts promise. A batch-size bucket whose cost at a width is not yet known tries that width
     first, so each bucket is measured within its first steps."""
 
@@ -115,7 +115,7 @@ class EngineControl:
     clock: StepClock = field(default_factory=StepClock)
     model: CostModel = field(init=False)
     #: Steps that tried a width in a bucket to measure it (a width the engine cannot run there,
-    #: e.g. narrow verify with a grammar, is given up after a few tries).
+    #: e.g. plain decoding with a grammar, is given up after a few tries).
     tries: dict[tuple[int, int], int] = field(default_factory=dict)
     #: (width, batch) of the step in flight and when it started.
     _current: tuple[int, int, float] | None = None

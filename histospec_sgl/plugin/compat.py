@@ -114,3 +114,16 @@ def tp_rank_of(named: dict[str, Any]) -> int:
 def grammar_needs_sync(batch: Any) -> bool:
     fn = getattr(batch, "grammar_needs_sync", None)
     return bool(fn()) if callable(fn) else False
+
+
+def spec_logprobs(batch: Any, logits_output: Any, predict: Any, accept_index: Any) -> None:
+    """Fills ``logits_output``'s log-probs of the accepted tokens the way the version's spec-v2
+    result processing reads them: ``accept_index`` is ``(bs, width)`` rows into the logits."""
+    try:
+        from sglang.srt.layers.logprob_processor import compute_spec_logprobs  # 0.5.23
+    except ImportError:
+        from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs  # 0.5.17
+
+        compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, int(accept_index.shape[1]) - 1)
+        return
+    compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)

@@ -147,13 +147,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_PROBE_EVERY", "probe_every", _int(1), 64,
             "while switched off by HISTOSPEC_MIN_ACCEPT, draft every N-th step to re-measure"),
     Setting("HISTOSPEC_CONTROL", "control", _choice("thresholds", "cost"), "thresholds",
-            "cost: each decode step verifies the drafts or decodes plainly (narrow verify), whichever gives "
+            "cost: each decode step verifies the drafts or decodes plainly (one token per request), whichever gives "
             "more tokens per second by step costs the engine measures per batch size and the acceptance the "
             "drafts promise (calibrated by what was accepted); thresholds: the switch-off settings below only"),
     Setting("HISTOSPEC_NARROW_VERIFY", "narrow_verify", _int(0), 0,
-            "verify a decode step in which no request has a draft at width 1 instead of d (the cost of a "
-            "plain decode step, run outside CUDA graphs) when the batch has at least this many requests; "
-            "pair it with the switch-off settings (0: never)"),
+            "decode a step in which no request has a draft plainly (the target's DECODE forward, one token "
+            "per request, run outside CUDA graphs) instead of verifying d nodes, when the batch has at least "
+            "this many requests; pair it with the switch-off settings (0: never)"),
     Setting("HISTOSPEC_THREADS", "threads", _int(0, 64), 0,
             "threads for the index's batch calls (drafting, appending accepted tokens), the scheduler's "
             "included; batches of 32+ requests are split, drafts are the same (0: min(4, cores available))"),

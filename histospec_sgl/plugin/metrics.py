@@ -22,6 +22,8 @@ over ``rate(histospec:decode_steps_total)``):
 ``histospec:draft_seconds_total``          host time in the batch draft call
 ``histospec:host_seconds_total``           host time the worker adds per step (context updates,
                                            draft, broadcast)
+``histospec:plain_steps_total``            decode steps decoded plainly, no draft verified
+                                           (``HISTOSPEC_NARROW_VERIFY`` or the cost model)
 ``histospec:draft_errors_total``           errors while drafting (that step is verified without
                                            drafts) or syncing with the draft server
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
@@ -77,6 +79,9 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
             fam["histospec:host_seconds"] = Counter(
                 "histospec:host_seconds", "Host seconds the HISTORY worker adds per decode step.",
                 labelnames, registry=registry)
+            fam["histospec:plain_steps"] = Counter(
+                "histospec:plain_steps", "Decode steps decoded plainly (no draft verified).",
+                labelnames, registry=registry)
             fam["histospec:draft_errors"] = Counter(
                 "histospec:draft_errors", "Errors while drafting or syncing with the draft server.",
                 labelnames, registry=registry)
@@ -111,6 +116,7 @@ class HistoryMetrics:
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._seen: dict[str, float] = {}
         self._errors = 0
+        self._plain = 0
         self._steps = 0
 
     @classmethod
@@ -125,9 +131,9 @@ class HistoryMetrics:
             labels.update(extra)
         return cls(labels)
 
-    def observe(self, drafter: Any, *, errors: int, host_seconds: float) -> None:
-        """Records one decode step: ``drafter.totals`` since the last call, the worker's error count
-        and the host time it spent on the step."""
+    def observe(self, drafter: Any, *, errors: int, host_seconds: float, plain_steps: int = 0) -> None:
+        """Records one decode step: ``drafter.totals`` since the last call, the worker's error count,
+        its count of plainly decoded steps and the host time it spent on the step."""
         totals = drafter.totals
         for name, (_, key) in _COUNTERS.items():
             value = totals[key]
@@ -144,6 +150,9 @@ class HistoryMetrics:
         if errors > self._errors:
             self._m["histospec:draft_errors"].inc(errors - self._errors)
         self._errors = errors
+        if plain_steps > self._plain:
+            self._m["histospec:plain_steps"].inc(plain_steps - self._plain)
+        self._plain = plain_steps
         if host_seconds > 0:
             self._m["histospec:host_seconds"].inc(host_seconds)
         self._m["histospec:drafting"].set(float(drafter.drafting))

@@ -19,11 +19,11 @@ overlap relay. What differs:
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
   steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``);
 - narrow verify (``HISTOSPEC_NARROW_VERIFY``): a decode step in which no request has a draft is
-  verified at width 1, NGRAM's own code run with one node per request, instead of d nodes that
-  cost d times the compute of plain decoding;
+  decoded plainly (the target's own DECODE forward and sampler, one token per request), instead of
+  verifying d nodes that cost d times the compute of plain decoding;
 - the cost model (``HISTOSPEC_CONTROL=cost``): each decode step verifies the drafts at width d or
-  decodes plainly (narrow verify), whichever the step costs it times per batch size and the
-  acceptance the drafts promise say gives more tokens per second
+  decodes plainly, whichever the step costs it times per batch size and the acceptance the drafts
+  promise say gives more tokens per second
   (:class:`~histospec_sgl.control.costmodel.EngineControl`);
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
@@ -104,7 +104,6 @@ class HistoryWorker(NGRAMWorker):
         self._errors = 0
         # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
         self._staged: tuple[np.ndarray, np.ndarray] | None = None
-        self._narrow_buffers: dict[str, Any] | None = None
         self.narrow_steps = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
@@ -131,17 +130,6 @@ class HistoryWorker(NGRAMWorker):
         )
 
     # -- SGLang's hooks ------------------------------------------------------------------------
-
-    def alloc_memory_pool(self, **kwargs: Any) -> None:
-        super().alloc_memory_pool(**kwargs)
-        if self._narrow_from():
-            # At start, where a failure stops the server with a message, not in the middle of a run.
-            if not callable(getattr(self, "_init_preallocated_tensors", None)):
-                raise RuntimeError(
-                    f"HISTOSPEC_NARROW_VERIFY and HISTOSPEC_CONTROL=cost are not supported with sglang "
-                    f"{compat.sglang_version()} (its NGRAM worker has no _init_preallocated_tensors); unset them"
-                )
-            self._narrow_buffers = self._width_buffers(1)
 
     def clear_cache_pool(self) -> None:
         # flush_cache (after weight updates): the KV cache goes, the history stays. The engine is
@@ -193,7 +181,7 @@ class HistoryWorker(NGRAMWorker):
             if not tokens.reshape(-1, d)[:, 1:].any():
                 if control is not None:
                     control.decode_step(len(batch.reqs), 1, started)
-                return self._narrow_verify(batch, tokens[::d].copy(), *args, **kwargs)
+                return self._plain_decode(batch, tokens[::d].copy(), *args, **kwargs)
             self._staged = (tokens, mask)
         if control is not None and decode:
             control.decode_step(len(batch.reqs), self.draft_token_num, started)
@@ -202,58 +190,58 @@ class HistoryWorker(NGRAMWorker):
         finally:
             self._staged = None
 
-    def _narrow_verify(self, batch: Any, roots: np.ndarray, *args: Any, **kwargs: Any) -> Any:
-        """Runs NGRAM's verify path with one node per request (each request's root, the token whose
-        KV is computed this step): SGLang's tree verification then samples exactly what plain decoding
-        would, at a plain decode step's compute. The target's CUDA graphs are captured at width d, so
-        this step runs eagerly (SGLang checks the width before replaying a graph). The result is padded
-        back to d slots per request, the layout SGLang's overlap relay and result processing expect."""
+    def _plain_decode(self, batch: Any, roots: np.ndarray, on_publish: Any = None, **kwargs: Any) -> Any:
+        """A plain decode step in the speculative batch: each request's root (its last accepted
+        token, whose KV this step computes) goes through the target's own DECODE forward and
+        sampler, exactly what SGLang runs without speculation, and the result is laid out as a
+        verify step that accepted nothing (one token per request, padded to d slots).
+
+        Under speculation the scheduler does not count the root in ``seq_lens`` and has already
+        reserved its KV slot (the first of the d a verify writes); the DECODE forward counts the
+        token being decoded, so ``seq_lens`` is one longer for the forward and restored after."""
         import torch
 
         bs, d = len(batch.reqs), self.draft_token_num
-        assert self._narrow_buffers is not None, "alloc_memory_pool makes them"
-        wide = self._swap_width(1, self._narrow_buffers)
-        self._staged = (roots, np.ones(bs, dtype=np.int64))
+        device = batch.seq_lens.device
+        seq_lens, seq_lens_cpu, seq_lens_sum = batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum
+        orig_seq_lens, spec_info = getattr(batch, "orig_seq_lens", None), batch.spec_info
+        batch.input_ids = torch.from_numpy(roots).to(device=device, non_blocking=True)
+        slots = batch.req_to_token_pool.req_to_token[batch.req_pool_indices.long(), seq_lens.long()]
+        batch.out_cache_loc = slots.to(torch.int64)
+        batch.seq_lens = seq_lens + 1
+        batch.seq_lens_cpu = seq_lens_cpu + 1
+        batch.seq_lens_sum = int(seq_lens_cpu.sum()) + bs
+        if orig_seq_lens is not None:
+            batch.orig_seq_lens = orig_seq_lens + 1
+        batch.spec_info = None
         try:
-            result = super().forward_batch_generation(batch, *args, **kwargs)
+            result = self.target_worker.forward_batch_generation(batch, **kwargs)
         finally:
-            self._swap_width(d, wide)
-            self._staged = None
+            batch.seq_lens, batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens, seq_lens_cpu, seq_lens_sum
+            if orig_seq_lens is not None:
+                batch.orig_seq_lens = orig_seq_lens
+            batch.spec_info = spec_info
         self.narrow_steps += 1
-        step = result.next_draft_input
-        padded = torch.zeros((bs, d), dtype=step.accept_tokens.dtype, device=step.accept_tokens.device)
-        padded[:, 0] = step.accept_tokens
+        predict = result.next_token_ids
+        accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
+        new_seq_lens = seq_lens + 1
+        if batch.return_logprob:
+            compat.spec_logprobs(batch, result.logits_output, predict,
+                                 torch.arange(bs, device=device).view(bs, 1))
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        padded = torch.zeros((bs, d), dtype=torch.int32, device=device)
+        padded[:, 0] = predict
         padded = padded.flatten()
-        result.next_draft_input = type(step)(draft_token_num=d, new_seq_lens=step.new_seq_lens,
-                                             accept_tokens=padded, accept_lens=step.accept_lens)
         result.next_token_ids = padded
+        result.accept_lens = accept_lens
+        result.new_seq_lens = new_seq_lens
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+
+        result.next_draft_input = NgramVerifyInput(draft_token_num=d, new_seq_lens=new_seq_lens,
+                                                   accept_tokens=padded, accept_lens=accept_lens)
+        result.speculative_num_draft_tokens = self.speculative_num_draft_tokens
         return result
-
-    def _width_buffers(self, width: int) -> dict[str, Any]:
-        """NGRAM's preallocated per-batch-size buffers for trees of ``width`` nodes: whatever its
-        ``_init_preallocated_tensors`` sets, taken while ``draft_token_num`` is ``width``."""
-        before = dict(vars(self))
-        made: dict[str, Any] = {}
-        self.draft_token_num = width
-        try:
-            self._init_preallocated_tensors()
-            made = {k: v for k, v in vars(self).items() if k != "draft_token_num" and before.get(k) is not v}
-        finally:
-            for k in made:
-                if k in before:
-                    setattr(self, k, before[k])
-                else:
-                    delattr(self, k)
-            self.draft_token_num = before["draft_token_num"]
-        return made
-
-    def _swap_width(self, width: int, buffers: dict[str, Any]) -> dict[str, Any]:
-        """Installs ``buffers`` and tree width ``width``; returns what they replaced."""
-        old = {k: getattr(self, k) for k in buffers}
-        for k, v in buffers.items():
-            setattr(self, k, v)
-        self.draft_token_num = width
-        return old
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise NotImplementedError(
@@ -292,7 +280,7 @@ class HistoryWorker(NGRAMWorker):
         shared = self.broadcast.share(tokens, mask, bs, d)
         if self.metrics is not None and self.drafter is not None:
             try:
-                self.metrics.observe(self.drafter, errors=self._errors,
+                self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.narrow_steps,
                                      host_seconds=time.perf_counter() - t0)
             except Exception:
                 logger.exception("histospec: could not update the Prometheus metrics; they stay off")
@@ -418,7 +406,7 @@ class HistoryWorker(NGRAMWorker):
             "index %d groups / %d responses / %.1f MB%s",
             w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
             st["groups"], st["responses"], st["bytes"] / 1e6,
-            f", {self.narrow_steps} narrow-verify steps so far" if self._narrow_from() else "",
+            f", {self.narrow_steps} plain decode steps so far" if self._narrow_from() else "",
         )
 
 
