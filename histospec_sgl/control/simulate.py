@@ -76,16 +76,15 @@ def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
     top = max(widths)
     out: list[Traces] = [({w: np.zeros(len(r), np.int32) for w in widths},
                           {w: np.zeros(len(r), np.float32) for w in widths}) for r in responses]
-    shared = HistoryIndex()
-    for h in history:
-        shared.add_response(0, list(prompt), list(h), 0)
-    if not siblings:  # one index per sample, each holding the history only
-        ixs = [shared] + [HistoryIndex() for _ in responses[1:]]
-        for ix in ixs[1:]:
-            for h in history:
-                ix.add_response(0, list(prompt), list(h), 0)
-    else:
-        ixs = [shared] * len(responses)
+
+    def with_history() -> HistoryIndex:
+        ix = HistoryIndex()
+        for h in history:
+            ix.add_response(0, list(prompt), list(h), 0)
+        return ix
+
+    # One index for the group, or one per sample holding the history only.
+    ixs = [with_history()] * len(responses) if siblings else [with_history() for _ in responses]
     live = [k for k, r in enumerate(responses) if r]
     for k in live:
         ixs[k].begin_request(k + 1, 0, list(prompt))
@@ -341,20 +340,19 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progr
     by_key: dict[Any, list[Any]] = defaultdict(list)
     for r in rows:
         by_key[(r.group, r.step)].append(r)
-    # (prompt, step, policy) whose prompt has enough other policies' responses at that step.
-    eligible: list[tuple[Any, Any, Any]] = []
-    for (grp, step), members in sorted(by_key.items(), key=repr):
+    # The policies of each (prompt, step) that has enough other policies' responses at that step.
+    policies: dict[Any, list[Any]] = {}
+    for key, members in sorted(by_key.items(), key=lambda kv: repr(kv[0])):
         pols = sorted({m.policy for m in members}, key=repr)
         if len(pols) >= 1 + spec.history_policies:
-            eligible += [(grp, step, pol) for pol in pols]
+            policies[key] = pols
+    eligible = [(grp, step, pol) for (grp, step), pols in policies.items() for pol in pols]
     rng = random.Random(spec.seed)
     if spec.kind == "mixed":
-        keys = sorted({(g, s) for g, s, _ in eligible}, key=repr)
-        if len(keys) < spec.groups:
-            raise ValueError(f"only {len(keys)} prompts have {spec.history_policies} other policies' "
+        if len(policies) < spec.groups:
+            raise ValueError(f"only {len(policies)} prompts have {spec.history_policies} other policies' "
                              f"responses at their step; asked for {spec.groups} groups")
-        chosen = [(g, s, rng.choice(sorted({p for g2, s2, p in eligible if (g2, s2) == (g, s)}, key=repr)))
-                  for g, s in rng.sample(keys, spec.groups)]
+        chosen = [(g, s, rng.choice(policies[(g, s)])) for g, s in rng.sample(list(policies), spec.groups)]
     else:
         by_policy: dict[Any, list[tuple[Any, Any, Any]]] = defaultdict(list)
         for e in eligible:

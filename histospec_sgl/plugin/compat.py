@@ -16,10 +16,14 @@ Differences handled here:
   reads the arguments by name.
 - Where the worker's settings come from: ``server_args`` up to 0.5.17, SGLang's resolved runtime
   context in 0.5.23 (:func:`ngram_settings`).
+- Log-probs of a speculative step's accepted tokens: ``compute_spec_v2_logprobs(..., accept_index,
+  width - 1)`` in 0.5.17, ``compute_spec_logprobs(..., accept_index=...)`` in 0.5.23
+  (:func:`spec_logprobs`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from importlib import metadata
 from typing import Any
@@ -119,11 +123,16 @@ def grammar_needs_sync(batch: Any) -> bool:
 def spec_logprobs(batch: Any, logits_output: Any, predict: Any, accept_index: Any) -> None:
     """Fills ``logits_output``'s log-probs of the accepted tokens the way the version's spec-v2
     result processing reads them: ``accept_index`` is ``(bs, width)`` rows into the logits."""
-    try:
-        from sglang.srt.layers.logprob_processor import compute_spec_logprobs  # 0.5.23
-    except ImportError:
-        from sglang.srt.layers.logprob_processor import compute_spec_v2_logprobs  # 0.5.17
+    _spec_logprobs()(batch, logits_output, predict, accept_index)
 
-        compute_spec_v2_logprobs(batch, logits_output, predict, accept_index, int(accept_index.shape[1]) - 1)
-        return
-    compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+
+@functools.cache
+def _spec_logprobs() -> Any:
+    """The version's log-prob function, looked up once (it runs on the decode path)."""
+    from sglang.srt.layers import logprob_processor
+
+    new = getattr(logprob_processor, "compute_spec_logprobs", None)  # 0.5.23
+    if new is not None:
+        return lambda batch, out, predict, index: new(batch, out, predict, accept_index=index)
+    old = logprob_processor.compute_spec_v2_logprobs  # 0.5.17
+    return lambda batch, out, predict, index: old(batch, out, predict, index, int(index.shape[1]) - 1)

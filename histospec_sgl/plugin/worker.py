@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from histospec_sgl.drafter import BatchDrafter, fill_root_only, group_of
@@ -236,8 +237,6 @@ class HistoryWorker(NGRAMWorker):
         result.next_token_ids = padded
         result.accept_lens = accept_lens
         result.new_seq_lens = new_seq_lens
-        from sglang.srt.speculative.ngram_info import NgramVerifyInput
-
         result.next_draft_input = NgramVerifyInput(draft_token_num=d, new_seq_lens=new_seq_lens,
                                                    accept_tokens=padded, accept_lens=accept_lens)
         result.speculative_num_draft_tokens = self.speculative_num_draft_tokens
