@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl._core import HistoryIndex
-from histospec_sgl.control.costmodel import EngineControl
+from histospec_sgl.control.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 from histospec_sgl.plugin.config import HistoryConfig
 
@@ -88,6 +88,7 @@ class _Live:
     offered: int = 0  # draft nodes offered so far
     steps: int = 0  # verify steps it took part in
     group: int | None = None  # the group it was started in (None: its prompt's key)
+    shadow: ShadowDraft | None = None  # an unverified draft being measured (the cost model)
 
 
 class SwitchOff:
@@ -244,6 +245,7 @@ class BatchDrafter:
                 self.index.begin_request(live.iid, live.group, prompt_ids)
                 live.known = 0
                 live.drafted = 0
+                live.shadow = None
             if n > live.known:
                 k = live.known
                 new = list(response[k:]) + list(pending) if k < head else list(pending[k - head:])
@@ -253,10 +255,14 @@ class BatchDrafter:
         self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
                                 [len(new) for _, _, new in todo])
         for live, n, new in todo:
-            self._advanced(live, n, new[-1])
+            self._advanced(live, n, new[-1], new)
 
-    def _advanced(self, live: _Live, n: int, last: int) -> None:
-        """The index now holds ``n`` response tokens of ``live``, the last one ``last``."""
+    def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int] = ()) -> None:
+        """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
+        tokens added, which a shadow draft follows)."""
+        if live.shadow is not None and self.control is not None and live.shadow.advance(new):
+            self.control.observe(live.shadow.promised, live.shadow.accepted)
+            live.shadow = None
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
             acc = max(min(n - live.known - 1, live.drafted), 0)
@@ -276,8 +282,12 @@ class BatchDrafter:
         if live is None:
             return
         if response is not None and len(response) > live.known:
-            self.index.extend_request(live.iid, response[live.known:])
-            self._advanced(live, len(response), response[-1])
+            new = response[live.known:]
+            self.index.extend_request(live.iid, new)
+            self._advanced(live, len(response), response[-1], new)
+        if live.shadow is not None and self.control is not None and response is not None:
+            # Verifying it would have accepted up to the response's end, as the walk did.
+            self.control.observe(live.shadow.promised, live.shadow.accepted)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
@@ -323,6 +333,8 @@ class BatchDrafter:
                 nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
                 promised = float(probs.reshape(bs, d)[:, 1:].sum())  # pads have probability 0
                 drafting = self.control.choose(bs, promised) > 1
+                if not drafting and nonempty:
+                    self._shadow(lives, tokens, mask, probs, counts)
         self.drafting = drafting
         self._drafted_steps.append((drafting, promised))
         if not drafting:
@@ -348,6 +360,23 @@ class BatchDrafter:
         tot["offered"] += int(counts.sum())
         tot["draft_seconds"] += dt
         return tokens, mask
+
+    def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, probs: np.ndarray,
+                counts: np.ndarray) -> None:
+        """Drafts the cost model will not verify this step are followed as shadow drafts (one per
+        request at a time), which measure what verifying them would have accepted."""
+        bs, d = len(lives), self.d
+        parents = None
+        for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
+            if lv.shadow is not None or not c:
+                continue
+            if parents is None:
+                # Nodes are in BFS order, so a node's parent is its last ancestor before it.
+                m = np.tril(mask.reshape(bs, d, d), -1)
+                parents = (m * np.arange(d)).max(axis=2)
+            row = slice(b * d, b * d + c + 1)
+            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[b, : c + 1].tolist(),
+                                    float(probs[row][1:].sum()))
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

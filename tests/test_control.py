@@ -396,3 +396,71 @@ def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
     assert not m.analytic and m.step_s(4, 8, 0) == pytest.approx(0.03 + (0.07 - 0.03) * 3 / 7)
     with pytest.raises(ValueError, match="plain decoding and of HISTORY"):
         from_engine_bench({**engine, "rows": rows[:3]})
+
+
+def test_shadow_draft_measures_what_verifying_would_have_accepted():
+    from histospec_sgl.control.costmodel import ShadowDraft
+
+    # Root 5 with children 7 (node 1) and 8 (node 2); 7 -> 9 (node 3) -> 4 (node 4); 8 -> 6 (node 5).
+    tree = dict(tokens=[5, 7, 8, 9, 6, 4], parents=[0, 0, 0, 1, 2, 3], promised=2.5)
+    s = ShadowDraft(**tree)
+    assert not s.advance([7]) and s.accepted == 1  # still on the tree
+    assert not s.advance([9]) and s.accepted == 2
+    assert s.advance([4, 1]) and s.accepted == 3  # node 4 is a leaf: the walk ends there
+    s = ShadowDraft(**tree)
+    assert s.advance([8, 6]) and s.accepted == 2  # the other branch, down to its leaf
+    s = ShadowDraft(**tree)
+    assert s.advance([8, 9]) and s.accepted == 1  # 9 is not 8's child
+    s = ShadowDraft(**tree)
+    assert s.advance([3]) and s.accepted == 0
+
+
+def test_calibration_forgets_and_the_engine_never_probes():
+    cm = CostModel(FLAT, [4], forget_after=100.0)
+    cm.observe(promised=80.0, accepted=80.0)
+    cm.observe(promised=20.0, accepted=0.0)  # 100 promised: both halve
+    assert (cm.promised, cm.accepted) == (50.0, 40.0)
+    for _ in range(10):
+        cm.observe(promised=40.0, accepted=0.0)
+    assert cm.calibration() < 0.05  # the old 80% is forgotten
+    # The simulator's cost model probes one step in probe_every; the engine's never does.
+    probing = CostModel(FLAT, [4], probe_every=3)
+    assert [probing.choose({4: 0.0}, batch=2, context=0) for _ in range(8)] == [1, 1, 1, 4, 1, 1, 1, 4]
+    ec = EngineControl(d=4)
+    ec.clock.record(2, 4, 1.0)
+    ec.clock.record(2, 1, 1.0)
+    assert ec.model.probe_every == 0
+    assert {ec.choose(2, 0.0) for _ in range(100)} == {1}
+
+
+def test_drafter_measures_the_drafts_of_plain_steps():
+    from histospec_sgl.drafter import BatchDrafter
+    from histospec_sgl.plugin.config import HistoryConfig
+
+    d = 4
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    for _ in range(3):
+        dr.add_finished([1, 2, 3], list(range(10, 40)))
+    dr.sync("a", [1, 2, 3], [10, 11])
+    dr.sync("b", [1, 2, 3], [10, 11])
+    assert dr.control is not None
+    dr.control.clock.record(2, d, 100.0)  # wide never pays: every step is plain
+    dr.control.clock.record(2, 1, 1.0)
+    dr.draft(["a", "b"])
+    assert not dr.drafting
+    dr.observe_step([0, 0])
+    model = dr.control.model
+    assert model.promised == 0  # nothing measured yet: the shadow drafts 12, 13, 14 are pending
+    # "a" samples the drafted 12, 13, 14 (the draft's end: 3 accepted), "b" 12 then 99 (1 accepted).
+    dr.sync("a", [1, 2, 3], [10, 11, 12])
+    dr.sync("b", [1, 2, 3], [10, 11, 12])
+    dr.draft(["a", "b"])  # the shadows are already taken: no new ones while they walk
+    dr.sync("a", [1, 2, 3], [10, 11, 12, 13, 14])
+    dr.sync("b", [1, 2, 3], [10, 11, 12, 99])
+    assert model.accepted == 4 and model.promised > 0
+    promised = model.promised
+    # A request's shadow that is still on its draft when the request ends counts as far as it got.
+    dr.draft(["a", "b"])  # a new shadow for "a" (15, 16, 17); "b" (after 99) has no draft
+    dr.finish("b", [10, 11, 12, 99])
+    dr.finish("a", [10, 11, 12, 13, 14, 15])  # one of three drafted tokens, then the end
+    assert model.accepted == 5 and model.promised > promised

@@ -5,10 +5,12 @@ The index's node probabilities estimate how likely each draft node is to be acce
 draft promises the sum of its w-1 best nodes' probabilities in accepted tokens (the drafts are
 grown best-first, so a narrower draft is the wider one's most probable nodes). Those promises are
 scaled by a calibration factor: accepted tokens over promised tokens, measured on the steps
-verified so far (while plain decoding wins, one step in ``probe_every`` is verified wide to keep
-measuring it). Width 1 is plain decoding (no draft), so apart from those probes the choice is
-never worse than plain decoding by the model's own account, and it turns speculation on when the
-batch shrinks.
+verified so far. Something must keep measuring while plain decoding wins, or promises that
+understate acceptance would keep it plain for good: in the simulator one step in ``probe_every`` is
+verified wide; in the engine a draft that was not verified is followed along the tokens the plain
+steps then sample (:class:`ShadowDraft`), which measures what verifying it would have accepted at no
+cost. Width 1 is plain decoding (no draft), so apart from probes the choice is never worse than
+plain decoding by the model's own account, and it turns speculation on when the batch shrinks.
 """
 
 from __future__ import annotations
@@ -32,10 +34,19 @@ class CostModel:
     min_promised: float = 32.0
     #: While plain decoding wins, every this many steps one is verified wide anyway, so that the
     #: calibration keeps measuring what the drafts deliver (promises that understate acceptance
-    #: would otherwise keep it plain for good).
+    #: would otherwise keep it plain for good); 0: never (the engine measures by shadow drafts).
     probe_every: int = 16
+    #: Each time this many tokens have been promised, the old measurements count half (None: never),
+    #: so the calibration follows a change in acceptance (another temperature, a new policy).
+    forget_after: float | None = None
     chosen: dict[int, int] = field(default_factory=dict)
     _since_wide: int = 0
+
+    @classmethod
+    def measuring_shadows(cls, profile: Profile, widths: Sequence[int], forget_after: float = 2048.0) -> CostModel:
+        """The engine's configuration: no probes (the caller measures the drafts of plain steps as
+        shadow drafts and passes them to :meth:`observe`), and a calibration that forgets."""
+        return cls(profile, widths, probe_every=0, forget_after=forget_after)
 
     def calibration(self) -> float:
         """Accepted over promised draft tokens so far (1 until enough has been promised)."""
@@ -58,15 +69,52 @@ class CostModel:
             rate = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
             if rate > wide_rate:
                 wide, wide_rate = w, rate
-        best = wide if wide > 1 and (wide_rate > plain or self._since_wide >= self.probe_every) else 1
+        probe = 0 < self.probe_every <= self._since_wide
+        best = wide if wide > 1 and (wide_rate > plain or probe) else 1
         self._since_wide = 0 if best > 1 else self._since_wide + 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
     def observe(self, promised: float, accepted: float) -> None:
-        """A verified step: what its drafts promised and what was accepted."""
+        """What drafts promised and what was (or would have been) accepted of them."""
         self.promised += promised
         self.accepted += accepted
+        if self.forget_after is not None and self.promised >= self.forget_after:
+            self.promised /= 2
+            self.accepted /= 2
+
+
+@dataclass
+class ShadowDraft:
+    """A draft that was not verified, followed along the tokens the request goes on to produce: the
+    number of its tokens those match from the root down is what verifying it would have accepted.
+
+    Under greedy decoding that is exact. Under sampling, SGLang's tree verification with
+    deterministic drafts accepts a child with the target's probability of sampling it, after the
+    siblings before it were rejected, so it accepts some child exactly as often as the target
+    samples one of them, which is what the match counts: an unbiased measurement, taken from steps
+    that decode plainly."""
+
+    tokens: list[int]  # node 0 is the root
+    parents: list[int]  # parents[i] for node i > 0 (parents[0] unused)
+    promised: float
+    node: int = 0
+    accepted: int = 0
+
+    def advance(self, tokens: Sequence[int]) -> bool:
+        """The request produced ``tokens`` after the draft's root (or after the last call's):
+        follows them down the tree. True once the walk has ended (a miss or a leaf), with
+        ``accepted`` final."""
+        for t in tokens:
+            nxt = next((j for j in range(self.node + 1, len(self.tokens))
+                        if self.parents[j] == self.node and self.tokens[j] == t), None)
+            if nxt is None:
+                return True
+            self.node = nxt
+            self.accepted += 1
+            if not any(p == nxt for p in self.parents[nxt + 1:]):
+                return True
+        return False
 
 
 def bucket(batch: int) -> int:
@@ -117,11 +165,14 @@ class EngineControl:
     #: Steps that tried a width in a bucket to measure it (a width the engine cannot run there,
     #: e.g. plain decoding with a grammar, is given up after a few tries).
     tries: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: The calibration's memory, in promised tokens (:attr:`CostModel.forget_after`).
+    forget_after: float = 2048.0
     #: (width, batch) of the step in flight and when it started.
     _current: tuple[int, int, float] | None = None
 
     def __post_init__(self) -> None:
-        self.model = CostModel(self.clock, [self.d])
+        # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
+        self.model = CostModel.measuring_shadows(self.clock, [self.d], self.forget_after)
 
     def choose(self, batch: int, promised: float) -> int:
         """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised``

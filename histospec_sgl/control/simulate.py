@@ -11,7 +11,8 @@ in-flight siblings do (``StepSpec.siblings``; off, each request sees its history
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
-:class:`~histospec_sgl.control.costmodel.CostModel`), ``length_first`` (plain decoding, the groups
+:class:`~histospec_sgl.control.costmodel.CostModel`, calibrated as the engine's is: by the verified
+steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
 model); ``length_first_oracle`` is the ceiling of length-first scheduling (every true length
 known), not a policy. A step's groups may be spread over several engines (:func:`run_policies`).
@@ -209,8 +210,15 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             adv = min(adv, r.length - pos)
             entry[1] += adv
             emitted += adv
-        if cost_model is not None and w > 1:
-            cost_model.observe(promised_now, got)
+        if cost_model is not None:
+            if w == 1 and decoding and not cost_model.probe_every and max(cost_model.widths) > 1:
+                # A plain step: its drafts, not verified, are measured as shadow drafts would be
+                # (what the widest draft would have accepted of the logged tokens).
+                wide = max(cost_model.widths)
+                promised_now = float(sum(reqs[i].promised[wide][pos] for i, pos in decoding))
+                got = float(sum(int(reqs[i].accepted[wide][pos]) for i, pos in decoding))
+            if promised_now:
+                cost_model.observe(promised_now, got)
         timeline.append((t, bs, w, emitted / bs))
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
@@ -263,9 +271,10 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
         "baseline": lambda rs: run_step(rs, profile, max_running, length_first=False),
         "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, width=fixed_width),
         "history_cost_model": lambda rs: run_step(rs, profile, max_running, length_first=False,
-                                                  cost_model=CostModel(profile, widths)),
+                                                  cost_model=CostModel.measuring_shadows(profile, widths)),
         "length_first": lambda rs: run_step(rs, profile, max_running, length_first=True),
-        "full": lambda rs: run_step(rs, profile, max_running, length_first=True, cost_model=CostModel(profile, widths)),
+        "full": lambda rs: run_step(rs, profile, max_running, length_first=True,
+                                    cost_model=CostModel.measuring_shadows(profile, widths)),
         ORACLE: lambda rs: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in rs], profile,
                                     max_running, length_first=True, siblings=False),
     }
