@@ -261,7 +261,7 @@ class BatchDrafter:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
         if live.shadow is not None and self.control is not None and live.shadow.advance(new):
-            self.control.observe(live.shadow.promised, live.shadow.accepted)
+            self.control.observe(live.shadow.promised, live.shadow.accepted, shadow=True)
             live.shadow = None
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
@@ -287,7 +287,7 @@ class BatchDrafter:
             self._advanced(live, len(response), response[-1], new)
         if live.shadow is not None and self.control is not None and response is not None:
             # Verifying it would have accepted up to the response's end, as the walk did.
-            self.control.observe(live.shadow.promised, live.shadow.accepted)
+            self.control.observe(live.shadow.promised, live.shadow.accepted, shadow=True)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)

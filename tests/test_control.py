@@ -329,16 +329,21 @@ def test_bench_lengths_on_the_logs(tmp_path):
 # -- the engine's control --------------------------------------------------------------------------
 
 
+def _time_steps(ec: EngineControl, batch: int, width: int, seconds: float, n: int = 3) -> None:
+    for _ in range(n):
+        ec.clock.record(batch, width, seconds)
+
+
 def test_engine_control_measures_both_widths_then_chooses_by_cost():
-    ec = EngineControl(d=8)
-    # A new batch-size bucket is measured first: one step at width d, one at width 1.
-    assert ec.choose(4, promised=0.0) == 8
-    ec.begin(0.0)
-    ec.decode_step(4, 8, 0.0)
-    ec.begin(2.0)  # the wide step took 2 s
-    assert ec.choose(4, promised=0.0) == 1
-    ec.decode_step(4, 1, 2.0)
-    ec.begin(3.0)  # the plain one 1 s
+    ec = EngineControl(d=8, min_samples=2)
+    # A new batch-size bucket is measured first: two steps at width d, two at width 1.
+    t = 0.0
+    for width, took in ((8, 2.0), (8, 2.0), (1, 1.0), (1, 1.0)):
+        ec.begin(t)  # as the worker does: the step before is timed, then this one chosen
+        assert ec.choose(4, promised=0.0) == width
+        ec.decode_step(4, width, t)
+        t += took
+    ec.begin(t)
     # 4 requests: plain gives 4 tokens/s; wide (4 + promised) / 2.
     assert ec.choose(4, promised=3.0) == 1  # 3.5 < 4
     assert ec.choose(4, promised=5.0) == 8  # 4.5 > 4
@@ -348,10 +353,28 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     ec.decode_step(4, 1, 10.0)
     ec.begin(100.0)
     assert ec.clock.step_s(4, 1) == 1.0
-    # A width the engine never runs in a bucket is given up after three tries; drafting goes on.
-    ec2 = EngineControl(d=8)
-    ec2.clock.record(2, 8, 1.0)
-    assert [ec2.choose(2, 0.0) for _ in range(4)] == [1, 1, 1, 8]
+    # A width the engine never runs in a bucket is given up after a few tries; drafting goes on.
+    ec2 = EngineControl(d=8, min_samples=2)
+    _time_steps(ec2, 2, 8, 1.0)
+    assert [ec2.choose(2, 0.0) for _ in range(5)] == [1, 1, 1, 1, 8]
+
+
+def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
+    ec = EngineControl(d=8, remeasure_after=10)
+    # The first wide step of a shape is slow (a warm-up): the median of three keeps it out.
+    for took in (60.0, 2.0, 2.0):
+        ec.clock.record(1, 8, took)
+    _time_steps(ec, 1, 1, 1.0)
+    assert ec.clock.step_s(1, 8) == 2.0
+    assert ec.choose(1, promised=1.5) == 8  # 2.5 tokens / 2 s beat 1 / 1 s
+    # Plain decoding wins for a while; a width not timed for remeasure_after steps is tried again,
+    # so a cost measured too high does not keep it unchosen for good.
+    for _ in range(8):  # the wide timings are 3 to 10 steps old
+        assert ec.choose(1, promised=0.0) == 1
+        ec.clock.record(1, 1, 1.0)
+    assert ec.choose(1, promised=0.0) == 8
+    ec.clock.record(1, 8, 1.0)
+    assert ec.choose(1, promised=0.0) == 1
 
 
 def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
@@ -366,8 +389,8 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
         dr.sync(r, [1, 2, 3], [10, 11])
     assert dr.control is not None
     # Verifying wide costs 100x plain decoding here: the drafts cannot pay, the step is plain.
-    dr.control.clock.record(2, d, 100.0)
-    dr.control.clock.record(2, 1, 1.0)
+    _time_steps(dr.control, 2, d, 100.0)
+    _time_steps(dr.control, 2, 1, 1.0)
     tokens, _ = dr.draft(["a", "b"])
     assert not tokens.reshape(2, d)[:, 1:].any() and not dr.drafting
     dr.observe_step([0, 0])
@@ -427,8 +450,8 @@ def test_calibration_forgets_and_the_engine_never_probes():
     probing = CostModel(FLAT, [4], probe_every=3)
     assert [probing.choose({4: 0.0}, batch=2, context=0) for _ in range(8)] == [1, 1, 1, 4, 1, 1, 1, 4]
     ec = EngineControl(d=4)
-    ec.clock.record(2, 4, 1.0)
-    ec.clock.record(2, 1, 1.0)
+    _time_steps(ec, 2, 4, 1.0)
+    _time_steps(ec, 2, 1, 1.0)
     assert ec.model.probe_every == 0
     assert {ec.choose(2, 0.0) for _ in range(100)} == {1}
 
@@ -444,8 +467,8 @@ def test_drafter_measures_the_drafts_of_plain_steps():
     dr.sync("a", [1, 2, 3], [10, 11])
     dr.sync("b", [1, 2, 3], [10, 11])
     assert dr.control is not None
-    dr.control.clock.record(2, d, 100.0)  # wide never pays: every step is plain
-    dr.control.clock.record(2, 1, 1.0)
+    _time_steps(dr.control, 2, d, 100.0)  # wide never pays: every step is plain
+    _time_steps(dr.control, 2, 1, 1.0)
     dr.draft(["a", "b"])
     assert not dr.drafting
     dr.observe_step([0, 0])

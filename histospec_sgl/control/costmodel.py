@@ -40,6 +40,8 @@ class CostModel:
     #: so the calibration follows a change in acceptance (another temperature, a new policy).
     forget_after: float | None = None
     chosen: dict[int, int] = field(default_factory=dict)
+    #: At the last choice, the width above 1 with the most expected tokens per second (1: none), chosen or not.
+    candidate: int = 1
     _since_wide: int = 0
 
     @classmethod
@@ -69,6 +71,7 @@ class CostModel:
             rate = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
             if rate > wide_rate:
                 wide, wide_rate = w, rate
+        self.candidate = wide
         probe = 0 < self.probe_every <= self._since_wide
         best = wide if wide > 1 and (wide_rate > plain or probe) else 1
         self._since_wide = 0 if best > 1 else self._since_wide + 1
@@ -125,14 +128,22 @@ def bucket(batch: int) -> int:
 @dataclass
 class StepClock:
     """Step costs measured on the running engine: the time from one decode step's start to the
-    next's, per verify width and batch-size bucket (an exponential moving average). A profile
-    (:class:`~histospec_sgl.control.profile.Profile`) once a bucket has both widths measured."""
+    next's, per verify width and batch-size bucket. A bucket's cost at a width is the median of its
+    last ``window`` timings, so that one slow step (the first of a shape, a pause of the host) does
+    not move it. A profile (:class:`~histospec_sgl.control.profile.Profile`) once a bucket has both
+    widths measured."""
 
     name: str = "measured online"
     description: str = "step costs timed by the engine as it runs"
     analytic: bool = False
-    decay: float = 0.2
+    window: int = 9
+    #: (width, bucket) -> its last timings, oldest first.
+    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    #: (width, bucket) -> its cost: the median of its samples.
     table: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: (width, bucket) -> the value of ``records`` when it was last timed.
+    last: dict[tuple[int, int], int] = field(default_factory=dict)
+    records: int = 0
 
     #: An interval this many times the bucket's estimate held more than a step (the engine idled).
     outlier: float = 5.0
@@ -140,10 +151,21 @@ class StepClock:
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
         old = self.table.get(key)
-        if old is None:
-            self.table[key] = seconds
-        elif seconds <= self.outlier * old:
-            self.table[key] = (1 - self.decay) * old + self.decay * seconds
+        if old is not None and seconds > self.outlier * old:
+            return
+        self.records += 1
+        xs = self.samples.setdefault(key, [])
+        xs.append(seconds)
+        del xs[: -self.window]
+        self.table[key] = sorted(xs)[(len(xs) - 1) // 2]
+        self.last[key] = self.records
+
+    def count(self, batch: int, width: int) -> int:
+        return len(self.samples.get((width, bucket(batch)), ()))
+
+    def age(self, batch: int, width: int) -> int:
+        """Steps timed since this width was last timed in this batch size's bucket."""
+        return self.records - self.last.get((width, bucket(batch)), 0)
 
     def known(self, batch: int, width: int) -> bool:
         return (width, bucket(batch)) in self.table
@@ -155,9 +177,11 @@ class StepClock:
 @dataclass
 class EngineControl:
     """The engine's per-step choice between verifying the drafts at width ``d`` and plain decoding
-    (width 1: the target's DECODE forward), from step costs it measures itself (:class:`StepClock`) and what the
-    drafts promise. A batch-size bucket whose cost at a width is not yet known tries that width
-    first, so each bucket is measured within its first steps."""
+    (width 1: the target's DECODE forward), from step costs it measures itself (:class:`StepClock`)
+    and what the drafts promise. A batch-size bucket tries each width in its first steps until it
+    has ``min_samples`` timings of it, and a width the choices have not used in a bucket for
+    ``remeasure_after`` timed steps is tried once more, so that a cost measured too high (or too
+    low) is not kept for good by never being chosen again."""
 
     d: int
     clock: StepClock = field(default_factory=StepClock)
@@ -167,6 +191,10 @@ class EngineControl:
     tries: dict[tuple[int, int], int] = field(default_factory=dict)
     #: The calibration's memory, in promised tokens (:attr:`CostModel.forget_after`).
     forget_after: float = 2048.0
+    min_samples: int = 3
+    remeasure_after: int = 256
+    #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
+    verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: (width, batch) of the step in flight and when it started.
     _current: tuple[int, int, float] | None = None
 
@@ -177,16 +205,17 @@ class EngineControl:
     def choose(self, batch: int, promised: float) -> int:
         """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised``
         accepted tokens in all."""
-        unknown = False
         for w in (self.d, 1):
-            if not self.clock.known(batch, w):
+            if self.clock.count(batch, w) < self.min_samples:
                 key = (w, bucket(batch))
-                if self.tries.get(key, 0) < 3:
+                if self.tries.get(key, 0) < self.min_samples + 2:
                     self.tries[key] = self.tries.get(key, 0) + 1
                     return w
-                unknown = True
-        if unknown:
-            return self.d
+        if not (self.clock.known(batch, self.d) and self.clock.known(batch, 1)):
+            return self.d  # a width that never ran here (tried and given up): drafting goes on
+        for w in (self.d, 1):
+            if self.clock.age(batch, w) > self.remeasure_after:
+                return w
         return self.model.choose({self.d: promised}, batch, 0.0)
 
     def begin(self, now: float) -> None:
@@ -201,5 +230,22 @@ class EngineControl:
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         self._current = (width, batch, started)
 
-    def observe(self, promised: float, accepted: float) -> None:
+    def observe(self, promised: float, accepted: float, *, shadow: bool = False) -> None:
+        """A verified step's drafts (or, ``shadow``, a shadow draft's): what they promised and what
+        was (or would have been) accepted."""
+        if not shadow:
+            self.verified[0] += self.model.calibration() * promised
+            self.verified[1] += accepted
         self.model.observe(promised, accepted)
+
+    def summary(self) -> str:
+        """One line for the engine's log: the calibration, each bucket's measured cost of a wide
+        step over a plain one, the steps chosen at each width so far, and the accepted tokens the
+        verified steps were expected to bring against what they brought."""
+        ratios = ", ".join(f"{b}: {self.clock.table[(self.d, b)] / self.clock.table[(1, b)]:.2f}"
+                           for b in sorted({b for _, b in self.clock.table})
+                           if (self.d, b) in self.clock.table and (1, b) in self.clock.table)
+        chosen = self.model.chosen
+        return (f"calibration {self.model.calibration():.2f}, wide/plain step cost by batch {{{ratios}}}, "
+                f"{chosen.get(self.d, 0)} wide / {chosen.get(1, 0)} plain steps chosen, verified steps "
+                f"expected {self.verified[0]:.0f} accepted tokens and got {self.verified[1]:.0f}")

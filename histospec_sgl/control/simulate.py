@@ -211,10 +211,10 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             entry[1] += adv
             emitted += adv
         if cost_model is not None:
-            if w == 1 and decoding and not cost_model.probe_every and max(cost_model.widths) > 1:
-                # A plain step: its drafts, not verified, are measured as shadow drafts would be
-                # (what the widest draft would have accepted of the logged tokens).
-                wide = max(cost_model.widths)
+            if w == 1 and decoding and not cost_model.probe_every and cost_model.candidate > 1:
+                # A plain step: the drafts it did not verify (at the width that came closest to
+                # paying) are measured as shadow drafts would be, against the logged tokens.
+                wide = cost_model.candidate
                 promised_now = float(sum(reqs[i].promised[wide][pos] for i, pos in decoding))
                 got = float(sum(int(reqs[i].accepted[wide][pos]) for i, pos in decoding))
             if promised_now:

@@ -407,6 +407,8 @@ class HistoryWorker(NGRAMWorker):
             st["groups"], st["responses"], st["bytes"] / 1e6,
             f", {self.narrow_steps} plain decode steps so far" if self._narrow_from() else "",
         )
+        if self.drafter.control is not None:
+            logger.info("histospec: cost model: %s", self.drafter.control.summary())
 
 
 def _install_scheduler_rpcs() -> None:
