@@ -208,7 +208,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
                              siblings=args.siblings, max_new_tokens=args.max_new_tokens,
                              draft_tokens=args.draft_tokens, device=args.device, python=args.python,
-                             switch_off=args.switch_off, repeats=args.repeats, log=progress,
+                             switch_off=args.switch_off, repeats=args.repeats,
+                             sampled_requests=args.sampled_requests, fixed_length=args.fixed_length,
+                             log=progress,
                              log_dir=args.log_dir)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -337,5 +339,11 @@ def add_bench(sub: Any) -> None:
                     "HISTOSPEC_NARROW_VERIFY=1)")
     be.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times (fresh groups each time) and report the medians")
+    be.add_argument("--sampled-requests", type=int, default=32,
+                    help="a sampled row runs batches of its size until it has run this many requests "
+                    "(sampled lengths vary from run to run; greedy rows run once)")
+    be.add_argument("--fixed-length", action="store_true",
+                    help="run every request to --max-new-tokens, past its end of sequence, so that a batch keeps "
+                    "its size to the end and every method does the same work")
     be.add_argument("--log-dir", help="keep each server's log here")
     be.set_defaults(func=_bench_engine)

@@ -11,6 +11,12 @@ radix cache go; HISTORY keeps its history, so each row's requests carry their ow
 times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run). The second pass repeats the same requests:
 what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
 ``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other.
+A sampled row (temperature > 0) runs batches of B until it has run ``sampled_requests`` requests
+(``--sampled-requests``), since sampled lengths, and with them a batch's tail, vary from run to run;
+a greedy row repeats itself exactly and runs once. Where requests end at different times a batch
+shrinks as it runs, so a row mixes batch sizes and its wall time follows its longest sample;
+``fixed_length`` (``--fixed-length``) runs every request to ``max_new_tokens`` instead, past its end
+of sequence, so that every method does the same work at the row's batch size throughout.
 
 ``tokens_per_step`` is completion tokens over forward passes (SGLang's ``spec_verify_ct``, 1 per token
 for plain decoding); ``step_ms`` the row's wall time over the longest request's forward passes, so
@@ -105,17 +111,19 @@ def _requests(prompts: list[list[int]], batch: int, siblings: int, row: str) -> 
     return ids, groups
 
 
-def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]], one_by_one: bool) -> dict[str, Any]:
+def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+    """Runs the requests in batches of ``batch`` (batch 1: one after the other), one batch after the
+    other."""
     t0 = time.perf_counter()
-    if one_by_one:
-        outs = [srv.generate([i], [p])[0] for i, p in zip(ids, params)]
-    else:
-        outs = srv.generate(ids, params)
+    outs, passes = [], 0
+    for k in range(0, len(ids), batch):
+        out = srv.generate(ids[k: k + batch], params[k: k + batch])
+        outs += out
+        # Forward passes the row waited for: the longest request of each batch.
+        passes += max(verify_steps(o) for o in out)
     wall = time.perf_counter() - t0
     tokens = sum(len(o["output_ids"]) for o in outs)
     steps = [verify_steps(o) for o in outs]
-    # Forward passes the row waited for: one request after another, or the longest of a batch.
-    passes = sum(steps) if one_by_one else max(steps)
     return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
             "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
             "step_ms": round(1000 * wall / max(1, passes), 3)}
@@ -124,19 +132,23 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
-        switch_off: dict[str, str] | None = None, repeats: int = 1,
-        log: Callable[[str], None] = print, log_dir: str | None = None) -> dict[str, Any]:
+        switch_off: dict[str, str] | None = None, repeats: int = 1, sampled_requests: int = 32,
+        fixed_length: bool = False, log: Callable[[str], None] = print,
+        log_dir: str | None = None) -> dict[str, Any]:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: expected some of {', '.join(METHODS)}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     path, prompts, model_info = _model(model, log)
-    ignore_eos = model_info.get("kind") != "rhyme"  # the rhyme model ends its completions itself
+    # The rhyme model ends its completions itself; ``fixed_length`` runs every request to
+    # max_new_tokens all the same, so that a batch keeps its size to the end.
+    ignore_eos = fixed_length or model_info.get("kind") != "rhyme"
     switch_off_env = {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}
     settings = {"batch_sizes": list(batch_sizes), "temperatures": list(temperatures), "siblings": siblings,
                 "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
-                "ignore_eos": ignore_eos, "repeats": repeats,
+                "ignore_eos": ignore_eos, "repeats": repeats, "sampled_requests": sampled_requests,
+                "fixed_length": fixed_length,
                 "switch_off": switch_off_env}
     runs: dict[tuple, list[dict[str, Any]]] = {}
     servers: dict[str, EngineServer] = {}
@@ -157,6 +169,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                 for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
                     for rep in range(repeats):
                         n = SINGLE_REPEATS if batch == 1 else batch
+                        if temp > 0:
+                            n = max(n, -(-sampled_requests // batch) * batch)
                         params_of = {}
                         for method, srv in servers.items():
                             ids, groups = _requests(prompts, n, sib, f"{method}-{temp}-{batch}-{sib}-{rep}")
@@ -167,7 +181,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                         for pass_no in (1, 2):
                             for method in order:
                                 ids, params = params_of[method]
-                                r = _timed(servers[method], ids, params, one_by_one=batch == 1)
+                                r = _timed(servers[method], ids, params, batch)
                                 runs.setdefault((method, pass_no, batch, temp, sib), []).append(r)
                                 log(f"[bench engine] {method} pass {pass_no} bs {batch} T {temp} n {sib} "
                                     f"run {rep + 1}/{repeats}: {r['tokens_per_s']:.1f} tok/s, "
