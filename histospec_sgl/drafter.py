@@ -257,7 +257,7 @@ class BatchDrafter:
         for live, n, new in todo:
             self._advanced(live, n, new[-1], new)
 
-    def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int] = ()) -> None:
+    def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int]) -> None:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
         if live.shadow is not None and self.control is not None and live.shadow.advance(new):

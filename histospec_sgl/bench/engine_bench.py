@@ -115,15 +115,15 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     """Runs the requests in batches of ``batch`` (batch 1: one after the other), one batch after the
     other."""
     t0 = time.perf_counter()
-    outs, passes = [], 0
+    tokens, steps, passes = 0, [], 0
     for k in range(0, len(ids), batch):
         out = srv.generate(ids[k: k + batch], params[k: k + batch])
-        outs += out
+        tokens += sum(len(o["output_ids"]) for o in out)
+        batch_steps = [verify_steps(o) for o in out]
+        steps += batch_steps
         # Forward passes the row waited for: the longest request of each batch.
-        passes += max(verify_steps(o) for o in out)
+        passes += max(batch_steps)
     wall = time.perf_counter() - t0
-    tokens = sum(len(o["output_ids"]) for o in outs)
-    steps = [verify_steps(o) for o in outs]
     return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
             "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
             "step_ms": round(1000 * wall / max(1, passes), 3)}

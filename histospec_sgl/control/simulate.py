@@ -34,6 +34,7 @@ import numpy as np
 from histospec_sgl.control.costmodel import CostModel
 from histospec_sgl.control.length import expected_longest
 from histospec_sgl.control.profile import Profile
+from histospec_sgl.replay.simulate import accept_greedy
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
@@ -102,13 +103,9 @@ def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
             for w in widths:
                 keep = set(order[: w - 1])
                 promised[w][p] = sum(probs[i] for i in keep)
-                cur, acc = 0, 0
-                while p + acc < len(resp):
-                    nxt = next((i for i in keep if parents[i] == cur and toks[i] == resp[p + acc]), None)
-                    if nxt is None:
-                        break
-                    cur, acc = nxt, acc + 1
-                accepted[w][p] = acc
+                # The nodes left out carry no token (-1), so the walk never enters them.
+                masked = [t if i in keep else -1 for i, t in enumerate(toks)]
+                accepted[w][p] = accept_greedy(masked, parents, resp, p)
         for k in list(live):
             if p < len(responses[k]):
                 ixs[k].extend_request(k + 1, [responses[k][p]])
