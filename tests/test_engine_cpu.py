@@ -404,6 +404,28 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
 # -- the benchmark -------------------------------------------------------------------------------
 
 
+def test_bench_engine_methods_and_their_ratios():
+    """Each method's server, and the ratios of a row: ``plain_sync`` is plain decoding without the
+    overlap scheduler, and ``vs_plain_sync`` compares with it where a row has one."""
+    from histospec_sgl.bench import engine_bench as eb
+
+    assert eb.server_spec("plain_sync", {}) == ("plain", {}, ["--sleep-on-idle", "--disable-overlap-schedule"])
+    assert eb.server_spec("plain", {}) == ("plain", {}, ["--sleep-on-idle"])
+    assert eb.server_spec("history_cost", {})[:2] == ("history", {"HISTOSPEC_CONTROL": "cost"})
+    assert eb.server_spec("history_switchoff", {"HISTOSPEC_MIN_ACCEPT": "1"})[1] == {"HISTOSPEC_MIN_ACCEPT": "1"}
+    with pytest.raises(ValueError, match="unknown method"):
+        eb.server_spec("eagle", {})
+    point = {"pass": 1, "batch_size": 4, "temperature": 1.0, "siblings": 1}
+    rows = [{"method": "plain", **point, "tokens_per_s": 100.0, "step_ms": 10.0},
+            {"method": "plain_sync", **point, "tokens_per_s": 105.0, "step_ms": 9.5},
+            {"method": "history_cost", **point, "tokens_per_s": 84.0, "step_ms": 12.0},
+            {"method": "history", **point, "batch_size": 16, "tokens_per_s": 50.0, "step_ms": 20.0}]
+    eb._ratios(rows)
+    assert (rows[2]["vs_plain"], rows[2]["vs_plain_sync"], rows[2]["verify_cost"]) == (0.84, 0.8, 1.2)
+    assert rows[1]["vs_plain"] == 1.05 and rows[1]["vs_plain_sync"] == 1.0
+    assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
+
+
 def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
     """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a
     row for every method, pass, batch size, temperature and sibling count; on the second greedy pass

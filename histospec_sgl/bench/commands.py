@@ -324,7 +324,8 @@ def add_bench(sub: Any) -> None:
                     help="rhyme (a small Llama trained on the shipped HumanEval completions, built and cached on "
                     "first use), random (random weights), or a model directory")
     be.add_argument("--methods", default="plain,ngram,history,history_switchoff,history_cost",
-                    help="comma list of plain, ngram, history, history_switchoff, history_cost")
+                    help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, history, "
+                    "history_switchoff, history_cost")
     be.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
     be.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
     be.add_argument("--siblings", type=int, default=8, help="samples per prompt in the sibling rows (sampled only)")

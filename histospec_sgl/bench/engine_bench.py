@@ -24,6 +24,9 @@ for plain decoding); ``step_ms`` the row's wall time over the longest request's 
 of one verify step relative to one decode step at that batch size: the profile a rollout simulator
 needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWITCH_OFF`, or ``--switch-off``);
 ``history_cost`` is HISTORY with the cost model choosing each step's width (:data:`COST`).
+``plain_sync`` is plain decoding without the overlap scheduler (:data:`SYNC_ARGS`), as SGLang runs
+speculative decoding on CPU; ``vs_plain_sync`` compares a row with it, so that a ratio says what the
+speculation does apart from the scheduler it runs under.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ from typing import Any
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
-METHODS = ("plain", "ngram", "history", "history_switchoff", "history_cost")
+METHODS = ("plain", "plain_sync", "ngram", "history", "history_switchoff", "history_cost")
+#: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
+#: speculative decoding on CPU (on a GPU HISTORY runs with it): the same scheduler as HISTORY's there.
+SYNC_ARGS = ["--disable-overlap-schedule"]
 #: ``history_cost``: the cost model picks each step's width (:mod:`histospec_sgl.control.costmodel`).
 COST = {"HISTOSPEC_CONTROL": "cost"}
 #: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
@@ -129,6 +135,15 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
             "step_ms": round(1000 * wall / max(1, passes), 3)}
 
 
+def server_spec(method: str, switch_off_env: dict[str, str]) -> tuple[str, dict[str, str], list[str]]:
+    """A method's server: the algorithm it runs, its ``HISTOSPEC_*`` settings and its extra arguments."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
+    env = {"history_switchoff": switch_off_env, "history_cost": COST}.get(method, {})
+    algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else method
+    return algo, dict(env), ["--sleep-on-idle", *(SYNC_ARGS if method == "plain_sync" else [])]
+
+
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
@@ -153,11 +168,10 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     runs: dict[tuple, list[dict[str, Any]]] = {}
     servers: dict[str, EngineServer] = {}
     for method in methods:
-        env = {"history_switchoff": switch_off_env, "history_cost": COST}.get(method, {})
-        algo = "history" if method.startswith("history") else method
+        algo, env, extra = server_spec(method, switch_off_env)
         servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",
-                                       max_running=max(batch_sizes), env=env, extra_args=["--sleep-on-idle"],
+                                       max_running=max(batch_sizes), env=env, extra_args=extra,
                                        log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
     log(f"[bench engine] starting the servers: {', '.join(methods)}")
     with running(*servers.values()):
@@ -208,14 +222,19 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_plain`` (tokens/s over plain decoding's) and ``verify_cost`` (step time over plain's) for
-    every row that has a plain row with the same pass, batch size, temperature and siblings."""
+    every row that has a plain row with the same pass, batch size, temperature and siblings;
+    ``vs_plain_sync`` where there is a ``plain_sync`` row."""
     key = ("pass", "batch_size", "temperature", "siblings")
     plain = {tuple(r[k] for k in key): r for r in rows if r["method"] == "plain"}
+    sync = {tuple(r[k] for k in key): r for r in rows if r["method"] == "plain_sync"}
     for r in rows:
         base = plain.get(tuple(r[k] for k in key))
         if base is not None:
             r["vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             r["verify_cost"] = round(r["step_ms"] / base["step_ms"], 3)
+        base = sync.get(tuple(r[k] for k in key))
+        if base is not None:
+            r["vs_plain_sync"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -224,7 +243,7 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['device']} ({m['cpu']}, {m['cores']} cores), sglang {m['sglang']}, "
           f"d={result['settings']['draft_tokens']}")
     cols = ["method", "pass", "batch_size", "temperature", "siblings", "tokens_per_s", "tokens_per_step",
-            "step_ms", "vs_plain", "verify_cost"]
+            "step_ms", "vs_plain", "vs_plain_sync", "verify_cost"]
     rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["siblings"], r["batch_size"], r["pass"],
                                                  METHODS.index(r["method"])))
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
