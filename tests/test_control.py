@@ -15,6 +15,8 @@ from histospec_sgl.control.costmodel import CostModel, EngineControl
 from histospec_sgl.control.length import LengthPredictor, Response, evaluate, expected_longest, spearman
 from histospec_sgl.control.profile import H100_8B, Measured, resolve
 from histospec_sgl.control.simulate import (
+    GROUP_ORACLE,
+    ORACLE,
     SimRequest,
     StepSpec,
     aggregate,
@@ -180,6 +182,17 @@ def test_length_first_learns_from_siblings_that_finished():
     assert run_step(reqs, FLAT, max_running=1, length_first=True, siblings=False).finish_s == [1.0, 2.0, 5.0]
 
 
+def test_the_group_ceiling_ranks_groups_by_their_true_longest():
+    # One slot. Group a: 1 and 5 tokens, group b: 3 and 3, submitted a1, b1, a2, b2. Ranked by the
+    # group's true longest (a 5, b 3), a's samples go first in submission order (a1 done at 1, a2
+    # at 6), then b's (9, 12); knowing each request's length, 5, 3, 3, 1: 5, 8, 11, 12.
+    reqs = [_req(1, group="a"), _req(3, group="b"), _req(5, group="a"), _req(3, group="b")]
+    out = run_policies(reqs, FLAT, max_running=1, widths=[4], fixed_width=4)
+    assert out[GROUP_ORACLE].finish_s == [1.0, 6.0, 9.0, 12.0]
+    assert out[ORACLE].finish_s == [5.0, 8.0, 11.0, 12.0]
+    assert out["baseline"].finish_s == [1.0, 4.0, 9.0, 12.0]
+
+
 def test_groups_spread_over_engines_end_with_the_last_engine():
     # Groups "a" and "b" hash to engines 0 and 1 of two. One slot each: engine 0 runs a's 2 + 3
     # tokens (done at 2 and 5), engine 1 b's 4 (done at 4). On one engine with two slots: a1 and b1
@@ -294,7 +307,8 @@ def test_simulate_command_writes_the_documented_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["profile"] == "h100-8b-analytic" and res["analytic"] is True
     assert "ANALYTIC" in r.stdout
-    names = {"baseline", "history_fixed", "history_cost_model", "length_first", "full", "length_first_oracle"}
+    names = {"baseline", "history_fixed", "history_cost_model", "length_first", "full", "length_first_oracle",
+             "length_first_group_oracle"}
     assert set(res["policies"]) == names
     for v in res["policies"].values():
         assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline", "ratio_vs_baseline_range"} <= set(v)

@@ -15,7 +15,8 @@ Policies: ``baseline`` (first come first served, plain decoding: what slime does
 steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
 model); ``length_first_oracle`` is the ceiling of length-first scheduling (every true length
-known), not a policy. A step's groups may be spread over several engines (:func:`run_policies`).
+known) and ``length_first_group_oracle`` the ceiling of ranking whole groups (every group's true
+longest known), not policies. A step's groups may be spread over several engines (:func:`run_policies`).
 Every figure is a simulation on the named profile; an analytic profile is labelled as such.
 """
 
@@ -39,6 +40,9 @@ from histospec_sgl.replay.simulate import accept_greedy
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
 ORACLE = "length_first_oracle"
+#: The ceiling of ranking groups, as the trainer adapters do: every sample of a group predicted at
+#: the group's true longest, so the groups go longest first and a group's samples in submission order.
+GROUP_ORACLE = "length_first_group_oracle"
 
 
 @dataclass
@@ -274,8 +278,17 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
                                     cost_model=CostModel.measuring_shadows(profile, widths)),
         ORACLE: lambda rs: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in rs], profile,
                                     max_running, length_first=True, siblings=False),
+        GROUP_ORACLE: lambda rs: run_step(_group_longest(rs), profile, max_running, length_first=True, siblings=False),
     }
     return {name: (fn(parts[0]) if len(parts) == 1 else combine([fn(p) for p in parts])) for name, fn in runs.items()}
+
+
+def _group_longest(reqs: Sequence[SimRequest]) -> list[SimRequest]:
+    """The requests with each one predicted at its group's true longest length."""
+    longest: dict[Hashable, int] = defaultdict(int)
+    for r in reqs:
+        longest[r.group] = max(longest[r.group], r.length)
+    return [dataclasses.replace(r, predicted=float(longest[r.group])) for r in reqs]
 
 
 def summarize(outcomes: dict[str, Outcome]) -> dict[str, dict[str, Any]]:
