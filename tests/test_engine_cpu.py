@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -402,6 +404,48 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
 
 
 # -- the benchmark -------------------------------------------------------------------------------
+
+
+FAKE_ENGINE = """#!{python}
+import http.server, pathlib, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+launches = pathlib.Path({marker!r})
+launches.write_text(launches.read_text() + f"{{port}}\\n" if launches.exists() else f"{{port}}\\n")
+if len(launches.read_text().split()) == 1:
+    # What SGLang prints, and then keeps running, when its HTTP port was taken before it bound it.
+    print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {{port}}): "
+          "address already in use", flush=True)
+    time.sleep(600)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
+    """The engine stood in by a process that answers SGLang's health check: on its first launch it
+    fails to bind its port as SGLang does (it prints the error and keeps running); the server is
+    stopped and launched on a new port, which answers."""
+    from histospec_sgl.bench.engine_server import EngineServer
+
+    marker = tmp_path / "launches"
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_ENGINE.format(python=sys.executable, marker=str(marker)))
+    fake.chmod(0o755)
+    srv = EngineServer(tmp_path, "plain", python=str(fake), device="cuda", startup_timeout=60,
+                       log_path=tmp_path / "server.log")
+    first = srv.port
+    try:
+        srv.start()
+        ports = [int(p) for p in marker.read_text().split()]
+        assert ports == [first, srv.port] and srv.port != first
+        with urllib.request.urlopen(srv.url + "/health_generate", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        srv.stop()
+    assert srv.proc is None
 
 
 def test_bench_engine_methods_and_their_ratios():

@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("plain", "ngram", "history")
+#: Launches of a server whose port another process took before it could bind it.
+PORT_TRIES = 3
 
 
 def free_port() -> int:
@@ -125,6 +127,7 @@ class EngineServer:
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
         self._launched = 0.0
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -138,23 +141,54 @@ class EngineServer:
         """Starts the server's process without waiting for it (see :func:`running`)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._log_start = log.tell()
             self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._launched = time.monotonic()
         return self
 
     def wait_ready(self) -> EngineServer:
-        """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch)."""
+        """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch).
+        A server whose port was taken between :func:`free_port` and its bind (by another process, or
+        another server starting beside it) does not exit; it is stopped and launched again on a new
+        port, up to :data:`PORT_TRIES` times."""
         assert self.proc is not None, "launch() first"
+        for attempt in range(1, PORT_TRIES + 1):
+            if self._wait(last=attempt == PORT_TRIES):
+                return self
+            self.stop()
+            self.port = free_port()
+            self.args[self.args.index("--port") + 1] = str(self.port)
+            self.launch()
+        raise AssertionError("unreachable")
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return b"address already in use" in f.read()
+        except OSError:
+            return False
+
+    def _wait(self, last: bool) -> bool:
+        """True once the server answers; False if its port was taken (unless ``last``: then it
+        raises); raises if it exits or does not come up in time."""
+        assert self.proc is not None
         deadline = self._launched + self.startup_timeout
         while time.monotonic() < deadline:
+            if self._port_taken():
+                if not last:
+                    return False
+                self.stop()
+                raise EngineError(f"the {self.method} server found its port taken {PORT_TRIES} times:\n"
+                                  f"{self.log_tail()}")
             if self.proc.poll() is not None:
                 raise EngineError(f"the {self.method} server exited with {self.proc.returncode} while starting:\n"
                                   f"{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
                     if r.status == 200:
-                        return self
+                        return True
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
