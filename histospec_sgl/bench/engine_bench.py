@@ -224,15 +224,16 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
     """``vs_plain`` (tokens/s over plain decoding's) and ``verify_cost`` (step time over plain's) for
     every row that has a plain row with the same pass, batch size, temperature and siblings;
     ``vs_plain_sync`` where there is a ``plain_sync`` row."""
-    key = ("pass", "batch_size", "temperature", "siblings")
-    plain = {tuple(r[k] for k in key): r for r in rows if r["method"] == "plain"}
-    sync = {tuple(r[k] for k in key): r for r in rows if r["method"] == "plain_sync"}
+    def point(r: dict[str, Any]) -> tuple:
+        return tuple(r[k] for k in ("pass", "batch_size", "temperature", "siblings"))
+
+    bases = {(r["method"], point(r)): r for r in rows if r["method"] in ("plain", "plain_sync")}
     for r in rows:
-        base = plain.get(tuple(r[k] for k in key))
+        base = bases.get(("plain", point(r)))
         if base is not None:
             r["vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
             r["verify_cost"] = round(r["step_ms"] / base["step_ms"], 3)
-        base = sync.get(tuple(r[k] for k in key))
+        base = bases.get(("plain_sync", point(r)))
         if base is not None:
             r["vs_plain_sync"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
 

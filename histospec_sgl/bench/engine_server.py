@@ -154,13 +154,16 @@ class EngineServer:
         port, up to :data:`PORT_TRIES` times."""
         assert self.proc is not None, "launch() first"
         for attempt in range(1, PORT_TRIES + 1):
-            if self._wait(last=attempt == PORT_TRIES):
+            if self._wait():
                 return self
             self.stop()
+            if attempt == PORT_TRIES:
+                raise EngineError(f"the {self.method} server found its port taken {PORT_TRIES} times:\n"
+                                  f"{self.log_tail()}")
             self.port = free_port()
             self.args[self.args.index("--port") + 1] = str(self.port)
             self.launch()
-        raise AssertionError("unreachable")
+        return self
 
     def _port_taken(self) -> bool:
         try:
@@ -170,18 +173,14 @@ class EngineServer:
         except OSError:
             return False
 
-    def _wait(self, last: bool) -> bool:
-        """True once the server answers; False if its port was taken (unless ``last``: then it
-        raises); raises if it exits or does not come up in time."""
+    def _wait(self) -> bool:
+        """True once the server answers, False if its port was taken; raises if it exits or does not
+        come up in time."""
         assert self.proc is not None
         deadline = self._launched + self.startup_timeout
         while time.monotonic() < deadline:
             if self._port_taken():
-                if not last:
-                    return False
-                self.stop()
-                raise EngineError(f"the {self.method} server found its port taken {PORT_TRIES} times:\n"
-                                  f"{self.log_tail()}")
+                return False
             if self.proc.poll() is not None:
                 raise EngineError(f"the {self.method} server exited with {self.proc.returncode} while starting:\n"
                                   f"{self.log_tail()}")
