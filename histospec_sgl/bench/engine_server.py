@@ -128,6 +128,7 @@ class EngineServer:
         self.proc: subprocess.Popen | None = None
         self._launched = 0.0
         self._log_start = 0
+        self._corpus_id: str | None = None
 
     @property
     def url(self) -> str:
@@ -219,6 +220,19 @@ class EngineServer:
             body["rid"] = rids
         out = self._post("/generate", body, timeout)
         return out if isinstance(out, list) else [out]
+
+    def set_corpus(self, documents: list[str], timeout: float = 600.0) -> int:
+        """NGRAM's external corpus (SGLang 0.5.23, a server with its tokenizer): the one added before
+        is removed, then ``documents`` (text) are added as one corpus. Returns its token count."""
+        corpus = getattr(self, "_corpus_id", None)
+        if corpus:
+            self._post("/remove_external_corpus", {"corpus_id": corpus}, timeout)
+            self._corpus_id = None
+        out = self._post("/add_external_corpus", {"documents": documents}, timeout)
+        if not out or not out.get("success"):
+            raise EngineError(f"/add_external_corpus failed: {out}")
+        self._corpus_id = out["corpus_id"]
+        return int(out.get("loaded_token_count", 0))
 
     def abort(self, rid: str) -> None:
         self._post("/abort_request", {"rid": rid}, 30)

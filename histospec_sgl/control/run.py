@@ -143,3 +143,91 @@ def print_simulation(result: dict[str, Any]) -> None:
                       f"{pct(v['tail_change'])} [{pct(tlo)}, {pct(thi)}]",
                       f"{v['slower_than_baseline_in']}/{st['steps']}")
         console().print(t)
+
+
+#: ``bench engine`` methods the simulator predicts, and how: a fixed verify width, or the cost model.
+CHECKED = ("history", "history_cost")
+
+
+def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
+    """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
+    from the result itself (:func:`~histospec_sgl.control.profile.from_engine_bench`), the same
+    logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.bench.engine_trace`), and
+    each measured row re-run in the simulator as the engine ran it: its requests in order, in
+    batches of the row's size one after the other, a group's earlier samples of the row its history
+    beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
+    from histospec_sgl.bench import engine_trace as et
+    from histospec_sgl.bench.engine_bench import SINGLE_REPEATS
+    from histospec_sgl.control.profile import Measured, from_engine_bench
+
+    settings = engine.get("settings", {})
+    if settings.get("mode") != "trace":
+        raise ValueError("simulate --check needs a trace-mode bench engine result (bench engine --trace grpo)")
+    prof_json = from_engine_bench(engine)
+    profile = Measured(prof_json["name"], prof_json["description"],
+                       {w: sorted((p["batch"], p["step_s"]) for p in prof_json["points"] if p["width"] == w)
+                        for w in {p["width"] for p in prof_json["points"]}})
+    tr = settings["trace"]
+    spec = et.TraceSpec(tr["preset"], tr["groups"], tr["history_policies"], tr["seed"])
+    groups = et.workload(spec, Path(engine["model"]["path"]), data_root)
+    d = int(settings["draft_tokens"])
+    cap = int(settings["max_new_tokens"])
+    measured = {(r["method"], r["batch_size"], r["temperature"]): r for r in engine["rows"]}
+    out = []
+    for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        if method not in CHECKED or ("plain", batch, temp) not in measured:
+            continue
+        n = SINGLE_REPEATS if batch == 1 else max(batch, -(-int(settings["sampled_requests"]) // batch) * batch)
+        reqs = et.requests(groups, n)
+
+        base_s = _trace_row(groups, reqs, batch, cap, d, profile, None, False)
+        s = _trace_row(groups, reqs, batch, cap, d, profile, d if method == "history" else None,
+                       method == "history_cost")
+        out.append({"method": method, "batch_size": batch, "temperature": temp,
+                    "predicted_speedup": round(base_s / s, 3) if s else None,
+                    "measured_speedup": row.get("vs_plain"),
+                    "measured_tokens_per_step": row.get("tokens_per_step")})
+    for c in out:
+        p, m = c["predicted_speedup"], c["measured_speedup"]
+        c["error"] = round(p / m - 1, 3) if p and m else None
+    return {"check": out, "profile": prof_json, "trace": tr, "draft_tokens": d,
+            "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
+
+
+def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
+               width: int | None, cost: bool) -> float:
+    """Simulated seconds of a trace row under one policy (a fixed ``width``, the cost model, or
+    plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
+    of earlier batches in the row added to its history, as the engine keeps them."""
+    from histospec_sgl.control.costmodel import CostModel
+
+    seconds = 0.0
+    done: dict[int, list[list[int]]] = {}
+    for k in range(0, len(reqs), batch):
+        chunk = reqs[k:k + batch]
+        sims = []
+        for gi in sorted({gi for gi, _ in chunk}):
+            g = groups[gi]
+            mine = [g.samples[si][:cap] for gj, si in chunk if gj == gi]
+            sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, [d])
+            done.setdefault(gi, []).extend(mine)
+        model = CostModel.measuring_shadows(profile, [d]) if cost else None
+        seconds += simulate.run_step(sims, profile, batch, length_first=False, width=width, cost_model=model).makespan_s
+    return seconds
+
+
+def print_check(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from histospec_sgl.console import console
+
+    t = Table(title=f"simulate --check: predicted against measured speedup over plain decoding (trace mode, "
+                    f"d={result['draft_tokens']}, profile {result['profile']['name']})")
+    for c in ("method", "batch", "T", "predicted", "measured", "error"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+    for c in result["check"]:
+        t.add_row(c["method"], str(c["batch_size"]), str(c["temperature"]), f"{c['predicted_speedup']:.2f}x",
+                  f"{c['measured_speedup']:.2f}x", f"{100 * c['error']:+.0f}%" if c["error"] is not None else "")
+    console().print(t)
+    if result["not_predicted"]:
+        console().print(f"not predicted (the simulator models HISTORY's drafting only): {', '.join(result['not_predicted'])}")

@@ -346,14 +346,25 @@ class StepSpec:
     siblings: bool = True
 
 
-def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
-               ensure: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
-    """A step of ``spec.groups`` groups from a log with several policies (``Rollout`` rows with
-    token ids): each group is one policy's samples of one prompt at one logged step, its history
-    the same prompt's responses from ``spec.history_policies`` other policies at that step (the
-    responses an earlier epoch of a closely related policy gives). ``spec.kind`` says how the
-    groups are drawn (:class:`StepSpec`). ``ensure(rows)`` fills the token ids of the rows the step
-    uses (rows of text logs)."""
+@dataclass
+class ChosenGroup:
+    """One group of a step drawn from a log: ``samples``, one policy's responses to a prompt at a
+    logged step (by sample index), and ``history``, the same prompt's responses from other policies
+    at that step."""
+
+    key: tuple[Any, Any]
+    policy: Any
+    samples: list[Any]
+    history: list[Any]
+
+
+def choose_groups(rows: Sequence[Any], spec: StepSpec) -> list[ChosenGroup]:
+    """The ``spec.groups`` groups of a step from a log with several policies (``Rollout`` rows):
+    each group is one policy's samples of one prompt at one logged step, its history the same
+    prompt's responses from ``spec.history_policies`` other policies at that step (the responses
+    an earlier epoch of a closely related policy gives). ``spec.kind`` says how the groups are
+    drawn (:class:`StepSpec`). The same ``spec`` draws the same groups, for the simulator and for
+    ``bench engine --trace``."""
     if spec.kind not in STEP_KINDS:
         raise ValueError(f"unknown step kind {spec.kind!r}; choose from {', '.join(STEP_KINDS)}")
     by_key: dict[Any, list[Any]] = defaultdict(list)
@@ -384,31 +395,49 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progr
         entries = sorted(by_policy[run], key=lambda e: (e[1] if e[1] is not None else -1, repr(e[0])))
         first = rng.randrange(len(entries) - spec.groups + 1)
         chosen = entries[first:first + spec.groups]
-    reqs: list[SimRequest] = []
-    history_responses = 0
+    out = []
     for grp, step, target in chosen:
         members = by_key[(grp, step)]
         others = rng.sample(sorted({m.policy for m in members if m.policy != target}, key=repr),
                             spec.history_policies)
-        mine = sorted((m for m in members if m.policy == target), key=lambda m: m.sample)
-        hist = [m for m in members if m.policy in others]
+        out.append(ChosenGroup((grp, step), target, sorted((m for m in members if m.policy == target),
+                                                           key=lambda m: m.sample),
+                               [m for m in members if m.policy in others]))
+    return out
+
+
+def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
+               ensure: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
+    """A step of ``spec.groups`` groups from a log with several policies (:func:`choose_groups`),
+    with every request's draft traces. ``ensure(rows)`` fills the token ids of the rows the step
+    uses (rows of text logs)."""
+    chosen = choose_groups(rows, spec)
+    reqs: list[SimRequest] = []
+    history_responses = 0
+    for g in chosen:
         if ensure is not None:
-            ensure([*mine, *hist])
-        history_responses += len(hist)
-        lengths = tuple(len(h.response_ids) for h in hist)
-        traces = group_traces([h.response_ids for h in hist], mine[0].prompt_ids, [m.response_ids for m in mine],
-                              widths, siblings=spec.siblings)
-        for m, (acc, prom) in zip(mine, traces):
-            reqs.append(SimRequest((grp, step), len(m.response_ids), len(m.prompt_ids),
-                                   float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom))
-            if progress is not None:
+            ensure([*g.samples, *g.history])
+        history_responses += len(g.history)
+        reqs += group_requests(g.key, g.samples[0].prompt_ids, [h.response_ids for h in g.history],
+                               [m.response_ids for m in g.samples], widths, spec.siblings)
+        if progress is not None:
+            for _ in g.samples:
                 progress()
     info = {"kind": spec.kind, "groups": spec.groups, "requests": len(reqs), "tokens": sum(r.length for r in reqs),
             "history_responses": history_responses,
             "history": f"{spec.history_policies} other policies' responses to the prompt at the same step",
             "siblings": spec.siblings,
-            "sampled_by": sorted({str(c[2]) for c in chosen}), "seed": spec.seed}
+            "sampled_by": sorted({str(g.policy) for g in chosen}), "seed": spec.seed}
     return reqs, info
+
+
+def group_requests(key: Hashable, prompt: Sequence[int], history: Sequence[Sequence[int]],
+                   samples: Sequence[Sequence[int]], widths: Sequence[int], siblings: bool = True) -> list[SimRequest]:
+    """A group's requests with their draft traces (:func:`group_traces`)."""
+    lengths = tuple(len(h) for h in history)
+    traces = group_traces(history, prompt, samples, widths, siblings=siblings)
+    return [SimRequest(key, len(s), len(prompt), float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom)
+            for s, (acc, prom) in zip(samples, traces)]
 
 
 def plot_timeline(outcomes: dict[str, Outcome], path: str, title: str) -> None:
