@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -301,6 +302,10 @@ def stale_install_note(installed: Path, checkout: Path) -> str | None:
             "for .venv-sglang) to measure the current code")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch-server":
@@ -319,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         note = stale_install_note(Path(histospec_sgl.__file__).parent, Path.cwd())
         if note:
             print(note, file=sys.stderr)
+    if argv and argv[0] == "bench":
+        # SIGTERM (a job's timeout, a scheduler's stop) ends a benchmark through SystemExit, so that
+        # its finally blocks run: the servers it started are stopped and its temporary files removed.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return int(args.func(args))
     except ModuleNotFoundError as e:

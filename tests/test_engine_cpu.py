@@ -508,3 +508,67 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
     assert p["analytic"] is False and "measured" in p["description"]
     assert {(x["batch"], x["width"]) for x in p["points"]} == {(b, w) for b in (1, 4) for w in (1, 8)}
     assert all(x["step_s"] > 0 for x in p["points"])
+
+
+ORPHAN_ENGINE = """#!{python}
+import ctypes, http.server, signal, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+# Like SGLang's scheduler and detokenizer: a child that dies with the launcher (PR_SET_PDEATHSIG).
+child = subprocess.Popen([sys.executable, "-c", "import ctypes, signal, time; "
+                          "ctypes.CDLL(None).prctl(1, signal.SIGKILL); time.sleep(600)"])
+print("CHILD", child.pid, flush=True)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+HARNESS = """
+import sys, time
+from histospec_sgl.bench.engine_server import EngineServer, running
+with running(EngineServer(sys.argv[1], "plain", python=sys.argv[2], device="cuda", startup_timeout=60,
+                          log_path=sys.argv[3])) as (srv,):
+    print("SERVER", srv.proc.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_killed_harness_leaves_no_server_behind(tmp_path, sig):
+    """A process that started engine servers and is killed (SIGTERM, or SIGKILL, which runs no
+    cleanup) leaves none behind: each server's launcher dies with the thread that started it, and
+    the launcher's own children (SGLang's scheduler and detokenizer, stood in here by a child that
+    dies with its parent as they do) with it."""
+    import os
+    import signal
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(ORPHAN_ENGINE.format(python=sys.executable))
+    fake.chmod(0o755)
+    log = tmp_path / "server.log"
+    harness = subprocess.Popen([sys.executable, "-c", HARNESS, str(tmp_path), str(fake), str(log)],
+                               stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    line = harness.stdout.readline()
+    assert line.startswith("SERVER"), line
+    server = int(line.split()[1])
+    deadline = time.monotonic() + 30
+    while "CHILD" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(log.read_text().split("CHILD")[1].split()[0])
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    assert alive(server) and alive(child)
+    os.kill(harness.pid, getattr(signal, sig))
+    harness.wait(30)
+    harness.stdout.close()
+    deadline = time.monotonic() + 30
+    while (alive(server) or alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(server) and not alive(child)

@@ -10,6 +10,7 @@ never in the wheel, and :func:`cpu_engine_env` puts them on the server's ``PYTHO
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,20 @@ class EngineError(RuntimeError):
     pass
 
 
+def _dies_with(parent: int) -> Callable[[], None]:
+    """For the server's process, before it starts: the kernel sends it SIGKILL when the thread that
+    started it ends (``PR_SET_PDEATHSIG``, Linux), so a server never outlives its harness, even one
+    killed with SIGKILL; SGLang's own processes (scheduler, detokenizer) die with the launcher in the
+    same way. A harness that died before this ran ends the server at once. Start servers from a
+    thread that outlives them (the main thread)."""
+    def arm() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+    return arm
+
+
 class EngineServer:
     """One ``sglang.launch_server`` process on loopback; :meth:`start` waits until it generates.
 
@@ -144,7 +159,8 @@ class EngineServer:
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
             self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_dies_with(os.getpid()))
         self._launched = time.monotonic()
         return self
 
@@ -286,14 +302,20 @@ class EngineServer:
 
 
 @contextlib.contextmanager
-def running(*servers: EngineServer) -> Iterator[tuple[EngineServer, ...]]:
+def running(*servers: EngineServer, one_at_a_time: bool = False) -> Iterator[tuple[EngineServer, ...]]:
     """Several servers side by side: all are launched before any is waited for (their start-ups,
-    mostly imports, overlap), and all are stopped on the way out."""
+    mostly imports, overlap), and all are stopped on the way out. ``one_at_a_time``: each is
+    started once the one before it answers (SGLang sizes its CPU KV pool from the memory free while
+    it loads, which servers loading beside it take)."""
     try:
-        for srv in servers:
-            srv.launch()
-        for srv in servers:
-            srv.wait_ready()
+        if one_at_a_time:
+            for srv in servers:
+                srv.start()
+        else:
+            for srv in servers:
+                srv.launch()
+            for srv in servers:
+                srv.wait_ready()
         yield servers
     finally:
         for srv in servers:
