@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +181,20 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         n = SINGLE_REPEATS if batch == 1 else max(batch, -(-int(settings["sampled_requests"]) // batch) * batch)
         reqs = et.requests(groups, n)
 
-        base_s = _trace_row(groups, reqs, batch, cap, d, profile, None, False)
-        s = _trace_row(groups, reqs, batch, cap, d, profile, d if method == "history" else None,
-                       method == "history_cost")
+        # A measured step time is a row's wall time over the forward passes its longest request
+        # took, at the row's batch size: every simulated step of the row costs that, however many
+        # of its requests are still running (the interpolation to the running batch would count the
+        # tail's smaller batches twice: the measurement already averages over them).
+        row_profile = AtBatch(profile, batch)
+        base_s, base_steps, tokens = _trace_row(groups, reqs, batch, cap, d, row_profile, None, False)
+        s, steps, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, d if method == "history" else None,
+                                 method == "history_cost")
         out.append({"method": method, "batch_size": batch, "temperature": temp,
                     "predicted_speedup": round(base_s / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
-                    "measured_tokens_per_step": row.get("tokens_per_step")})
+                    "measured_tokens_per_step": row.get("tokens_per_step"),
+                    "predicted_passes": steps, "measured_passes": round(1000 * row["wall_s"] / row["step_ms"]),
+                    "predicted_plain_passes": base_steps})
     for c in out:
         p, m = c["predicted_speedup"], c["measured_speedup"]
         c["error"] = round(p / m - 1, 3) if p and m else None
@@ -194,14 +202,37 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
 
 
+@dataclass(frozen=True)
+class AtBatch:
+    """A profile read at one batch size whatever the running batch (:func:`check`)."""
+
+    profile: Any
+    batch: int
+
+    @property
+    def name(self) -> str:
+        return str(self.profile.name)
+
+    @property
+    def analytic(self) -> bool:
+        return bool(self.profile.analytic)
+
+    @property
+    def description(self) -> str:
+        return f"{self.profile.description}, at batch {self.batch}"
+
+    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
+        return float(self.profile.step_s(self.batch, width, context, prefill))
+
+
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
-               width: int | None, cost: bool) -> float:
+               width: int | None, cost: bool) -> tuple[float, int, int]:
     """Simulated seconds of a trace row under one policy (a fixed ``width``, the cost model, or
     plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
     of earlier batches in the row added to its history, as the engine keeps them."""
     from histospec_sgl.control.costmodel import CostModel
 
-    seconds = 0.0
+    seconds, steps, tokens = 0.0, 0, 0
     done: dict[int, list[list[int]]] = {}
     for k in range(0, len(reqs), batch):
         chunk = reqs[k:k + batch]
@@ -212,8 +243,11 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
             sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, [d])
             done.setdefault(gi, []).extend(mine)
         model = CostModel.measuring_shadows(profile, [d]) if cost else None
-        seconds += simulate.run_step(sims, profile, batch, length_first=False, width=width, cost_model=model).makespan_s
-    return seconds
+        o = simulate.run_step(sims, profile, batch, length_first=False, width=width, cost_model=model)
+        seconds += o.makespan_s
+        steps += o.steps
+        tokens += sum(r.length for r in sims)
+    return seconds, steps, tokens
 
 
 def print_check(result: dict[str, Any]) -> None:
