@@ -242,13 +242,13 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         server_model = et.trace_model_dir(path, Path(work) / "model")
         trace_extra = et.trace_env(Path(work) / "trace.json")
         keys = [_row_key(t, b, r) for t in temperatures for b in batch_sizes for r in range(repeats)]
-        loaded = et.write_history(Path(work) / "history.jsonl", trace_groups_, keys)
+        per_row = et.write_history(Path(work) / "history.jsonl", trace_groups_, keys) // max(1, len(keys))
         settings["trace"] = {**spec.to_json(), "requests": sum(len(g.samples) for g in trace_groups_),
-                             "history_responses_per_row": loaded // max(1, len(keys)),
+                             "history_responses_per_row": per_row,
                              "tokens": sum(len(s) for g in trace_groups_ for s in g.samples), "eos": eos,
                              "note": "TRACE MODE (benchmark): every token forced to the logged response's"}
         log(f"[bench engine] TRACE MODE: {settings['trace']['requests']} logged responses of {trace_groups} "
-            f"prompts forced through the engine; {loaded // max(1, len(keys))} history responses per row")
+            f"prompts forced through the engine; {per_row} history responses per row")
     longest_prompt = max(len(p) for p in ([g.prompt_ids for g in trace_groups_] if trace_groups_ else prompts))
     # The KV pool the largest batch needs (each request's prompt, its tokens and a draft), within the
     # 65,536 tokens a CPU server gets by default: a pretrained model's pool is sized to the need, so
@@ -344,8 +344,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
     for temp in temperatures:
         for batch in batch_sizes:
             for rep in range(repeats):
-                n = SINGLE_REPEATS if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)
-                reqs = et.requests(groups, n)
+                reqs = et.requests(groups, trace_row_requests(batch, sampled_requests))
                 key = _row_key(temp, batch, rep)
                 ids = [groups[gi].prompt_ids for gi, _ in reqs]
                 params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
@@ -362,6 +361,12 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
                                       for m in servers for r, (gi, si) in zip(rids, reqs)})
                 order = order[1:] + order[:1]
     return runs
+
+
+def trace_row_requests(batch: int, sampled_requests: int) -> int:
+    """The requests of a trace row (``simulate --check`` re-runs the same): at batch 1,
+    :data:`SINGLE_REPEATS` one after the other; else batches of ``batch`` until ``sampled_requests``."""
+    return SINGLE_REPEATS if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)
 
 
 def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of: dict[str, tuple], batch: int,

@@ -109,15 +109,20 @@ class Measured:
     def load(cls, path: Path) -> Measured:
         """Reads a profile JSON: ``{"name", "description", "points": [{"batch", "width", "step_s"}],
         "context_s_per_token"?, "prefill_s_per_token"?}``."""
-        raw = json.loads(Path(path).read_text())
+        return cls.from_json(json.loads(Path(path).read_text()), str(path))
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str = "profile") -> Measured:
+        """A profile from its JSON object (:meth:`load`; ``where`` names it in errors and is the
+        default name and description)."""
         if raw.get("analytic"):
-            raise ValueError(f"{path}: an analytic profile is named, not loaded (--profile {raw.get('name')})")
+            raise ValueError(f"{where}: an analytic profile is named, not loaded (--profile {raw.get('name')})")
         points: dict[int, list[tuple[int, float]]] = {}
         for p in raw["points"]:
             points.setdefault(int(p["width"]), []).append((int(p["batch"]), float(p["step_s"])))
         if 1 not in points:
-            raise ValueError(f"{path}: a profile needs plain decode steps (width 1)")
-        return cls(raw.get("name", Path(path).stem), raw.get("description", str(path)),
+            raise ValueError(f"{where}: a profile needs plain decode steps (width 1)")
+        return cls(raw.get("name", Path(where).stem), raw.get("description", where),
                    {w: sorted(v) for w, v in points.items()},
                    float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)))
 

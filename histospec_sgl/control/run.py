@@ -158,16 +158,14 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.bench import engine_trace as et
-    from histospec_sgl.bench.engine_bench import SINGLE_REPEATS
+    from histospec_sgl.bench.engine_bench import trace_row_requests
     from histospec_sgl.control.profile import Measured, from_engine_bench
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
         raise ValueError("simulate --check needs a trace-mode bench engine result (bench engine --trace grpo)")
     prof_json = from_engine_bench(engine)
-    profile = Measured(prof_json["name"], prof_json["description"],
-                       {w: sorted((p["batch"], p["step_s"]) for p in prof_json["points"] if p["width"] == w)
-                        for w in {p["width"] for p in prof_json["points"]}})
+    profile = Measured.from_json(prof_json)
     tr = settings["trace"]
     spec = et.TraceSpec(tr["preset"], tr["groups"], tr["history_policies"], tr["seed"])
     groups = et.workload(spec, Path(engine["model"]["path"]), data_root)
@@ -178,8 +176,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         if method not in CHECKED or ("plain", batch, temp) not in measured:
             continue
-        n = SINGLE_REPEATS if batch == 1 else max(batch, -(-int(settings["sampled_requests"]) // batch) * batch)
-        reqs = et.requests(groups, n)
+        reqs = et.requests(groups, trace_row_requests(batch, int(settings["sampled_requests"])))
 
         # A measured step time is a row's wall time over the forward passes its longest request
         # took, at the row's batch size: every simulated step of the row costs that, however many
