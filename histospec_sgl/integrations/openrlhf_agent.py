@@ -38,6 +38,11 @@ from copy import deepcopy
 from typing import Any
 
 import numpy as np
+
+from histospec_sgl.integrations.versions import require
+
+require("openrlhf")
+
 from openrlhf.utils.agent import SingleTurnAgentExecutor
 
 from histospec_sgl import prompt_key

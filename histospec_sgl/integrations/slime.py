@@ -67,6 +67,9 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.integrations.previous import shared
+from histospec_sgl.integrations.versions import require
+
+require("slime")
 
 logger = logging.getLogger("histospec_sgl.integrations")
 

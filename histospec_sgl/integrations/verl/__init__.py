@@ -10,11 +10,16 @@ SGLang there, so the override ::
 works with no other change. Without SGLang (a trainer-only process) it does nothing. It never raises:
 verl logs entry-point errors only at debug level, so a failure is logged here as a warning.
 
+An unsupported verl release is logged as an error here (raising would break verl itself); the
+SPEC-RL agent loop and the router refuse to import under one.
+
 The SPEC-RL agent loop and the prompt-affinity router live in submodules that import verl.
 """
 
 from __future__ import annotations
 
 from histospec_sgl.integrations.ray_setup import setup as _setup
+from histospec_sgl.integrations.versions import warn as _warn
 
+SUPPORTED_VERSION = _warn("verl")
 REGISTERED = _setup()

@@ -29,6 +29,11 @@ from typing import Any
 from uuid import uuid4
 
 import numpy as np
+
+from histospec_sgl.integrations.versions import require
+
+require("verl")
+
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.workers.rollout.replica import TokenOutput
 

@@ -23,6 +23,10 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from histospec_sgl.integrations.versions import require
+
+require("verl")
+
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
 from histospec_sgl import prompt_key
