@@ -11,13 +11,15 @@ Prints one JSON line.
 ``python ray_cluster_script.py engine ADDRESS``: connects to a running cluster; an engine actor that
 only knows ``HISTOSPEC_DRAFT_SERVER_ACTOR`` builds ``ServerArgs`` (the plugin resolves the actor to an
 address there), starts the engine-side sync with an index and waits until a record published by this
-driver reaches it. Prints one JSON line.
+driver reaches it; then the server process is killed, the actor starts it again, and a new engine
+sync finds the record from before the kill and one published after. Prints one JSON line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -49,7 +51,7 @@ class EngineActor:
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
 
-    def receive(self, prompt: list[int], timeout: float) -> dict:
+    def receive(self, prompt: list[int], timeout: float, want: int = 1) -> dict:
         from histospec_sgl import HistoryIndex
         from histospec_sgl.sync.engine import EngineSync
 
@@ -61,7 +63,7 @@ class EngineActor:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 sync.step_boundary()
-                if index.stats()["responses"] >= 1:
+                if index.stats()["responses"] >= want:
                     break
                 time.sleep(0.05)
             return {"responses": index.stats()["responses"], "address": sync.address if hasattr(sync, "address")
@@ -105,8 +107,23 @@ def engine(address: str) -> None:
         args = ray.get(eng.server_args.remote(), timeout=120)
         resolved = ray.get(eng.env.remote("HISTOSPEC_DRAFT_SERVER"))
         got = ray.get(eng.receive.remote(prompt, 30.0), timeout=120)
-        print(json.dumps({"lookup": server, "again": again, "server_pid": pid, "server_args": args,
-                          "resolved": resolved, "received": got}))
+        out = {"lookup": server, "again": again, "server_pid": pid, "server_args": args, "resolved": resolved,
+               "received": got}
+        if server is not None:
+            # The server child dies (as to the OOM killer): the actor starts it again on the same
+            # address from its data dir; what it acknowledged is there, and publishing goes on.
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while ray.get(actor.restarts.remote()) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            out["restarts"] = ray.get(actor.restarts.remote())
+            out["pid_after"] = ray.get(actor.pid.remote())
+            out["address_after"] = ray.get(actor.address.remote())
+            with HistoryPublisher(server) as pub:
+                pub.publish(prompt, [31, 32, 33], version=4)
+                pub.flush()
+            out["received_after"] = ray.get(eng.receive.remote(prompt, 30.0, 2), timeout=120)
+        print(json.dumps(out))
     finally:
         ray.shutdown()
 

@@ -85,6 +85,10 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         assert out["server_args"]["ok"] is True, out["server_args"]
         assert out["resolved"] == address  # set by the plugin inside the engine actor
         assert out["received"]["responses"] == 1, out["received"]
+        # The killed server was started again by the actor, on the same address, with its record.
+        assert out["restarts"] == 1 and out["pid_after"] != out["server_pid"], out
+        assert out["address_after"] == address
+        assert out["received_after"]["responses"] == 2, out["received_after"]
 
         stop_cli = ["-m", "histospec_sgl.cli", "ray", "draft-server", "--address", head, "--stop"]
         stop = _run(ray_py, greedy_model, *stop_cli)

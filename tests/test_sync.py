@@ -553,6 +553,53 @@ def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path):
         srv.kill()
 
 
+def test_a_trainers_record_never_waits_on_a_dead_server_and_nothing_acknowledged_is_lost(tmp_path, caplog):
+    """A trainer adapter records finished samples through :class:`PreviousStore` (slime's ``record``,
+    verl's agent loop, the OpenRLHF executor). With the draft server killed mid-rollout, recording
+    returns at once and never raises; past the bounded queue, records are dropped and counted with
+    one warning; ``settle`` gives up after its timeout. Once the server is back on its port (same
+    data dir), the queue goes out, and the store's mirror holds what was acknowledged before the
+    kill and what waited."""
+    from histospec_sgl.integrations.previous import PreviousStore
+
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    port = srv.port
+    store = PreviousStore()
+    pub = store.publisher(srv.address)
+    pub.max_queue = 12
+    recs = _records(40, seed=5)
+
+    def record(i: int) -> bool:
+        p, r = (list(map(int, x)) for x in recs[i])
+        return store.record(srv.address, p, r, [-0.5] * len(r), "stop", group=i, slot=0, version=1)
+
+    try:
+        for i in range(10):
+            assert record(i)
+        assert store.settle(srv.address, 30)
+        assert all(store.get(srv.address, i, 0) is not None for i in range(10))
+        srv.kill()
+        t0 = time.monotonic()
+        for i in range(10, 30):
+            assert record(i)  # never raises, never waits
+        assert time.monotonic() - t0 < 1.0, "recording waited on the dead server"
+        assert pub.dropped == 20 - 12 and pub.unpublished == 12
+        assert sum("further records are dropped" in m for m in caplog.messages) == 1
+        t0 = time.monotonic()
+        assert not store.settle(srv.address, 1.0)
+        assert time.monotonic() - t0 < 3.0
+        wait_port_free(port)
+        srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, log=tmp_path / "server2.log")
+        assert store.settle(srv.address, 30) and pub.unpublished == 0
+        kept = [i for i in range(30) if store.get(srv.address, i, 0) is not None]
+        assert kept == list(range(10 + 12)), kept  # the 10 acknowledged, the 12 queued; 8 dropped
+        assert pub.publisher.stats()["records"] == 22
+    finally:
+        store.close(timeout=1)
+        srv.kill()
+
+
 def test_subscriber_close_returns_at_once_and_stops_its_thread(tmp_path):
     """close() cancels whichever stream is open, also one being opened as it is called, and wakes a
     reconnect back-off: it returns in well under a second with the thread stopped, every time."""

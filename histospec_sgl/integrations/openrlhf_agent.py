@@ -31,7 +31,6 @@ its sampling processors, so the scored log-probs would not be those of the sampl
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from copy import deepcopy
@@ -159,8 +158,9 @@ class AgentExecutor(SingleTurnAgentExecutor):
         output["extra_logs"] = {**output["extra_logs"], "histospec_reused": float(res.reused),
                                 "histospec_generated": float(res.generated),
                                 "histospec_previous_len": float(res.previous_len)}
-        await asyncio.to_thread(shared().record, self.draft_server, prompt_ids, res.response_ids, res.logprobs,
-                                res.finish_reason, group=group, slot=slot, version=round_)
+        # Queued for the draft server in the background: never waits on it, never fails for it.
+        shared().record(self.draft_server, prompt_ids, res.response_ids, res.logprobs,
+                        res.finish_reason, group=group, slot=slot, version=round_)
         return output
 
     async def _score(self, output: dict[str, Any], hf_tokenizer: Any, prompt: Any, label: Any) -> None:

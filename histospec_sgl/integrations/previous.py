@@ -12,17 +12,20 @@ per address and used from the trainers' worker threads and event loops alike.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 from histospec_sgl.specrl.client import Previous, PreviousResponses
 
+logger = logging.getLogger("histospec_sgl.integrations")
+
 
 class PreviousStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._publish_lock = threading.Lock()
         self.local = PreviousResponses()
         self._followers: dict[str, PreviousResponses] = {}
         self._publishers: dict[str, Any] = {}
@@ -36,13 +39,51 @@ class PreviousStore:
             return store
 
     def publisher(self, address: str) -> Any:
+        """The background publisher to the draft server at ``address``
+        (:class:`~histospec_sgl.sync.client.BackgroundPublisher`: it never blocks or fails a rollout;
+        while the server is down records wait in a bounded queue and go out once it is back)."""
         with self._lock:
             pub = self._publishers.get(address)
             if pub is None:
-                from histospec_sgl.sync.client import HistoryPublisher
+                from histospec_sgl.sync.client import BackgroundPublisher
 
-                pub = self._publishers[address] = HistoryPublisher(address)
+                pub = self._publishers[address] = BackgroundPublisher(address)
             return pub
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Publishes what is queued (up to ``timeout`` per server) and closes the connections; runs
+        at exit for :func:`shared`."""
+        with self._lock:
+            publishers, followers = list(self._publishers.values()), list(self._followers.values())
+            self._publishers.clear()
+            self._followers.clear()
+        for pub in publishers:
+            pub.close(timeout)
+        for store in followers:
+            store.close()
+
+    def settle(self, address: str, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for what this process recorded to be acknowledged by the
+        draft server and back in its mirror (so that the next rollout finds it). False, with a
+        warning, when the server did not answer in time: the rollout goes on, and the records follow
+        once it is back."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        pub = self.publisher(address)
+        if not pub.drain(timeout):
+            logger.warning("histospec: the draft server %s did not acknowledge %d records within %.0fs; "
+                           "the next rollout may not find them as previous responses", address,
+                           pub.unpublished, timeout)
+            return False
+        if not pub.last_sequence:
+            return True
+        try:
+            self.follower(address).wait_for(pub.last_sequence, timeout=max(deadline - time.monotonic(), 0.1))
+        except Exception as e:
+            logger.warning("histospec: the mirror of the draft server %s is behind (%s)", address, e)
+            return False
+        return True
 
     def get(self, address: str | None, group: int, slot: int) -> Previous | None:
         """The previous response of ``slot`` in ``group``: from the draft server's mirror, or without
@@ -51,19 +92,16 @@ class PreviousStore:
 
     def record(self, address: str | None, prompt_ids: Sequence[int], response_ids: Sequence[int],
                logprobs: Sequence[float] | None, finish_reason: str | None, *, group: int, slot: int,
-               version: int, reward: float | None = None, flush: bool = True) -> bool:
-        """Record a finished response: published to the draft server at ``address`` (``flush``: wait
-        until it is acknowledged), else kept in this process when it has log-probs. An empty or
-        aborted response is not recorded (returns False)."""
+               version: int, reward: float | None = None) -> bool:
+        """Record a finished response: queued for the draft server at ``address`` (published in the
+        background: this never waits on the server or fails when it is down), else kept in this
+        process when it has log-probs. An empty or aborted response is not recorded (returns False)."""
         if not response_ids or finish_reason == "abort":
             return False
         if address:
-            pub = self.publisher(address)
-            with self._publish_lock:
-                pub.publish(list(prompt_ids), list(response_ids), group=group, version=version, sample_index=slot,
-                            logprobs=None if logprobs is None else list(logprobs), reward=reward)
-                if flush:
-                    pub.flush()
+            self.publisher(address).publish(list(prompt_ids), list(response_ids), group=group, version=version,
+                                            sample_index=slot, reward=reward,
+                                            logprobs=None if logprobs is None else list(logprobs))
         elif logprobs is not None:
             self.local.put(group, slot, Previous(list(response_ids), list(logprobs), finish_reason, version))
         return True
@@ -79,4 +117,5 @@ def shared() -> PreviousStore:
     with _SHARED_LOCK:
         if _SHARED is None:
             _SHARED = PreviousStore()
+            atexit.register(_SHARED.close)
         return _SHARED

@@ -10,7 +10,7 @@ an actor that owns the server process:
 - **on the head node** (``num_cpus=0``, hard node affinity: worker nodes come and go),
 - **durable** under ``data_dir`` (every acknowledged record is fsynced; a restart recovers them),
 - restarted by Ray if its process dies (``max_restarts=-1``), on the same port (a port chosen by
-  ``:0`` is kept in ``data_dir``).
+  ``:0`` is kept in ``data_dir``), and the server restarted by the actor if the server alone dies.
 
 Engines find it in one of two ways:
 
@@ -39,19 +39,23 @@ ADDRESS_ENV = "HISTOSPEC_DRAFT_SERVER"
 
 
 class DraftServerOwner:
-    """The actor's body: starts ``histospec-sgl draft-server`` as a child process that ends with it."""
+    """The actor's body: starts ``histospec-sgl draft-server`` as a child process that ends with it,
+    and watches it: a child that dies (killed, out of memory) is started again on the same address
+    from the same data dir, so engines and trainers reconnect to it and find every record it had
+    acknowledged (each one is fsynced before it is acknowledged)."""
 
     def __init__(self, listen: str, data_dir: str | None, extra: list[str] | None = None,
-                 log: str | None = None):
-        from histospec_sgl.sync.process import DraftServerProcess
+                 log: str | None = None, watch_every: float = 0.5):
+        import threading
 
+        self._data_dir, self._extra, self._log = data_dir, extra, log
         bound = Path(data_dir) / "ray-actor-listen" if data_dir else None
         if bound is not None:
             bound.parent.mkdir(parents=True, exist_ok=True)
             if listen.endswith(":0") and bound.exists():
                 # A restart after the process died: the port it had, which engines were given.
                 listen = bound.read_text().strip()
-        self._proc = DraftServerProcess(listen, data_dir=data_dir, extra=extra, log=log, die_with_parent=True)
+        self._proc = self._start(listen)
         if bound is not None:
             bound.write_text(self._proc.address)
         host, port = self._proc.address.rsplit(":", 1)
@@ -60,7 +64,38 @@ class DraftServerOwner:
 
             host = ray.util.get_node_ip_address()
         self._address = f"{host}:{port}"
+        self._restarts = 0
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._watcher = threading.Thread(target=self._watch, args=(watch_every,), name="histospec-watch",
+                                         daemon=True)
+        self._watcher.start()
         logger.info("histospec: draft server listening on %s (data dir %s)", self._address, data_dir)
+
+    def _start(self, listen: str) -> Any:
+        from histospec_sgl.sync.process import DraftServerProcess
+
+        return DraftServerProcess(listen, data_dir=self._data_dir, extra=self._extra, log=self._log,
+                                  die_with_parent=True)
+
+    def _watch(self, every: float) -> None:
+        from histospec_sgl.sync.process import wait_port_free
+
+        while not self._stopped.wait(every):
+            with self._lock:
+                if self._stopped.is_set() or self._proc.alive():
+                    continue
+                code = self._proc.proc.poll()
+                listen = self._proc.address
+                logger.error("histospec: the draft server (pid %d) exited with %s; starting it again on %s",
+                             self._proc.proc.pid, code, listen)
+                self._proc.kill()
+                try:
+                    wait_port_free(int(listen.rsplit(":", 1)[1]))
+                    self._proc = self._start(listen)
+                    self._restarts += 1
+                except Exception:
+                    logger.exception("histospec: restarting the draft server failed; trying again")
 
     def address(self) -> str:
         return self._address
@@ -71,9 +106,15 @@ class DraftServerOwner:
     def pid(self) -> int:
         return int(self._proc.proc.pid)
 
+    def restarts(self) -> int:
+        """How many times the watcher has started the server again."""
+        return self._restarts
+
     def stop(self) -> int:
         """Graceful stop (drain, final snapshot); the actor stays until killed."""
-        return self._proc.terminate()
+        self._stopped.set()
+        with self._lock:
+            return self._proc.terminate()
 
 
 def head_node_id() -> str:

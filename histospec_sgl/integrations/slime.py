@@ -25,7 +25,8 @@ of a group and its later epochs land on the same engine and draft from each othe
 :func:`record` runs after every rollout with all of its samples: finished ones (not aborted) become
 the previous responses of the next epoch, with their log-probs, sample slot and the policy version
 that sampled them (slime's ``weight_versions``), published to the draft server when one is set
-(the one store every engine and trainer shares) or kept in this process otherwise.
+(the one store every engine and trainer shares; in the background, so a draft server that is down
+never fails or stalls a rollout) or kept in this process otherwise.
 
 Settings: keys of the ``--custom-config-path`` YAML (slime sets each as an ``args`` attribute):
 
@@ -40,6 +41,10 @@ Settings: keys of the ``--custom-config-path`` YAML (slime sets each as an ``arg
                                    predicted first (history mode; default off, see below)
 ``histospec_length_first_window``  seconds a request waits for the rest of its rollout (default
                                    0.02)
+``histospec_publish_wait``         SPEC-RL: seconds ``record`` waits for the draft server to hold
+                                   the rollout's responses before the next rollout (default 60;
+                                   a server that is down delays a rollout by at most this, never
+                                   fails it)
 =================================  ==============================================================
 
 Length-first scheduling (``histospec_length_first: true``): a GRPO step ends when its longest
@@ -86,6 +91,7 @@ class Settings:
     seed: int = 0
     length_first: bool = False
     length_first_window: float = 0.02
+    publish_wait: float = 60.0
 
     @classmethod
     def from_args(cls, args: Any) -> Settings:
@@ -105,6 +111,7 @@ class Settings:
             seed=int(getattr(args, "histospec_seed", None) or 0),
             length_first=_flag(getattr(args, "histospec_length_first", None)),
             length_first_window=float(getattr(args, "histospec_length_first_window", None) or 0.02),
+            publish_wait=float(getattr(args, "histospec_publish_wait", None) or 60.0),
         )
 
 
@@ -310,13 +317,11 @@ def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
         finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}.get(sample.status)
         kept += st.record(settings.draft_server, sample.tokens[:-n], sample.tokens[-n:], logprobs, finish,
                           group=sample_group(sample), slot=sample_slot(args, sample),
-                          version=sample_version(sample), reward=_reward(args, sample), flush=False)
-    if settings.draft_server and kept:
-        pub = st.publisher(settings.draft_server)
-        pub.flush()
-        if settings.mode == "specrl" and pub.last_sequence:
-            # The next rollout starts right after this returns: have its previous responses here.
-            st.follower(settings.draft_server).wait_for(pub.last_sequence, timeout=60)
+                          version=sample_version(sample), reward=_reward(args, sample))
+    if settings.draft_server and kept and settings.mode == "specrl":
+        # The next rollout starts right after this returns: have its previous responses here, unless
+        # the draft server is down (then it goes on without them; they follow once it is back).
+        st.settle(settings.draft_server, settings.publish_wait)
     logger.info("histospec: recorded %d finished samples%s", kept,
                 f" on the draft server {settings.draft_server}" if settings.draft_server else "")
 

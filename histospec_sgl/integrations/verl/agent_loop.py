@@ -23,7 +23,6 @@ Arguments from the agent-loop YAML entry: ``lenience`` (ℓ >= 1, default ``HIST
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 from uuid import uuid4
@@ -124,8 +123,9 @@ class SpecRLAgentLoop(AgentLoopBase):
         response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
         prompt_ids_out = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
         version = int(backend.extra_fields.get("global_steps") or 0)
-        await asyncio.to_thread(shared().record, self.draft_server, prompt_ids, res.response_ids, res.logprobs,
-                                res.finish_reason, group=group, slot=slot, version=version)
+        # Queued for the draft server in the background: never waits on it, never fails for it.
+        shared().record(self.draft_server, prompt_ids, res.response_ids, res.logprobs,
+                        res.finish_reason, group=group, slot=slot, version=version)
         extra = dict(backend.extra_fields)
         extra.update({"turn_scores": [], "tool_rewards": [], "histospec_reused": res.reused,
                       "histospec_generated": res.generated, "histospec_previous_len": res.previous_len,
