@@ -312,25 +312,15 @@ pub fn run_draft_server(
             max_tokens,
             max_records,
         },
-        max_message_bytes,
         snapshot_every_bytes,
         tls,
         ..Default::default()
-    };
+    }
+    .with_max_message_bytes(max_message_bytes);
     cfg.limits.max_tokens_per_record = max_tokens_per_record;
     cfg.limits.subscriber_buffer = subscriber_buffer;
-    // Leave 1 MiB of headroom under the message limit for a Subscribe batch's framing.
-    cfg.limits.batch_bytes = cfg
-        .limits
-        .batch_bytes
-        .min(max_message_bytes.saturating_sub(1 << 20).max(1 << 16));
     py.detach(|| {
-        histospec_server::server::run_until_signal(cfg, |addr| {
-            use std::io::Write;
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "histospec draft-server listening on {addr}");
-            let _ = out.flush();
-        })
+        histospec_server::server::run_until_signal(cfg, histospec_server::server::announce)
     })
     .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }

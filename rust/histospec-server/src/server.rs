@@ -55,6 +55,19 @@ impl Default for ServerConfig {
     }
 }
 
+impl ServerConfig {
+    /// Sets the largest gRPC message, and a Subscribe batch's size under it (1 MiB of headroom for
+    /// the batch's framing).
+    pub fn with_max_message_bytes(mut self, bytes: usize) -> Self {
+        self.max_message_bytes = bytes;
+        self.limits.batch_bytes = self
+            .limits
+            .batch_bytes
+            .min(bytes.saturating_sub(1 << 20).max(1 << 16));
+        self
+    }
+}
+
 /// A start-up failure.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
@@ -226,6 +239,19 @@ pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
         task,
         shared,
     })
+}
+
+/// What a server started by `histospec-sgl draft-server` or the `histospec-draft-server` binary
+/// prints on stdout, followed by the bound address, once it accepts connections.
+pub const READY_LINE: &str = "histospec draft-server listening on ";
+
+/// Prints [`READY_LINE`] and the address on stdout (flushed: a parent process waits for it).
+pub fn announce(addr: SocketAddr) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    #[allow(clippy::print_stdout)]
+    let _ = writeln!(out, "{READY_LINE}{addr}");
+    let _ = out.flush();
 }
 
 /// Runs a server until SIGTERM or SIGINT (a blocking call that owns its runtime); `on_ready` gets the
