@@ -37,3 +37,37 @@ def test_relative_links_resolve(page):
 
 def test_readme_is_a_front_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+#: The benchmarks the README, docs/ and bench/README.md cite for their numbers: each keeps a section
+#: of bench/RESULTS.md (rerun to update it; never dropped).
+CITED_SECTIONS = ("replay", "bench index", "bench worker", "bench sync", "bench specrl", "bench engine",
+                  "bench engine --trace grpo", "bench lengths", "simulate")
+
+
+def _results() -> str:
+    return (ROOT / "bench" / "RESULTS.md").read_text()
+
+
+def test_every_cited_benchmark_has_its_section_in_results():
+    headings = re.findall(r"^## `histospec-sgl ([^`]+)`", _results(), re.M)
+    assert [s for s in CITED_SECTIONS if s not in headings] == []
+
+
+def test_results_is_the_current_page_not_a_diary():
+    text = _results().lower()
+    for stale in ("predates", "what changed since", "previous run", "stale"):
+        assert stale not in text, stale
+
+
+def _numbers(text: str) -> set[str]:
+    """Measured figures as written: decimals (2.53, 1.03x, 0.70-0.82x) and their ranges' ends."""
+    return set(re.findall(r"(?<![\w.])\d+\.\d+(?![\d.])", text))
+
+
+def test_the_readmes_numbers_are_in_results():
+    readme = (ROOT / "README.md").read_text()
+    gives = readme[readme.index("## What it gives"):]
+    gives = gives[: gives.index("\n## ", 4)]
+    missing = sorted(n for n in _numbers(gives) if n not in _numbers(_results()))
+    assert missing == [], f"README figures not in bench/RESULTS.md: {missing}"

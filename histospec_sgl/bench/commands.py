@@ -359,7 +359,8 @@ def add_bench(sub: Any) -> None:
     be.add_argument("--max-new-tokens", type=int, default=128)
     be.add_argument("--draft-tokens", type=int, default=8, help="d, the verify width of NGRAM and HISTORY")
     be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cpu: SGLang's torch_native backend with the checkout's CPU stand-ins (tests/_cpu_engine); "
+                    help="cpu: SGLang's torch_native backend with the CPU stand-ins of a histospec-sgl checkout "
+                    "(tests/_cpu_engine: a development tool, not in the wheel; run from the checkout); "
                     "cuda: FlashInfer and CUDA graphs")
     be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
     be.add_argument("--switch-off", type=kv, metavar="K=V,...",
