@@ -101,3 +101,20 @@ def test_launch_server_help_and_errors():
     if importlib.util.find_spec("sglang") is None:
         r = _cli("launch-server", "--check")
         assert r.returncode == 1 and "sglang is not installed" in r.stderr
+
+
+def test_the_engine_plugin_imports_nothing_from_the_trainer_side():
+    """plugin/ adapts SGLang only: the Ray integration hands it the draft-server actor lookup
+    (``registration.ENV_RESOLVERS``) instead of the plugin importing it."""
+    import ast
+    from pathlib import Path
+
+    import histospec_sgl.plugin as plugin
+
+    offenders = []
+    for path in Path(plugin.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.startswith("histospec_sgl.integrations")]
+    assert offenders == []

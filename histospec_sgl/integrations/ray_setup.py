@@ -10,6 +10,10 @@ actor method, so SGLang's plugins are loaded in time::
     ray job submit --runtime-env-json '{"worker_process_setup_hook":
         "histospec_sgl.integrations.ray_setup.setup", "env_vars": {...}}' -- python train.py ...
 
+It also hands the plugin the lookup of ``HISTOSPEC_DRAFT_SERVER_ACTOR``
+(:func:`~histospec_sgl.integrations.ray_draft_server.resolve_env`), which runs when HISTORY's server
+arguments are checked.
+
 The hook never raises (Ray would turn an exception into a failed worker): without SGLang, or when
 its plugin loader fails, it logs why and returns. It does only local work; creating or calling Ray
 actors from a setup hook crashes the worker.
@@ -41,6 +45,13 @@ def setup() -> bool:
         from histospec_sgl.plugin import register
 
         register()
+        from histospec_sgl.integrations.ray_draft_server import resolve_env
+        from histospec_sgl.plugin.registration import ENV_RESOLVERS
+
+        if resolve_env not in ENV_RESOLVERS:
+            # HISTOSPEC_DRAFT_SERVER_ACTOR is looked up when HISTORY's server args are checked, not
+            # here (calling an actor from a setup hook crashes the worker).
+            ENV_RESOLVERS.append(resolve_env)
         return True
     except BaseException:  # register() exits the process on a failed registration it was asked for
         logger.exception("histospec: --speculative-algorithm HISTORY could not be registered in this worker")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -18,6 +19,12 @@ from histospec_sgl.plugin.config import NAME, SUPPORTED_SGLANG, HistoryConfig
 logger = logging.getLogger("histospec_sgl.plugin")
 
 FLASHINFER = "flashinfer"
+
+#: Called in order before HISTORY's server arguments are checked, to complete the environment from
+#: what the process runs in. The Ray integration adds the draft-server actor's lookup here when its
+#: setup hook runs (:func:`histospec_sgl.integrations.ray_setup.setup`), so the engine plugin needs
+#: nothing from the trainer side.
+ENV_RESOLVERS: list[Callable[[], object]] = []
 
 
 def _is_history(server_args: Any) -> bool:
@@ -31,12 +38,13 @@ def validate_server_args(server_args: Any) -> None:
     Raises:
         ValueError: an attention backend other than FlashInfer, or a bad ``HISTOSPEC_*`` value.
     """
+    for resolve in ENV_RESOLVERS:
+        # E.g. in a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is
+        # connected: the draft server's address, which the SGLang processes started here inherit.
+        resolve()
     if os.environ.get("HISTOSPEC_DRAFT_SERVER_ACTOR") and not os.environ.get("HISTOSPEC_DRAFT_SERVER"):
-        # In a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is connected:
-        # the SGLang processes started from here inherit the address.
-        from histospec_sgl.integrations.ray_draft_server import resolve_env
-
-        resolve_env()
+        logger.warning("histospec: HISTOSPEC_DRAFT_SERVER_ACTOR is set but unresolved here (the Ray setup hook "
+                       "histospec_sgl.integrations.ray_setup.setup did not run in this process); no draft server")
     HistoryConfig.from_env()
     view = resolved(server_args)
     wrong = {}
