@@ -32,10 +32,42 @@ ROOT = Path(__file__).resolve().parents[1]
 
 REGISTRATION = Path(__file__).with_name("sglang_registration.py")
 
-def test_entry_point_registers_history_and_resolves_ngram_defaults(sglang_py, tiny_model):
-    r = resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
-                             "--attention-backend", "flashinfer"])
-    res = result(r)
+#: Command lines resolved by SGLang's own argument code, all in one process (each case with its
+#: own HISTOSPEC_* environment): name -> (extra args, env).
+CASES = {
+    "history": (["--speculative-algorithm", "HISTORY", "--attention-backend", "flashinfer"], {}),
+    "users-choices": (["--speculative-algorithm", "history", "--speculative-num-draft-tokens", "16",
+                       "--max-running-requests", "8"], {}),
+    "lenience": (["--speculative-algorithm", "HISTORY"], {"HISTOSPEC_LENIENCE": "1.6487"}),
+    "lenience-and-threshold": (["--speculative-algorithm", "HISTORY", "--speculative-accept-threshold-acc", "0.5"],
+                               {"HISTOSPEC_LENIENCE": "2"}),
+    "triton": (["--speculative-algorithm", "HISTORY", "--attention-backend", "triton"], {}),
+    "bad-setting": (["--speculative-algorithm", "HISTORY", "--attention-backend", "flashinfer"],
+                    {"HISTOSPEC_MAX_BATCH": "-3"}),
+    "ngram-untouched": (["--speculative-algorithm", "NGRAM", "--attention-backend", "triton"],
+                        {"HISTOSPEC_MAX_BATCH": "-3"}),
+}
+
+
+@pytest.fixture(scope="module")
+def resolved(sglang_py, tiny_model) -> dict[str, dict]:
+    cases = [{"args": ["--model-path", str(tiny_model), *BASE, *args], "env": env} for args, env in CASES.values()]
+    r = run_script(sglang_py, "sglang_resolve.py", "--cases", json.dumps(cases), timeout=240)
+    return dict(zip(CASES, result(r)))
+
+
+def _ok(case: dict) -> dict:
+    assert case["ok"], case.get("error", "")[-3000:]
+    return case["res"]
+
+
+def _error(case: dict) -> str:
+    assert not case["ok"], case
+    return case["error"]
+
+
+def test_entry_point_registers_history_and_resolves_ngram_defaults(resolved):
+    res = _ok(resolved["history"])
     assert res["algo_type"] == "HistoryAlgo"
     assert res["is_ngram"] and not res["has_draft_kv"] and not res["need_topk"] and not res["carries"]
     assert res["supports_overlap"]
@@ -44,33 +76,29 @@ def test_entry_point_registers_history_and_resolves_ngram_defaults(sglang_py, ti
     assert res["topk"] == res["breadth"] and res["steps"] == 12 // res["topk"]
     assert res["attn"] == "flashinfer"
     # The user's own choices win.
-    res = result(resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm",
-                                       "history", "--speculative-num-draft-tokens", "16",
-                                       "--max-running-requests", "8"]))
+    res = _ok(resolved["users-choices"])
     assert (res["d"], res["mrr"]) == (16, 8)
     assert res["attn"] == "flashinfer", "an unset attention backend becomes FlashInfer"
     assert res["acc"] == 1.0, "exact verification by default"
 
 
-def test_lenience_sets_sglang_accept_threshold(sglang_py, tiny_model):
-    args = ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY"]
-    res = result(resolve(sglang_py, args, env={"HISTOSPEC_LENIENCE": "1.6487"}))
-    assert res["acc"] == pytest.approx(1 / 1.6487)
-    r = resolve(sglang_py, [*args, "--speculative-accept-threshold-acc", "0.5"], env={"HISTOSPEC_LENIENCE": "2"})
-    assert r.returncode != 0 and "set one of them" in r.stderr, r.stderr[-2000:]
-
-
-def test_wrong_backend_and_bad_settings_are_clear_errors(sglang_py, tiny_model):
+def test_a_failed_check_stops_a_fresh_launch(sglang_py, tiny_model):
+    """The same check as a command line of its own: the process fails and says why."""
     r = resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
                              "--attention-backend", "triton"])
     assert r.returncode != 0 and "--attention-backend flashinfer" in r.stderr, r.stderr[-3000:]
-    r = resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm", "HISTORY",
-                             "--attention-backend", "flashinfer"], env={"HISTOSPEC_MAX_BATCH": "-3"})
-    assert r.returncode != 0 and "HISTOSPEC_MAX_BATCH" in r.stderr, r.stderr[-3000:]
+
+
+def test_lenience_sets_sglang_accept_threshold(resolved):
+    assert _ok(resolved["lenience"])["acc"] == pytest.approx(1 / 1.6487)
+    assert "set one of them" in _error(resolved["lenience-and-threshold"])
+
+
+def test_wrong_backend_and_bad_settings_are_clear_errors(resolved):
+    assert "--attention-backend flashinfer" in _error(resolved["triton"])
+    assert "HISTOSPEC_MAX_BATCH" in _error(resolved["bad-setting"])
     # Other algorithms are untouched by the plugin (and by a bad HISTOSPEC_ value).
-    res = result(resolve(sglang_py, ["--model-path", str(tiny_model), *BASE, "--speculative-algorithm",
-                                       "NGRAM", "--attention-backend", "triton"],
-                           env={"HISTOSPEC_MAX_BATCH": "-3"}))
+    res = _ok(resolved["ngram-untouched"])
     assert res["alg"] == "NGRAM" and res["attn"] == "triton"
 
 
