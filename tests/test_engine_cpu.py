@@ -53,21 +53,30 @@ def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineS
                         **kw)
 
 
-def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48) -> list[dict]:
+@pytest.fixture(scope="module")
+def plain_server(sglang_py, greedy_model, tmp_path_factory):
+    """One plain-decoding server for the module's greedy references (it sleeps while idle): greedy
+    outputs depend on the prompts only, so every test compares with the same server."""
+    tmp = tmp_path_factory.mktemp("plain")
+    with _server(sglang_py, greedy_model, "plain", tmp, max_running=16) as srv:
+        yield srv
+
+
+def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48, passes: int = 3) -> list[dict]:
     """Pass 1 and 2 (each: two prompts at batch 1, then all prompts as one batch), flush_cache, pass 3;
     with each token's log-prob, as a trainer asks for them."""
     sp = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
-    passes = []
-    for i in range(3):
+    out = []
+    for i in range(passes):
         if i == 2:
             srv.flush_cache()
         outs = ([srv.generate([p], sp, return_logprob=True)[0] for p in prompts[:2]]
                 + srv.generate(prompts, sp, return_logprob=True))
-        passes.append({"outputs": [o["output_ids"] for o in outs],
-                       "logprobs": [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs],
-                       "tokens": sum(len(o["output_ids"]) for o in outs),
-                       "steps": sum(verify_steps(o) for o in outs)})
-    return passes
+        out.append({"outputs": [o["output_ids"] for o in outs],
+                    "logprobs": [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs],
+                    "tokens": sum(len(o["output_ids"]) for o in outs),
+                    "steps": sum(verify_steps(o) for o in outs)})
+    return out
 
 
 def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
@@ -89,14 +98,14 @@ def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
         assert runs["ngram"][2]["steps"] > 2 * hist[2]["steps"]
 
 
-def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp_path):
+def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, plain_server, tmp_path):
     """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens and log-probs
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
     does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
     too, and the plain steps are counted in ``histospec:plain_steps_total``."""
     prompts = _prompts(8)
-    methods = ("plain", "ngram", "history")
+    methods = ("ngram", "history")
     cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
                    env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
     # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place of
@@ -105,7 +114,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp
                           env={"CPU_ENGINE_BROKEN": "mask"})
     with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8) for m in methods),
                  broken_mask, cost) as servers:
-        runs = {m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)}
+        runs = {"plain": _greedy_passes(plain_server, prompts)}
+        runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
         broken = _greedy_passes(broken_mask, prompts)
         runs["history_cost"] = _greedy_passes(cost, prompts)
         plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
@@ -115,15 +125,13 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp
     assert any(p["outputs"] != runs["plain"][0]["outputs"] for p in broken)
 
 
-def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, tmp_path):
+def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, plain_server, tmp_path):
     """HISTORY on two TP ranks (gloo over loopback, one core each): rank 0 drafts and broadcasts its
     drafts to rank 1 every step; the tokens equal single-rank plain decoding's, and pass 2 and the
     pass after flush_cache draft whole responses from history."""
     prompts = _prompts(8, seed=6)
-    with running(_server(sglang_py, greedy_model, "plain", tmp_path, max_running=8),
-                 _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2,
-                         tag="history-tp2")) as (plain_srv, hist_srv):
-        plain = _greedy_passes(plain_srv, prompts)[:1]
+    plain = _greedy_passes(plain_server, prompts, passes=1)
+    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2") as hist_srv:
         hist = _greedy_passes(hist_srv, prompts)
     _check_greedy({"plain": plain, "history": hist})
 
@@ -295,7 +303,7 @@ def _load_requests(prompts: list[list[int]], n: int, seed: int = 3) -> list[dict
     return reqs
 
 
-def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
+def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server, tmp_path):
     """500 mixed requests, 12 at a time, against a HISTORY server synced with a draft server, while
     flush_cache runs, the draft server is killed (SIGKILL) and restarted on its port, and 20 records
     of other prompts are bulk-published to it mid-run. Every request completes (no hang, no crash),
@@ -321,12 +329,10 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, tmp_path):
     done = threading.Semaphore(0)
     events = []
     try:
-        with running(_server(sglang_py, greedy_model, "plain", tmp_path, max_running=16),
-                     _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env)) as (plain, srv):
-            want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, plain.generate(
-                [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
-            want_published = [o["output_ids"] for o in plain.generate(published, pub_sp)]
-            plain.stop()
+        want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, plain_server.generate(
+            [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
+        want_published = [o["output_ids"] for o in plain_server.generate(published, pub_sp)]
+        with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
 
             def one(r: dict) -> None:
                 answered = threading.Event()
