@@ -370,3 +370,61 @@ def test_previous_responses_follow_a_draft_server_live(tmp_path):
     finally:
         store.close()
         ds.kill()
+
+
+class AbortingSGLang(FakeSGLang):
+    """Answers like SGLang for a request it aborted (the trainer's abort): ``finish_reason`` abort,
+    and for a prefill that never ran no log-probs at all."""
+
+    def __init__(self, policy: Policy, abort: str):
+        super().__init__(policy)
+        self.abort = abort  # "score" or "continue"
+
+    def answer(self, body: dict) -> dict:
+        scoring = body["sampling_params"]["max_new_tokens"] == 1 and body.get("logprob_start_len", -1) >= 0
+        if (self.abort == "score") == scoring:
+            return {"text": None, "output_ids": [],
+                    "meta_info": {"id": "x", "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                                  "prompt_tokens": len(body["input_ids"]), "completion_tokens": 0}}
+        return super().answer(body)
+
+
+def test_an_aborted_request_comes_back_aborted_not_as_an_error(policy_pair):
+    """An abort (slime's ``abort()``, verl's ``abort_all_requests``) during the scoring call gives an
+    aborted result with nothing reused; during the continuation, the reused prefix with the current
+    policy's log-probs; and once the trainer's abort flag is set, no call is sent at all."""
+    new, old = policy_pair
+    rng = np.random.default_rng(5)
+    reqs = _requests(6, old, rng)
+    for where in ("score", "continue"):
+        srv = AbortingSGLang(new, where)
+        try:
+            res = SpecRLRollout.http(srv.url, rng=np.random.default_rng(0)).rollout_sync(reqs)
+        finally:
+            srv.close()
+        with_previous = [r for r in res if r.previous_len]
+        assert with_previous
+        if where == "score":
+            assert all(r.finish_reason == "abort" for r in with_previous)
+        else:  # a request whose whole previous response was kept sends no continuation
+            assert any(r.finish_reason == "abort" for r in with_previous)
+            assert all(r.finish_reason == "abort" or r.reused == r.previous_len for r in with_previous)
+        for r, q in zip(res, reqs):
+            assert len(r.response_ids) == len(r.logprobs)
+            if where == "score":
+                assert r.response_ids == [] and r.reused == 0
+            elif r.finish_reason == "abort":
+                assert r.response_ids == list(q.previous.response_ids[: r.reused]) and r.generated == 0
+                ctx = list(q.prompt_ids)
+                for t, lp in zip(r.response_ids, r.logprobs):  # the current policy's log-probs
+                    assert lp == pytest.approx(float(new.logp(ctx)[t]), abs=1e-6)
+                    ctx.append(t)
+    srv = FakeSGLang(new)
+    try:
+        flag = {"set": False}
+        client = SpecRLRollout.http(srv.url, rng=np.random.default_rng(0), aborted=lambda: flag["set"])
+        flag["set"] = True
+        res = client.rollout_sync(reqs)
+        assert all(r.finish_reason == "abort" and r.response_ids == [] for r in res) and srv.calls == []
+    finally:
+        srv.close()

@@ -210,7 +210,10 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     previous = None if sample.response_length else shared().get(settings.draft_server, group, slot)
     seed = np.random.SeedSequence([settings.seed, group & 0xFFFFFFFF, group >> 32, slot,
                                    int(getattr(sample, "index", 0) or 0)])
-    client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1)
+    # slime's abort() sets state.aborted, then aborts every engine's requests: a call SGLang aborts
+    # and a call not yet sent both come back as an aborted sample (partial rollouts keep its tokens).
+    client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1,
+                           aborted=lambda: bool(state.aborted))
     (res,) = await client.rollout([RolloutRequest(prompt_ids, params, previous, name=str(sample.index),
                                                   group=group, sample_index=slot)])
     if not sample.tokens:

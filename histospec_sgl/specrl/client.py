@@ -286,10 +286,20 @@ class SpecRLRollout:
         timeout: seconds per SGLang call.
         history: where previous responses come from and where results go (None: only the
             ``previous`` given with each request is used).
+        aborted: the trainer's abort flag (e.g. slime's ``GenerateState.aborted``), read before each
+            call: once it is set, a request comes back as aborted (``finish_reason`` ``"abort"``,
+            with what it had so far) instead of sending another call.
+
+    A request SGLang aborts (its ``finish_reason`` is ``abort``: the trainer's ``abort`` or
+    ``abort_all_requests``) comes back the same way, never as an error: with the scoring call
+    aborted, nothing reused; with the continuation aborted, the reused prefix and the tokens
+    generated before the abort, each with the current policy's log-prob (a partial rollout resumes
+    from there).
     """
 
     def __init__(self, backend: Backend, *, lenience: float = 1.0, rng: np.random.Generator,
-                 concurrency: int = 64, timeout: float = 600.0, history: PreviousResponses | None = None):
+                 concurrency: int = 64, timeout: float = 600.0, history: PreviousResponses | None = None,
+                 aborted: Callable[[], bool] | None = None):
         if not isinstance(rng, np.random.Generator):
             raise TypeError("rng must be a numpy.random.Generator")
         if concurrency < 1:
@@ -300,6 +310,7 @@ class SpecRLRollout:
         self.concurrency = concurrency
         self.timeout = timeout
         self.history = history
+        self.aborted = aborted or (lambda: False)
         self.counters = RolloutCounters()
 
     @classmethod
@@ -329,7 +340,7 @@ class SpecRLRollout:
             raise
         for req, res in zip(requests, results):
             self.counters.add(res)
-            if self.history is not None:
+            if self.history is not None and res.finish_reason != "abort":
                 self.history.put(self._group(req), req.sample_index,
                                  Previous(res.response_ids, res.logprobs, res.finish_reason))
         return list(results)
@@ -359,6 +370,8 @@ class SpecRLRollout:
                                             "return_logprob": True, "logprob_start_len": -1})
         try:
             meta = out["meta_info"]
+            if _finish(meta) == "abort" and not meta.get("output_token_logprobs"):
+                return [], [], "abort", meta
             entries = _entries(meta, "output_token_logprobs")
             ids = [int(t) for t in out["output_ids"]] if "output_ids" in out else [t for _, t in entries]
             if len(entries) != len(ids) or any(t != e[1] for t, e in zip(ids, entries)):
@@ -378,6 +391,8 @@ class SpecRLRollout:
         prev = req.previous
         if prev is None and self.history is not None:
             prev = self.history.get(self._group(req), req.sample_index)
+        if self.aborted():
+            return RolloutResult(name, [], [], "abort", 0, 0, 0, len(prev.response_ids) if prev else 0, None)
         if prev is None or len(prev.response_ids) == 0:
             ids, lps, fin, meta = await self._generate(name, "generate", prompt, sp)
             return RolloutResult(name, ids, lps, fin, 0, len(ids), 0, 0, meta)
@@ -389,6 +404,9 @@ class SpecRLRollout:
         scored = await self._call(name, "score", {
             "input_ids": prompt + old, "sampling_params": {**sp, "max_new_tokens": 1},
             "return_logprob": True, "logprob_start_len": len(prompt) - 1})
+        if isinstance(scored.get("meta_info"), dict) and _finish(scored["meta_info"]) == "abort":
+            # Aborted before its log-probs were computed: nothing can be reused.
+            return RolloutResult(name, [], [], "abort", 0, 0, 0, len(prev.response_ids), scored["meta_info"])
         try:
             new_lp = scored_logprobs(scored["meta_info"], old)
         except (KeyError, TypeError, ValueError) as e:
@@ -402,6 +420,9 @@ class SpecRLRollout:
         prefix, prefix_lp = old[: p.cut], [float(x) for x in new_lp[: p.cut]]
         if p.done:
             return RolloutResult(name, prefix, prefix_lp, p.finish_reason, p.cut, 0, len(old), len(prev.response_ids),
+                                 scored.get("meta_info"))
+        if self.aborted():
+            return RolloutResult(name, prefix, prefix_lp, "abort", p.cut, 0, len(old), len(prev.response_ids),
                                  scored.get("meta_info"))
         # 3. Continue from prompt + prefix.
         ids, lps, fin, meta = await self._generate(name, "continue", prompt + prefix,
