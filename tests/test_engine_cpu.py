@@ -483,7 +483,7 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
     out = tmp_path / "engine.json"
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--model", str(greedy_model),
                         "--methods", "plain,history", "--batch-sizes", "1,4", "--temperatures", "0,1",
-                        "--siblings", "4", "--max-new-tokens", "24", "--sampled-requests", "8", "--json", str(out)],
+                        "--siblings", "4", "--max-new-tokens", "16", "--sampled-requests", "4", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
@@ -493,12 +493,12 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
     want = {(m, p, b, t, n) for m in ("plain", "history") for p in (1, 2) for b in (1, 4) for t in (0.0, 1.0)
             for n in ((1, 4) if t and b == 4 else (1,))}
     assert points == want
-    assert res["settings"]["sampled_requests"] == 8 and res["settings"]["fixed_length"] is False
+    assert res["settings"]["sampled_requests"] == 4 and res["settings"]["fixed_length"] is False
     for x in res["rows"]:
         assert x["tokens_per_s"] > 0 and x["vs_plain"] > 0 and x["verify_cost"] > 0
-        # Every request runs to 24 tokens: greedy rows run one batch (at batch 1, four requests one
-        # after the other), sampled rows batches until 8 requests.
-        assert x["tokens"] == 24 * (8 if x["temperature"] else 4), x
+        # Every request runs to 16 tokens: greedy rows run one batch (at batch 1, four requests one
+        # after the other), sampled rows batches until 4 requests.
+        assert x["tokens"] == 16 * 4, x
         if x["method"] == "plain":
             assert x["tokens_per_step"] == 1.0
         elif x["pass"] == 2 and x["temperature"] == 0.0:
