@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,8 +68,6 @@ class PreviousStore:
         draft server and back in its mirror (so that the next rollout finds it). False, with a
         warning, when the server did not answer in time: the rollout goes on, and the records follow
         once it is back."""
-        import time
-
         deadline = time.monotonic() + timeout
         pub = self.publisher(address)
         if not pub.drain(timeout):

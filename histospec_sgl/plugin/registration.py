@@ -42,7 +42,9 @@ def validate_server_args(server_args: Any) -> None:
         # E.g. in a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is
         # connected: the draft server's address, which the SGLang processes started here inherit.
         resolve()
-    if os.environ.get("HISTOSPEC_DRAFT_SERVER_ACTOR") and not os.environ.get("HISTOSPEC_DRAFT_SERVER"):
+    if (not ENV_RESOLVERS and os.environ.get("HISTOSPEC_DRAFT_SERVER_ACTOR")
+            and not os.environ.get("HISTOSPEC_DRAFT_SERVER")):
+        # (With the hook's resolver registered, a failed lookup was already logged by it.)
         logger.warning("histospec: HISTOSPEC_DRAFT_SERVER_ACTOR is set but unresolved here (the Ray setup hook "
                        "histospec_sgl.integrations.ray_setup.setup did not run in this process); no draft server")
     HistoryConfig.from_env()

@@ -55,6 +55,8 @@ class EngineSync:
         self.subscriber = HistorySubscriber(
             address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
         ).start()
+        #: Publishes finished responses in the background; its counters (``publish_failures``,
+        #: ``refused_records``, ``dropped``) say what did not go out.
         self.outbox = BackgroundPublisher(
             address,
             auth_token=auth_token,
@@ -97,14 +99,6 @@ class EngineSync:
     def unpublished(self) -> int:
         """Finished responses not yet acknowledged by the server."""
         return self.outbox.unpublished
-
-    @property
-    def publish_failures(self) -> int:
-        return self.outbox.publish_failures
-
-    @property
-    def refused_records(self) -> int:
-        return self.outbox.refused_records + self.outbox.dropped
 
     def drain(self, timeout: float) -> bool:
         """Waits until everything finished so far is acknowledged; False on timeout."""
