@@ -106,10 +106,11 @@ def main(model: str, url: str, draft_server: str, out: str) -> None:
                    "Translate 'good morning' to French."]
         tokenizer = AutoTokenizer.from_pretrained(model)
         episodes = []
-        for _ in range(2):
+        # The second episode's budget is longer: a previous response cut at 24 is kept and continued.
+        for max_new in (24, 32):
             loader = [(None, prompts, ["x"] * len(prompts), [None] * len(prompts))]
             gen = SamplesGenerator(types.SimpleNamespace(args=args), loader, None, tokenizer, engines)
-            experiences, *_ = gen.generate_samples(temperature=1.0, max_new_tokens=24, max_len=128,
+            experiences, *_ = gen.generate_samples(temperature=1.0, max_new_tokens=max_new, max_len=128,
                                                     n_samples_per_prompt=4)
             rows = []
             for e in experiences:

@@ -64,6 +64,13 @@ def main() -> None:
     data_source = RolloutDataSourceWithBuffer(args)
     epochs = []
     for rollout_id in range(2):
+        if rollout_id == 1 and mode == "specrl":
+            # A longer budget: a previous response cut at 24 is kept whole and continued by slime's
+            # generate, as it continues a partial rollout.
+            from slime.rollout.sglang_rollout import GenerateState
+
+            args.rollout_max_response_len = 32
+            GenerateState(args).sampling_params["max_new_tokens"] = 32
         output = generate_rollout(args, rollout_id, data_source)
         rows = []
         for group in output.samples:

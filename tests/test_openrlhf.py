@@ -62,8 +62,12 @@ def test_specrl_executor_two_episodes(openrlhf_py, text_engine, tmp_path):
             assert match, prompt
             starts.append(tuple(r_["response_ids"][:k]))
         assert len(set(starts)) == len({tuple(e) for e in earlier})
+    # Responses cut at 24 in the first episode were kept whole and continued to the new budget of 32
+    # through OpenRLHF's single-turn executor.
+    continued = [r_ for r_ in second if r_["histospec_reused"] == 24 and r_["histospec_generated"] > 0]
+    assert continued and all(len(r_["response_ids"]) <= 32 for r_ in second)
     # The log-probs OpenRLHF trains on are the current policy's: score afresh.
-    for r_ in second[:4]:
+    for r_ in continued[:3] + second[:2]:
         scored = srv._post("/generate", {"input_ids": r_["prompt_ids"] + r_["response_ids"], "return_logprob": True,
                                          "logprob_start_len": len(r_["prompt_ids"]) - 1,
                                          "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}, 120)
@@ -72,10 +76,16 @@ def test_specrl_executor_two_episodes(openrlhf_py, text_engine, tmp_path):
 
 
 UNIT = r"""
-import os, sys
+import asyncio, os, sys
 sys.path.insert(0, sys.argv[1])
+from transformers import AutoTokenizer
 from vllm import SamplingParams
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from histospec_sgl import prompt_key
 from histospec_sgl.integrations import openrlhf_agent as m
+from histospec_sgl.integrations.previous import shared
+from histospec_sgl.specrl.guard import reuse_blocker
 
 os.environ.pop("HISTOSPEC_N_SAMPLES", None)
 try:
@@ -84,23 +94,68 @@ except ValueError as e:
     assert "HISTOSPEC_N_SAMPLES" in str(e) and "n_samples_per_prompt" in str(e), e
 else:
     raise AssertionError("no error without HISTOSPEC_N_SAMPLES")
-os.environ["HISTOSPEC_N_SAMPLES"] = "4"
-assert m.AgentExecutor().n == 4
+os.environ["HISTOSPEC_N_SAMPLES"] = "1"
+ex = m.AgentExecutor()
+assert ex.n == 1 and type(ex.inner).__name__ == "SingleTurnAgentExecutor"
 # OpenRLHF's own defaults (samples_generator.py) are plain sampling: reuse.
-assert m._reuse_blocker(SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, min_tokens=1,
-                                       logprobs=1)) is None
+assert reuse_blocker(SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8, min_tokens=1,
+                                    logprobs=1)) is None
 for kw, word in [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"top_k": 20}, "top_k"),
                  ({"min_p": 0.05}, "min_p"), ({"repetition_penalty": 1.1}, "repetition_penalty")]:
-    assert word in (m._reuse_blocker(SamplingParams(**kw)) or ""), kw
+    assert word in (reuse_blocker(SamplingParams(**kw)) or ""), kw
+
+
+class Engine:
+    # Where RolloutRayActor sits: answers with vLLM's own types; every previous token scores at its
+    # old log-prob, so the whole previous response is accepted.
+    def __init__(self, old):
+        self.old, self.calls = old, []
+
+    async def generate(self, ids, sp, multi_modal_data=None):
+        self.calls.append({"ids": list(ids), "temperature": sp.temperature, "scoring": sp.prompt_logprobs is not None})
+        plp = None
+        if sp.prompt_logprobs is not None:
+            plp = [None] + [{t: Logprob(logprob=self.old.get(i, -5.0))} for i, t in enumerate(ids[1:], 1)]
+        gen = CompletionOutput(index=0, text="", token_ids=[11, 12], cumulative_logprob=None,
+                               logprobs=[{11: Logprob(logprob=-0.5)}, {12: Logprob(logprob=-0.25)}], finish_reason="stop")
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=list(ids), prompt_logprobs=plp,
+                             outputs=[gen], finished=True)
+
+
+tok = AutoTokenizer.from_pretrained(sys.argv[2])
+prompt = "What is 17 * 23?"
+ids = tok(text=prompt, add_special_tokens=False)["input_ids"]
+group = prompt_key(ids)
+prev = [7, 8, 9]
+shared().record(None, ids, prev, [-1.0, -2.0, -3.0], "stop", group=group, slot=0, version=0)
+assert shared().get(None, group, 0) is not None  # no draft server: kept in this process
+old = {len(ids) + i: lp for i, lp in enumerate([-1.0, -2.0, -3.0])}
+
+# Not plain sampling: the inner executor runs with the real engine, untouched; nothing reused.
+eng = Engine(old)
+out = asyncio.run(ex.execute(prompt, "x", SamplingParams(temperature=0.7, max_tokens=8, logprobs=0), 64, tok, eng))
+assert [c["scoring"] for c in eng.calls] == [False] and eng.calls[0]["temperature"] == 0.7, eng.calls
+assert out["observation_tokens"] == ids + [11, 12] and out["extra_logs"]["histospec_reused"] == 0.0
+assert out["extra_logs"]["histospec_generated"] == 2.0
+
+# Plain sampling: one scoring call, the whole previous response kept (it had ended), no generation;
+# the inner executor sees it as the engine's answer, with the current policy's log-probs.
+eng = Engine(old)
+out = asyncio.run(ex.execute(prompt, "x", SamplingParams(temperature=1.0, max_tokens=8, logprobs=0), 64, tok, eng))
+assert [c["scoring"] for c in eng.calls] == [True], eng.calls
+assert out["observation_tokens"] == ids + prev and out["action_ranges"] == [(len(ids), len(ids) + 3)]
+assert out["rollout_log_probs"][-3:] == [-1.0, -2.0, -3.0] and not out["truncated"]
+assert out["extra_logs"]["histospec_reused"] == 3.0 and out["extra_logs"]["histospec_previous_len"] == 3.0
 print("ok")
 """
 
 
-def test_executor_refuses_what_it_cannot_do_exactly(openrlhf_py):
+def test_executor_refuses_what_it_cannot_do_exactly(openrlhf_py, text_model):
     """Without the group size the executor refuses to start (a group's samples would share one
-    previous response); sampling other than plain T=1 reuses nothing (vLLM's prompt log-probs skip
-    its sampling processors)."""
+    previous response). It wraps OpenRLHF's single-turn executor: sampling other than plain T=1 runs
+    it untouched (vLLM's prompt log-probs skip its sampling processors), and plain sampling hands it
+    the kept previous response as the engine's answer, with the current policy's log-probs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    r = subprocess.run([str(openrlhf_py), "-c", UNIT, str(ROOT)], capture_output=True, text=True, timeout=300,
-                       env=env, cwd=ROOT / "tests")
+    r = subprocess.run([str(openrlhf_py), "-c", UNIT, str(ROOT), str(text_model)], capture_output=True, text=True,
+                       timeout=300, env=env, cwd=ROOT / "tests")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]

@@ -165,9 +165,13 @@ def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, 
         if k:
             n_prompt = len(s["tokens"]) - s["response_length"]
             assert s["tokens"][n_prompt:n_prompt + k] == prev[(s["prompt"], s["index"] % 4)][n_prompt:n_prompt + k]
+    # The second rollout's budget is 32: responses cut at 24 were kept whole and continued by
+    # slime's own generate (its partial-rollout continuation).
+    continued = [s for s in second if s["histospec"]["reused"] == 24 and s["histospec"]["generated"] > 0]
+    assert continued and all(s["response_length"] <= 32 for s in second)
     # The log-probs slime trains on are the current policy's: score the whole response afresh.
     srv = stack["server"]
-    for s in second[:6]:
+    for s in continued[:4] + second[:2]:
         n_prompt = len(s["tokens"]) - s["response_length"]
         out = srv._post("/generate", {"input_ids": s["tokens"], "return_logprob": True,
                                       "logprob_start_len": n_prompt - 1,
@@ -188,3 +192,52 @@ def test_slime_plugin_contracts_accept_generate(sglang_py, slime_src):
                        cwd=slime_src / "tests")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert " passed" in r.stdout and "failed" not in r.stdout
+
+
+GUARD = r"""
+import asyncio, sys
+from slime.utils.types import Sample
+import slime_driver
+from histospec_sgl.integrations import slime as h
+from histospec_sgl.integrations.previous import shared
+
+calls = []
+
+
+async def inner(args, sample, sampling_params, evaluation=False):
+    calls.append({"response_length": sample.response_length, "evaluation": evaluation,
+                  "params": dict(sampling_params)})
+    return sample
+
+
+slime_driver.inner = inner
+# The router's port is closed: a request SPEC-RL scored would fail.
+args = slime_driver.make_args("specrl", "http://127.0.0.1:9", sys.argv[1], "unused.jsonl", "")
+args.histospec_draft_server = None
+args.histospec_inner_generate_path = "slime_driver.inner"
+sample = Sample(prompt="What is 17 * 23?", index=0)
+group = h.sample_group(sample)
+shared().record(None, [1, 2, 3], [7, 8, 9], [-1.0, -2.0, -3.0], "stop", group=group, slot=0, version=0)
+assert shared().get(None, group, 0) is not None
+plain = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8}
+cases = [({**plain, "top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}}, False),
+         ({**plain, "temperature": 0.6}, False), (plain, True)]
+for params, evaluation in cases:
+    out = asyncio.run(h.generate(args, sample, params, evaluation=evaluation))
+    assert out is sample and sample.response_length == 0 and "histospec" not in sample.metadata
+assert [c["evaluation"] for c in calls] == [False, False, True], calls
+assert all(c["params"]["custom_params"]["histospec_group"] == group for c in calls)
+assert calls[0]["params"]["custom_params"]["return_top_p_token_ids"] is True
+print("ok")
+"""
+
+
+def test_specrl_hands_what_it_cannot_score_to_the_inner_generate(sglang_py, slime_src, text_model):
+    """Top-p with slime's top-p replay, a temperature other than 1, and evaluation go to the inner
+    generate untouched, although the slot has a previous response: the scoring pass would not give
+    the sampling distribution's log-probs (the rule every trainer adapter shares)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent)])
+    r = subprocess.run([str(sglang_py), "-c", GUARD, str(text_model)], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=DRIVER.parent)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-5000:]

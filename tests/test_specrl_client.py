@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from histospec_sgl.specrl.acceptance import SpecRLError
 from histospec_sgl.specrl.client import (
     Previous,
     PreviousResponses,
@@ -428,3 +429,61 @@ def test_an_aborted_request_comes_back_aborted_not_as_an_error(policy_pair):
         assert all(r.finish_reason == "abort" and r.response_ids == [] for r in res) and srv.calls == []
     finally:
         srv.close()
+
+
+def test_reuse_scores_and_cuts_without_generating(policy_pair):
+    """``reuse`` (what each trainer adapter calls before handing the rest to the trainer's own
+    generate) sends one scoring call and returns the kept prefix with the current policy's
+    log-probs, the budget left, and whether anything is left to generate."""
+    new, old = policy_pair
+    reqs = _requests(8, old, np.random.default_rng(3))
+    srv = FakeSGLang(new)
+    try:
+        client = SpecRLRollout.http(srv.url, rng=np.random.default_rng(1))
+        for q in reqs:
+            before = len(srv.calls)
+            r = asyncio.run(client.reuse(q.prompt_ids, q.sampling_params, q.previous))
+            assert len(srv.calls) == before + 1
+            assert r.prefix == list(q.previous.response_ids[: len(r.prefix)])
+            ctx = list(q.prompt_ids)
+            for t, lp in zip(r.prefix, r.logprobs):
+                assert lp == pytest.approx(float(new.logp(ctx)[t]), abs=1e-9)
+                ctx.append(t)
+            if r.done:
+                assert r.finish_reason in ("stop", "length") and r.max_new_tokens == 0
+            else:
+                assert r.finish_reason is None and r.max_new_tokens == 12 - len(r.prefix) > 0
+        with pytest.raises(SpecRLRequestError, match="empty previous response"):
+            asyncio.run(client.reuse([1, 2], {"max_new_tokens": 4}, Previous([], [])))
+    finally:
+        srv.close()
+
+
+def test_one_reuse_rule_for_every_trainer():
+    """The guard every trainer adapter calls: plain sampling at temperature 1 reuses; evaluation,
+    another temperature, truncation, penalties, constrained decoding, slime's top-p replay and
+    min-tokens above 1 do not. Dicts (SGLang, slime, verl) and objects (vLLM) read the same."""
+    from types import SimpleNamespace
+
+    from histospec_sgl.specrl.guard import Options, reuse_blocker
+
+    plain = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 8, "logprobs": True,
+             "repetition_penalty": 1.0, "min_tokens": 1}
+    assert reuse_blocker(plain) is None and reuse_blocker({}) is None
+    assert reuse_blocker(SimpleNamespace(**plain)) is None
+    assert reuse_blocker(plain, evaluation=True) == "evaluation"
+    for change, reason in [({"temperature": 0}, "temperature=0"), ({"temperature": 0.7}, "temperature=0.7"),
+                           ({"top_p": 0.95}, "top_p=0.95"), ({"top_k": 50}, "top_k=50"),
+                           ({"min_p": 0.1}, "min_p=0.1"), ({"frequency_penalty": 0.5}, "frequency_penalty=0.5"),
+                           ({"json_schema": "{}"}, "json_schema"), ({"regex": "a+"}, "regex"),
+                           ({"min_new_tokens": 5}, "min_new_tokens=5"),
+                           ({"custom_params": {"return_top_p_token_ids": True}}, "return_top_p_token_ids")]:
+        assert reuse_blocker({**plain, **change}) == reason
+        assert reuse_blocker(SimpleNamespace(**{**plain, **change})) == reason
+    assert Options.resolve().timeout == 600.0
+    assert Options.resolve(timeout="30", lenience=2).timeout == 30.0
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(ValueError, match="timeout"):
+            Options.resolve(timeout=bad)
+    with pytest.raises(SpecRLError, match="lenience"):
+        Options.resolve(lenience=0.5)

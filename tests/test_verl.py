@@ -55,8 +55,12 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
     srv, ds = text_engine["server"], text_engine["draft_server"]
     out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, ds.address, str(tmp_path / "out.json"))
-    first, second = out["epochs"]
+    first, second, validation = out["epochs"]
     assert len(first) == len(second) == 16
+    # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.
+    assert len(validation) == 4
+    assert all(r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0 for r in validation)
+    assert all(r["generated"] == len(r["response_ids"]) > 0 for r in validation)
     for rows in (first, second):
         for prompt in range(4):
             mine = [r for r in rows if r["index"] == prompt]
@@ -73,8 +77,12 @@ def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
     prev = {(r["index"], r["slot"]): r["response_ids"] for r in first}
     for r in second:
         assert r["response_ids"][: r["reused"]] == prev[(r["index"], r["slot"])][: r["reused"]]
+    # The second step's budget is 32: a previous response cut at 24 was continued through verl's
+    # single-turn loop and server.
+    continued = [r for r in second if r["reused"] == 24 and r["generated"] > 0]
+    assert continued and all(len(r["response_ids"]) <= 32 for r in second)
     # The log-probs verl trains on are the current policy's: score each response afresh.
-    for r in second[:4] + first[:4]:
+    for r in continued[:4] + second[:2] + first[:2]:
         scored = srv._post("/generate", {"input_ids": r["prompt_ids"] + r["response_ids"], "return_logprob": True,
                                          "logprob_start_len": len(r["prompt_ids"]) - 1,
                                          "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}, 120)

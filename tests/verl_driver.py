@@ -5,7 +5,8 @@
         verl's Hydra config (its own ppo_trainer.yaml) with the HISTORY override composes and
         validates into a RolloutConfig.
     python verl_driver.py specrl MODEL SGLANG_URL DRAFT_SERVER OUT_JSON
-        Two epochs of verl's AgentLoopWorker.generate_sequences with the SPEC-RL agent loop, its
+        Two epochs and a validation step of verl's AgentLoopWorker.generate_sequences with the SPEC-RL
+        agent loop (wrapping verl's single-turn loop), its
         LLMServerClient, the prompt-affinity balancer made by verl's router factory, and two rollout
         server actors that are verl's SGLangHttpServer with only the in-process SGLang engine stood in
         by a real SGLang server over HTTP (verl's server needs a GPU engine in its own process).
@@ -109,7 +110,7 @@ def server_class() -> type:
     return CpuSGLangServer
 
 
-async def two_epochs(cfg: Any, url: str, prompts: list[str]) -> dict:
+async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) -> dict:
     import numpy as np
     import ray
     from verl import DataProto
@@ -120,16 +121,20 @@ async def two_epochs(cfg: Any, url: str, prompts: list[str]) -> dict:
     cls = ray.remote(server_class())
     servers = {f"replica-{i}": cls.remote(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, url, i) for i in range(2)}
     balancer = get_router_handle(servers, router_config_path=cfg.actor_rollout_ref.rollout.router_config_path)
-    worker = AgentLoopWorker(cfg, LLMServerClient(cfg, balancer))
+    workers = {c: AgentLoopWorker(cfg_, LLMServerClient(cfg_, balancer))
+               for c, cfg_ in (("base", cfg), ("longer", cfg_longer))}
     n = cfg.actor_rollout_ref.rollout.n
     epochs = []
-    for step in (1, 2):
+    # Two training steps, the second with a longer response budget (a truncated previous response is
+    # kept whole and continued), then a validation step (verl's val_kwargs: greedy).
+    for step, validate, worker in ((1, False, workers["base"]), (2, False, workers["longer"]),
+                                   (2, True, workers["base"])):
         await asyncio.gather(*(s.set_global_steps.remote(step) for s in servers.values()))
         batch = DataProto.from_dict(non_tensors={
             "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts] + [None], dtype=object)[:-1],
             "index": np.arange(len(prompts)),
-        }, meta_info={"global_steps": step, "validate": False})
-        batch = batch.repeat(repeat_times=n, interleave=True)
+        }, meta_info={"global_steps": step, "validate": validate})
+        batch = batch.repeat(repeat_times=1 if validate else n, interleave=True)
         out = await worker.generate_sequences(batch)
         rows = []
         for i in range(len(out)):
@@ -162,14 +167,16 @@ def cmd_specrl(model: str, url: str, draft_server: str, out: str) -> None:
              runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server}})
     os.environ["HISTOSPEC_DRAFT_SERVER"] = draft_server
     try:
-        cfg = compose(model, [
+        overrides = [
             "actor_rollout_ref.rollout.agent.default_agent_loop=histospec_specrl",
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLES / 'agent_loops.yaml'}",
             f"actor_rollout_ref.rollout.router_config_path={EXAMPLES / 'router.yaml'}",
-        ])
+        ]
+        cfg = compose(model, overrides)
+        cfg_longer = compose(model, [*overrides, "data.max_response_length=32"])
         prompts = ["Write a haiku about rivers.", "What is 17 * 23?", "Name three prime numbers.",
                    "Translate 'good morning' to French."]
-        result = asyncio.run(two_epochs(cfg, url, prompts))
+        result = asyncio.run(two_epochs(cfg, cfg_longer, url, prompts))
     finally:
         ray.shutdown()
     Path(out).write_text(json.dumps(result))

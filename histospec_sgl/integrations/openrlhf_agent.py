@@ -1,12 +1,14 @@
-"""SPEC-RL for OpenRLHF 0.11: an ``AgentExecutor`` for ``--train.agent_func_path``.
+"""SPEC-RL for OpenRLHF 0.11: an ``AgentExecutor`` for ``--train.agent_func_path``, wrapping another.
 
 OpenRLHF drives vLLM engines of its own (weights are broadcast to them after every step) and has no
 way to pass engine options or to replace its engine actor, so HISTORY (drafting inside SGLang)
-cannot run under it. What it can run is SPEC-RL through its own engines: this executor reuses the
-previous response of the sample's slot in its group, scores it under the current policy with vLLM's
-``prompt_logprobs``, cuts at the first rejected token, continues with the remaining budget, and
-returns what OpenRLHF's single-turn executor returns (observation tokens, the action range, the
-current policy's log-probs, the reward from the same reward function or server).
+cannot run under it. What it can run is SPEC-RL through its own engines. This executor wraps an
+inner one (the user's ``AgentExecutor`` file, or OpenRLHF's single-turn executor): the inner
+executor runs as it would, and its first ``generate`` (the response to the prompt) reuses the
+previous response of the sample's slot in its group, scored under the current policy with vLLM's
+``prompt_logprobs``, cut at the first rejected token and continued with the remaining budget. The
+inner executor gets one vLLM ``RequestOutput`` with the current policy's log-prob of every token;
+reward, truncation and the action range are its own.
 
 Point OpenRLHF at this file (it loads it by path and instantiates ``AgentExecutor()``)::
 
@@ -18,15 +20,18 @@ and set in the Ray job's ``runtime_env.env_vars``:
   spreads a prompt's samples over engines by load, so a per-engine store would rarely find one);
 - ``HISTOSPEC_N_SAMPLES`` (required): OpenRLHF's ``--rollout.n_samples_per_prompt`` (the executor is
   not told it): a group's n samples get n distinct slots;
-- ``HISTOSPEC_REMOTE_RM_URL``: the reward (a URL or a ``reward_func`` file, as OpenRLHF's
-  ``--reward.remote_url``; OpenRLHF hands an agent executor none);
-- ``HISTOSPEC_LENIENCE``: SPEC-RL's ℓ (1: exact).
+- ``HISTOSPEC_INNER_AGENT_FUNC_PATH``: the executor to wrap (a file with an ``AgentExecutor``, what
+  you would otherwise pass as ``--train.agent_func_path``); default OpenRLHF's single-turn executor;
+- ``HISTOSPEC_REMOTE_RM_URL``: the single-turn executor's reward (a URL or a ``reward_func`` file,
+  as OpenRLHF's ``--reward.remote_url``; OpenRLHF hands an agent executor none);
+- ``HISTOSPEC_LENIENCE``: SPEC-RL's ℓ (1: exact); ``HISTOSPEC_SPECRL_TIMEOUT``: seconds per engine
+  call (default 600).
 
 Records are tagged with the group's round (its k-th set of n samples), the only policy version the
-executor can see. Vision-language prompts are generated normally, and so is everything sampled with
-a temperature other than 1, top-p, top-k, min-p or penalties: vLLM scores prompt positions without
-its sampling processors, so the scored log-probs would not be those of the sampling distribution
-(a warning says so once).
+executor can see. Vision-language prompts go to the inner executor untouched, and so does everything
+sampled with a temperature other than 1, top-p, top-k, min-p or penalties
+(:func:`~histospec_sgl.specrl.guard.reuse_blocker`, the rule every trainer adapter shares: vLLM
+scores prompt positions without its sampling processors; a warning says so once).
 """
 
 from __future__ import annotations
@@ -42,34 +47,17 @@ from histospec_sgl.integrations.versions import require
 
 require("openrlhf")
 
-from openrlhf.utils.agent import SingleTurnAgentExecutor
+from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
 
 from histospec_sgl import prompt_key
 from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.ray_slots import Slots
-from histospec_sgl.specrl.acceptance import check_lenience
-from histospec_sgl.specrl.client import RolloutRequest, SpecRLRollout
+from histospec_sgl.specrl.client import SpecRLRollout
+from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 
 _slots = Slots()
 _log = logging.getLogger("histospec_sgl.integrations")
-_warned: set[str] = set()
-
-
-def _reuse_blocker(sp: Any) -> str | None:
-    """Why SPEC-RL cannot reuse under these vLLM sampling parameters, or None. vLLM scores prompt
-    positions without its sampling processors, so the scored log-probs describe the sampling
-    distribution only under plain sampling; the acceptance test would otherwise compare two
-    different distributions."""
-    checks = [("temperature", 1.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
-              ("presence_penalty", 0.0), ("frequency_penalty", 0.0)]
-    for name, plain in checks:
-        v = getattr(sp, name, plain)
-        if v is not None and abs(float(v) - plain) > 1e-9:
-            return f"{name}={v}"
-    top_k = getattr(sp, "top_k", None)
-    if top_k not in (None, 0, -1):
-        return f"top_k={top_k}"
-    return None
+COUNTERS = ("histospec_reused", "histospec_generated", "histospec_previous_len")
 
 
 def _logprob(entry: Any, token: int) -> float | None:
@@ -109,11 +97,94 @@ class _VllmBackend:
                                                     "finish_reason": {"type": gen.finish_reason or "length"}}}
 
 
-class AgentExecutor(SingleTurnAgentExecutor):
+class _ReusingEngine:
+    """The engine the inner executor sees: its first ``generate`` (the response to the prompt) reuses
+    the slot's previous response, scored and cut under the current policy, and continues it on the
+    real engine; the answer is one vLLM ``RequestOutput`` as if the engine had generated it all, with
+    the current policy's log-prob of every token. Later calls (a multi-turn executor's) pass through."""
+
+    def __init__(self, engine: Any, options: Options, n: int):
+        self._engine = engine
+        self.options = options
+        self.n = n
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        self._used = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt_token_ids: list[int], sampling_params: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._used:
+            return await self._engine.generate(prompt_token_ids, sampling_params, *args, **kwargs)
+        self._used = True
+        from vllm.logprobs import Logprob
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        prompt = [int(t) for t in prompt_token_ids]
+        group = prompt_key(prompt)
+        k = await _slots.take(group, 1 << 62)  # the k-th sample of this group: round k // n, slot k % n
+        slot, round_ = k % self.n, k // self.n
+        previous = shared().get(self.options.draft_server, group, slot)
+        max_tokens = int(sampling_params.max_tokens)
+        reuse = None
+        if previous is not None and previous.response_ids:
+            rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, group & 0xFFFFFFFF, group >> 32, k]))
+            client = SpecRLRollout(_VllmBackend(self._engine, sampling_params), lenience=self.options.lenience,
+                                   rng=rng, concurrency=1, timeout=self.options.timeout)
+            self.counters["histospec_previous_len"] = float(len(previous.response_ids))
+            reuse = await client.reuse(prompt, {"max_new_tokens": max_tokens}, previous)
+            if reuse.aborted:
+                reuse = None
+        prefix = reuse.prefix if reuse is not None else []
+        prefix_lp = reuse.logprobs if reuse is not None else []
+        if reuse is not None and reuse.done:
+            out = RequestOutput(request_id=f"histospec-{k}", prompt=None, prompt_token_ids=prompt, prompt_logprobs=None,
+                                outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
+                                                          logprobs=[], finish_reason=reuse.finish_reason)],
+                                finished=True)
+        else:
+            # The sampled token's log-prob is asked for either way: the response is recorded with it.
+            sp = deepcopy(sampling_params)
+            sp.logprobs = 0 if sp.logprobs is None else sp.logprobs
+            if reuse is not None:
+                sp.max_tokens = reuse.max_new_tokens
+            out = await self._engine.generate(prompt + prefix, sp, *args, **kwargs)
+        gen = out.outputs[0]
+        tokens = [int(t) for t in gen.token_ids]
+        lps = [_logprob(e, t) for e, t in zip(gen.logprobs or [], tokens)]
+        self.counters.update(histospec_reused=float(len(prefix)), histospec_generated=float(len(tokens)))
+        ids, all_lps = prefix + tokens, prefix_lp + [v for v in lps if v is not None]
+        if gen.finish_reason != "abort" and ids and len(all_lps) == len(ids):
+            # Queued for the draft server in the background: never waits on it, never fails for it.
+            shared().record(self.options.draft_server, prompt, ids, all_lps, gen.finish_reason, group=group,
+                            slot=slot, version=round_)
+        gen.token_ids = ids
+        if sampling_params.logprobs is None:
+            gen.logprobs = None
+        else:
+            gen.logprobs = [{t: Logprob(logprob=v)} for t, v in zip(prefix, prefix_lp)] + list(gen.logprobs or [])
+        out.prompt_token_ids = prompt
+        return out
+
+
+def _inner_executor() -> Any:
+    """The executor SPEC-RL wraps: ``HISTOSPEC_INNER_AGENT_FUNC_PATH`` (a file with an
+    ``AgentExecutor`` class, as ``--train.agent_func_path`` takes) or OpenRLHF's single-turn executor
+    with the reward from ``HISTOSPEC_REMOTE_RM_URL``."""
+    path = os.environ.get("HISTOSPEC_INNER_AGENT_FUNC_PATH", "").strip()
+    if path:
+        from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
+
+        inner = _load_agent_executor(path)
+        if isinstance(inner, AgentExecutor):
+            raise ValueError("HISTOSPEC_INNER_AGENT_FUNC_PATH names histospec's own executor")
+        return inner
+    urls = [u.strip() for u in os.environ.get("HISTOSPEC_REMOTE_RM_URL", "").split(",") if u.strip()]
+    return SingleTurnAgentExecutor(urls or None)
+
+
+class AgentExecutor(AgentExecutorBase):
     def __init__(self) -> None:
-        urls = [u.strip() for u in os.environ.get("HISTOSPEC_REMOTE_RM_URL", "").split(",") if u.strip()]
-        super().__init__(urls or None)
-        self.lenience = check_lenience(float(os.environ.get("HISTOSPEC_LENIENCE") or 1.0))
         n = os.environ.get("HISTOSPEC_N_SAMPLES", "").strip()
         if not n.isdigit() or int(n) < 1:
             # Without it a group's samples would share one previous response and stop being
@@ -121,75 +192,21 @@ class AgentExecutor(SingleTurnAgentExecutor):
             raise ValueError(f"HISTOSPEC_N_SAMPLES={n!r}: set it in the Ray job's runtime_env.env_vars to "
                              "OpenRLHF's --rollout.n_samples_per_prompt (the executor is not told the group size)")
         self.n = int(n)
-        self.draft_server = os.environ.get("HISTOSPEC_DRAFT_SERVER") or None
+        self.options = Options.resolve()
+        self.inner = _inner_executor()
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
-        if images:
-            return await super().execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images)
-        prompt_ids = hf_tokenizer(text=prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0].tolist()
-        max_tokens = sampling_params.max_tokens or max(1, max_length - len(prompt_ids))
-        if len(prompt_ids) > max_length - max_tokens:
-            prompt_ids = prompt_ids[-(max_length - max_tokens):]
-        group = prompt_key(prompt_ids)
-        k = await _slots.take(group, 1 << 62)  # the k-th sample of this group: round k // n, slot k % n
-        slot, round_ = k % self.n, k // self.n
-        blocker = _reuse_blocker(sampling_params)
-        previous = None if blocker else shared().get(self.draft_server, group, slot)
-        if blocker and blocker not in _warned:
-            _warned.add(blocker)
-            _log.warning("histospec: SPEC-RL reuses nothing with %s (vLLM scores prompt positions without its "
-                         "sampling processors); generating normally", blocker)
-        rng = np.random.default_rng(np.random.SeedSequence([group & 0xFFFFFFFF, group >> 32, k]))
-        client = SpecRLRollout(_VllmBackend(llm_engine, sampling_params), lenience=self.lenience, rng=rng,
-                               concurrency=1)
-        (res,) = await client.rollout([RolloutRequest(prompt_ids, {"max_new_tokens": max_tokens}, previous,
-                                                      group=group, sample_index=slot)])
-        observation = prompt_ids + res.response_ids
-        output = {
-            "prompt": prompt, "label": label, "images": images, "mm_train_inputs": None,
-            "observation_tokens": observation,
-            "action_ranges": [(len(prompt_ids), len(observation))],
-            "rollout_log_probs": ([0.0] * len(prompt_ids) + res.logprobs) if sampling_params.logprobs is not None
-            else None,
-            "truncated": res.finish_reason == "length",
-            "reward": None, "scores": None, "extra_logs": {},
-        }
-        await self._score(output, hf_tokenizer, prompt, label)
-        output["extra_logs"] = {**output["extra_logs"], "histospec_reused": float(res.reused),
-                                "histospec_generated": float(res.generated),
-                                "histospec_previous_len": float(res.previous_len)}
-        # Queued for the draft server in the background: never waits on it, never fails for it.
-        shared().record(self.draft_server, prompt_ids, res.response_ids, res.logprobs,
-                        res.finish_reason, group=group, slot=slot, version=round_)
+        blocker = "images" if images else reuse_blocker(sampling_params)
+        if blocker is not None:
+            note_blocked(blocker, "OpenRLHF")
+            output = await self.inner.execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine,
+                                              images)
+            counters = dict.fromkeys(COUNTERS, 0.0)
+            ranges = output.get("action_ranges") or []
+            counters["histospec_generated"] = float(sum(b - a for a, b in ranges))
+        else:
+            engine = _ReusingEngine(llm_engine, self.options, self.n)
+            output = await self.inner.execute(prompt, label, sampling_params, max_length, hf_tokenizer, engine, images)
+            counters = engine.counters
+        output["extra_logs"] = {**(output.get("extra_logs") or {}), **counters}
         return output
-
-    async def _score(self, output: dict[str, Any], hf_tokenizer: Any, prompt: Any, label: Any) -> None:
-        """The reward, as OpenRLHF's single-turn executor computes it (a reward_func file or servers)."""
-        if not self.reward_endpoints:
-            return
-        query = hf_tokenizer.decode(output["observation_tokens"], skip_special_tokens=False)
-        try:
-            if self.reward_func:
-                infos = await self._fetch_rewards_via_func([query], [prompt], [label])
-            else:
-                infos = await self._fetch_rewards_via_http([query], [prompt], [label])
-        except Exception as e:  # as OpenRLHF's own executor: the sample goes on without a reward
-            _log.warning("histospec: the reward failed: %s", e)
-            return
-        info = infos[0] if infos else None
-        if isinstance(info, list):  # reward_func answers a batch
-            info = info[0] if info else None
-        if info:
-            reward = _scalar(info.get("rewards"))
-            score = _scalar(info.get("scores"))
-            output.update(reward=reward, scores=reward if score is None else score,
-                          extra_logs=info.get("extra_logs") or {})
-
-
-def _scalar(v: Any) -> Any:
-    """A one-element tensor or list (a batch of one) as a float; anything else unchanged."""
-    if hasattr(v, "numel") and v.numel() == 1:
-        return float(v.reshape(-1)[0])
-    if isinstance(v, (list, tuple)) and len(v) == 1:
-        return float(v[0])
-    return v

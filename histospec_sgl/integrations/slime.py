@@ -14,13 +14,16 @@ of a group and its later epochs land on the same engine and draft from each othe
 - ``histospec_mode: history`` (default): hands the request to the inner generate (slime's own
   ``slime.rollout.sglang_rollout.generate`` unless ``histospec_inner_generate_path`` names another),
   which decodes with ``--sglang-speculative-algorithm HISTORY`` on the engines;
-- ``histospec_mode: specrl``: reuses the group's previous response for this sample slot
-  (:class:`~histospec_sgl.specrl.client.SpecRLRollout`): scores it under the current policy, cuts at
-  the first rejected token and continues from there, all through slime's HTTP client to its router.
-  The sample is filled as slime's generate fills it: prompt and response tokens, the current
-  policy's log-prob of every response token, loss mask, status from the finish reason, weight
-  version, and ``metadata["histospec"]`` with the reused/generated counts. Evaluation requests are
-  always generated normally.
+- ``histospec_mode: specrl``: wraps the inner generate with SPEC-RL. It scores the group's
+  previous response for this sample slot under the current policy (through slime's HTTP client to
+  its router) and cuts it at the first rejected token
+  (:meth:`~histospec_sgl.specrl.client.SpecRLRollout.reuse`), appends the kept prefix to the sample
+  with the current policy's log-probs, and hands the sample to the inner generate, which continues
+  it as slime's generate continues a partial rollout. ``metadata["histospec"]`` holds the
+  reused/generated counts. Requests SPEC-RL cannot score exactly go to the inner generate untouched
+  (:func:`~histospec_sgl.specrl.guard.reuse_blocker`, the rule every trainer adapter shares:
+  evaluation, temperature other than 1, top-p/top-k/min-p, penalties, constrained decoding), and so
+  do samples without a previous response and partial rollouts slime resumes.
 
 :func:`record` runs after every rollout with all of its samples: finished ones (not aborted) become
 the previous responses of the next epoch, with their log-probs, sample slot and the policy version
@@ -41,6 +44,8 @@ Settings: keys of the ``--custom-config-path`` YAML (slime sets each as an ``arg
                                    predicted first (history mode; default off, see below)
 ``histospec_length_first_window``  seconds a request waits for the rest of its rollout (default
                                    0.02)
+``histospec_timeout``              SPEC-RL: seconds the scoring call may take (default
+                                   ``HISTOSPEC_SPECRL_TIMEOUT`` or 600)
 ``histospec_publish_wait``         SPEC-RL: seconds ``record`` waits for the draft server to hold
                                    the rollout's responses before the next rollout (default 60;
                                    a server that is down delays a rollout by at most this, never
@@ -73,6 +78,7 @@ import numpy as np
 
 from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.versions import require
+from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 
 require("slime")
 
@@ -92,23 +98,21 @@ class Settings:
     length_first: bool = False
     length_first_window: float = 0.02
     publish_wait: float = 60.0
+    timeout: float = 600.0
 
     @classmethod
     def from_args(cls, args: Any) -> Settings:
         mode = str(getattr(args, "histospec_mode", None) or "history").strip().lower()
         if mode not in MODES:
             raise ValueError(f"histospec_mode must be one of {', '.join(MODES)}, not {mode!r}")
-        lenience = getattr(args, "histospec_lenience", None) or os.environ.get("HISTOSPEC_LENIENCE") or 1.0
-        from histospec_sgl.specrl.acceptance import check_lenience
-
+        opts = Options.resolve(lenience=getattr(args, "histospec_lenience", None),
+                               timeout=getattr(args, "histospec_timeout", None),
+                               seed=getattr(args, "histospec_seed", None),
+                               draft_server=getattr(args, "histospec_draft_server", None))
         return cls(
-            mode=mode,
-            lenience=check_lenience(float(lenience)),
-            draft_server=(getattr(args, "histospec_draft_server", None)
-                          or os.environ.get("HISTOSPEC_DRAFT_SERVER") or None),
+            mode=mode, lenience=opts.lenience, draft_server=opts.draft_server, seed=opts.seed, timeout=opts.timeout,
             inner_generate_path=(getattr(args, "histospec_inner_generate_path", None)
                                  or os.environ.get("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
-            seed=int(getattr(args, "histospec_seed", None) or 0),
             length_first=_flag(getattr(args, "histospec_length_first", None)),
             length_first_window=float(getattr(args, "histospec_length_first_window", None) or 0.02),
             publish_wait=float(getattr(args, "histospec_publish_wait", None) or 60.0),
@@ -173,32 +177,45 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
     sample.session_id = f"{group:016x}"  # the routing key: one engine per prompt
     params = dict(sampling_params)
     params["custom_params"] = {**(params.get("custom_params") or {}), "histospec_group": group}
-    if settings.mode == "history" or evaluation:
-        inner = _load_inner(settings.inner_generate_path)
-        if settings.length_first and not evaluation:
-            await _gate(settings.length_first_window).wait_turn(_predicted_length(args, settings, group))
-        if "evaluation" in inspect.signature(inner).parameters:
-            return await inner(args, sample, params, evaluation=evaluation)
-        return await inner(args, sample, params)
-    return await _specrl_generate(args, sample, params, settings, group)
+    inner = _load_inner(settings.inner_generate_path)
+    if settings.mode == "specrl":
+        blocker = reuse_blocker(sampling_params, evaluation=evaluation)
+        if blocker is None:
+            return await _specrl_generate(args, sample, params, settings, group, inner)
+        note_blocked(blocker, "slime")
+    elif settings.length_first and not evaluation:
+        await _gate(settings.length_first_window).wait_turn(_predicted_length(args, settings, group))
+    return await _call_inner(inner, args, sample, params, evaluation)
 
 
-async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], settings: Settings, group: int) -> Any:
+async def _call_inner(inner: Any, args: Any, sample: Any, params: dict[str, Any], evaluation: bool) -> Any:
+    if "evaluation" in inspect.signature(inner).parameters:
+        return await inner(args, sample, params, evaluation=evaluation)
+    return await inner(args, sample, params)
+
+
+async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], settings: Settings, group: int,
+                           inner: Any) -> Any:
+    """Scores the slot's previous response and cuts it (:meth:`SpecRLRollout.reuse`), appends the kept
+    prefix to the sample with the current policy's log-probs, and hands the sample to the inner
+    generate, which continues it as slime's generate continues a partial rollout (from
+    ``sample.tokens``, with ``max_new_tokens`` less the response so far)."""
     from slime.rollout.sglang_rollout import GenerateState, _prepare_prompt_ids
     from slime.utils.http_utils import post
     from slime.utils.types import Sample
 
-    from histospec_sgl.specrl.client import RolloutRequest, SpecRLRollout
+    from histospec_sgl.specrl.client import SpecRLRollout
 
+    slot = sample_slot(args, sample)
+    # A partial rollout resumed by slime is continued as it is; so is a sample with no previous response.
+    previous = None if sample.response_length else shared().get(settings.draft_server, group, slot)
+    if previous is None or not previous.response_ids or sample.multimodal_inputs:
+        out = await _call_inner(inner, args, sample, params, False)
+        _count(out, 0, previous)
+        return out
     assert sample.status in (Sample.Status.PENDING, Sample.Status.ABORTED), f"Sample status is {sample.status}"
     state = GenerateState(args)
     prompt_ids = list(_prepare_prompt_ids(sample, state.tokenizer, state.processor))
-    params["max_new_tokens"] = int(params["max_new_tokens"]) - sample.response_length
-    if params["max_new_tokens"] <= 0:
-        sample.status = Sample.Status.TRUNCATED
-        return sample
-    if sample.response_length:  # a partial rollout resumed: continue it as slime's generate would
-        prompt_ids = list(sample.tokens)
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     headers = ({"X-SMG-Routing-Key": sample.session_id}
                if getattr(args, "router_policy", None) == "consistent_hashing" else None)
@@ -206,31 +223,39 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     async def backend(payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         return await asyncio.wait_for(post(url, payload, headers=headers), timeout)
 
-    slot = sample_slot(args, sample)
-    previous = None if sample.response_length else shared().get(settings.draft_server, group, slot)
     seed = np.random.SeedSequence([settings.seed, group & 0xFFFFFFFF, group >> 32, slot,
                                    int(getattr(sample, "index", 0) or 0)])
-    # slime's abort() sets state.aborted, then aborts every engine's requests: a call SGLang aborts
-    # and a call not yet sent both come back as an aborted sample (partial rollouts keep its tokens).
+    # slime's abort() sets state.aborted, then aborts every engine's requests: a scoring call SGLang
+    # aborts, or one not yet sent, comes back as an aborted sample with nothing reused.
     client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1,
-                           aborted=lambda: bool(state.aborted))
-    (res,) = await client.rollout([RolloutRequest(prompt_ids, params, previous, name=str(sample.index),
-                                                  group=group, sample_index=slot)])
+                           timeout=settings.timeout, aborted=lambda: bool(state.aborted))
+    reuse = await client.reuse(prompt_ids, {**params, "max_new_tokens": int(params["max_new_tokens"])}, previous,
+                               name=str(sample.index))
+    if reuse.aborted:
+        sample.status = Sample.Status.ABORTED
+        _count(sample, 0, previous)
+        return sample
     if not sample.tokens:
         sample.tokens = prompt_ids
-    meta = dict(res.meta_info or {})
-    meta["finish_reason"] = {"type": res.finish_reason or "length"}
-    # The scoring pass's counters describe the prompt, not this response.
-    for key in ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens"):
-        if res.generated == 0:
-            meta.pop(key, None)
     skip = bool(params.get("skip_special_tokens", True))
-    text = state.tokenizer.decode(res.response_ids, skip_special_tokens=skip) if res.response_ids else ""
-    sample.append_response_tokens(args, tokens=res.response_ids, log_probs=res.logprobs, trainable=True,
-                                  meta_info=meta, text=text)
-    sample.metadata["histospec"] = {"reused": res.reused, "generated": res.generated,
-                                    "previous_len": res.previous_len}
+    text = state.tokenizer.decode(reuse.prefix, skip_special_tokens=skip) if reuse.prefix else ""
+    sample.append_response_tokens(
+        args, tokens=reuse.prefix, log_probs=reuse.logprobs, trainable=True, text=text,
+        meta_info={"finish_reason": {"type": reuse.finish_reason}} if reuse.done else None)
+    if not reuse.done:
+        # The inner generate subtracts the response so far from max_new_tokens, as for a partial rollout.
+        sample = await _call_inner(inner, args, sample, params, False)
+        if sample.response_length and sample.loss_mask == [1] * sample.response_length:
+            # One model-generated response: its text decoded whole, not in two pieces.
+            sample.response = state.tokenizer.decode(sample.tokens[-sample.response_length:],
+                                                     skip_special_tokens=skip)
+    _count(sample, len(reuse.prefix), previous)
     return sample
+
+
+def _count(sample: Any, reused: int, previous: Any) -> None:
+    sample.metadata["histospec"] = {"reused": reused, "generated": int(sample.response_length or 0) - reused,
+                                    "previous_len": len(previous.response_ids) if previous is not None else 0}
 
 
 # -- length-first ----------------------------------------------------------------------------------

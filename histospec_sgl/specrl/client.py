@@ -89,6 +89,24 @@ class RolloutResult:
 
 
 @dataclasses.dataclass
+class Reuse:
+    """What :meth:`SpecRLRollout.reuse` kept of a previous response."""
+
+    prefix: list[int]  # the accepted tokens
+    logprobs: list[float]  # the current policy's log-prob of each
+    done: bool  # nothing left to generate (the whole response kept and it had ended, or aborted)
+    finish_reason: str | None  # when done: "stop", "length" or "abort"
+    max_new_tokens: int  # when not done: the budget left for the continuation
+    verified: int  # previous-response tokens scored
+    previous_len: int
+    meta_info: dict[str, Any] | None = None  # the scoring call's
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+@dataclasses.dataclass
 class RolloutCounters:
     requests: int = 0
     with_previous: int = 0
@@ -382,31 +400,34 @@ class SpecRLRollout:
         except (KeyError, TypeError, ValueError) as e:
             raise SpecRLRequestError(name, step, f"unexpected response: {e}") from None
 
-    async def _one(self, req: RolloutRequest, name: str) -> RolloutResult:
-        prompt = [int(t) for t in req.prompt_ids]
+    async def reuse(self, prompt_ids: Sequence[int], sampling_params: dict[str, Any], previous: Previous,
+                    name: str = "") -> Reuse:
+        """Steps 1 and 2 alone: scores ``previous`` after the prompt under the current policy and cuts
+        it at the first rejection. What is left to generate is the caller's: a trainer adapter hands
+        the prompt plus :attr:`Reuse.prefix` to the trainer's own generate (slime's partial-rollout
+        continuation, verl's agent loop, OpenRLHF's executor)."""
+        prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise SpecRLRequestError(name, "input", "empty prompt")
-        sp = dict(req.sampling_params)
+        if len(previous.response_ids) == 0:
+            raise SpecRLRequestError(name, "input", "empty previous response")
+        sp = dict(sampling_params)
         max_new = int(sp.get("max_new_tokens", 128))
-        prev = req.previous
-        if prev is None and self.history is not None:
-            prev = self.history.get(self._group(req), req.sample_index)
+        n_prev = len(previous.response_ids)
         if self.aborted():
-            return RolloutResult(name, [], [], "abort", 0, 0, 0, len(prev.response_ids) if prev else 0, None)
-        if prev is None or len(prev.response_ids) == 0:
-            ids, lps, fin, meta = await self._generate(name, "generate", prompt, sp)
-            return RolloutResult(name, ids, lps, fin, 0, len(ids), 0, 0, meta)
-        old = [int(t) for t in prev.response_ids][:max_new]
-        old_lp = np.asarray(prev.logprobs[: len(old)], dtype=np.float64)
-        old_finish = prev.finish_reason if len(old) == len(prev.response_ids) else "length"
+            return Reuse([], [], True, "abort", 0, 0, n_prev, None)
+        old = [int(t) for t in previous.response_ids][:max_new]
+        old_lp = np.asarray(previous.logprobs[: len(old)], dtype=np.float64)
+        old_finish = previous.finish_reason if len(old) == n_prev else "length"
         # 1. Score prompt + previous response in one prefill (from the prompt's last token: see
         # scored_logprobs).
         scored = await self._call(name, "score", {
             "input_ids": prompt + old, "sampling_params": {**sp, "max_new_tokens": 1},
             "return_logprob": True, "logprob_start_len": len(prompt) - 1})
-        if isinstance(scored.get("meta_info"), dict) and _finish(scored["meta_info"]) == "abort":
+        meta = scored.get("meta_info") if isinstance(scored, dict) else None
+        if isinstance(meta, dict) and _finish(meta) == "abort":
             # Aborted before its log-probs were computed: nothing can be reused.
-            return RolloutResult(name, [], [], "abort", 0, 0, 0, len(prev.response_ids), scored["meta_info"])
+            return Reuse([], [], True, "abort", 0, 0, n_prev, meta)
         try:
             new_lp = scored_logprobs(scored["meta_info"], old)
         except (KeyError, TypeError, ValueError) as e:
@@ -417,15 +438,31 @@ class SpecRLRollout:
         except SpecRLError as e:
             raise SpecRLRequestError(name, "cut", str(e)) from None
         p = plan(cut, len(old), old_finish, max_new)
-        prefix, prefix_lp = old[: p.cut], [float(x) for x in new_lp[: p.cut]]
-        if p.done:
-            return RolloutResult(name, prefix, prefix_lp, p.finish_reason, p.cut, 0, len(old), len(prev.response_ids),
-                                 scored.get("meta_info"))
+        return Reuse(old[: p.cut], [float(x) for x in new_lp[: p.cut]], p.done, p.finish_reason, p.max_new_tokens,
+                     len(old), n_prev, meta)
+
+    async def _one(self, req: RolloutRequest, name: str) -> RolloutResult:
+        prompt = [int(t) for t in req.prompt_ids]
+        if not prompt:
+            raise SpecRLRequestError(name, "input", "empty prompt")
+        sp = dict(req.sampling_params)
+        prev = req.previous
+        if prev is None and self.history is not None:
+            prev = self.history.get(self._group(req), req.sample_index)
         if self.aborted():
-            return RolloutResult(name, prefix, prefix_lp, "abort", p.cut, 0, len(old), len(prev.response_ids),
-                                 scored.get("meta_info"))
+            return RolloutResult(name, [], [], "abort", 0, 0, 0, len(prev.response_ids) if prev else 0, None)
+        if prev is None or len(prev.response_ids) == 0:
+            ids, lps, fin, meta = await self._generate(name, "generate", prompt, sp)
+            return RolloutResult(name, ids, lps, fin, 0, len(ids), 0, 0, meta)
+        r = await self.reuse(prompt, sp, prev, name)
+        if r.done:
+            return RolloutResult(name, r.prefix, r.logprobs, r.finish_reason, len(r.prefix), 0, r.verified,
+                                 r.previous_len, r.meta_info)
+        if self.aborted():
+            return RolloutResult(name, r.prefix, r.logprobs, "abort", len(r.prefix), 0, r.verified, r.previous_len,
+                                 r.meta_info)
         # 3. Continue from prompt + prefix.
-        ids, lps, fin, meta = await self._generate(name, "continue", prompt + prefix,
-                                                   {**sp, "max_new_tokens": p.max_new_tokens})
-        return RolloutResult(name, prefix + ids, prefix_lp + lps, fin, p.cut, len(ids), len(old),
-                             len(prev.response_ids), meta)
+        ids, lps, fin, meta = await self._generate(name, "continue", prompt + r.prefix,
+                                                   {**sp, "max_new_tokens": r.max_new_tokens})
+        return RolloutResult(name, r.prefix + ids, r.logprobs + lps, fin, len(r.prefix), len(ids), r.verified,
+                             r.previous_len, meta)

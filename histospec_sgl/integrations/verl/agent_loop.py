@@ -1,29 +1,36 @@
-"""SPEC-RL as a verl agent loop: ``histospec_specrl``.
+"""SPEC-RL as a verl agent loop: ``histospec_specrl``, wrapping another agent loop.
 
-Each sample reuses the previous response of its slot in its group (:mod:`histospec_sgl.integrations.
-ray_slots`), scored under the current policy through verl's own server manager (vLLM-style
-``prompt_logprobs``, which verl's SGLang and vLLM servers both answer), cut at the first rejected
-token and continued from there with the remaining budget (same request id: same server, the scored
-prefix in its radix cache). The result is what verl's single-turn loop returns (Continuous Token
-prompt and merge), with the current policy's log-prob of every response token, and it is published
-to the draft server with its log-probs, slot and verl's ``global_steps`` as the policy version: the
-previous responses of the next epoch, whichever worker or server handles them.
+The inner agent loop (``inner_agent_loop``, default verl's ``single_turn_agent``; any registered
+one) runs as it would, with one change: the first ``generate`` it makes (the response to the prompt)
+reuses the previous response of the sample's slot in its group (:mod:`histospec_sgl.integrations.
+ray_slots`). That response is scored under the current policy through verl's own server manager
+(vLLM-style ``prompt_logprobs``, which verl's SGLang and vLLM servers both answer), cut at the first
+rejected token (:meth:`~histospec_sgl.specrl.client.SpecRLRollout.reuse`) and continued from there
+with the remaining budget (same request id: same server, the scored prefix in its radix cache). The
+inner loop gets one ``TokenOutput`` with the current policy's log-prob of every token, and the
+response is published to the draft server with its log-probs, slot and verl's ``global_steps`` as
+the policy version: the previous responses of the next epoch, whichever worker or server handles
+them. Requests SPEC-RL cannot score exactly (verl's validation at its greedy ``val_kwargs``, any
+temperature other than 1, top-p, top-k; :func:`~histospec_sgl.specrl.guard.reuse_blocker`, shared by
+every trainer adapter) run the inner loop untouched.
 
 Use it with::
 
     actor_rollout_ref.rollout.agent.default_agent_loop=histospec_specrl
     actor_rollout_ref.rollout.agent.agent_loop_config_path=<examples/verl/agent_loops.yaml>
-    actor_rollout_ref.rollout.calculate_log_probs=True
 
 and ``HISTOSPEC_DRAFT_SERVER`` in the Ray job's ``runtime_env.env_vars`` (without it each agent loop
 worker keeps its own store, which only helps when a prompt's samples return to the same worker).
-Arguments from the agent-loop YAML entry: ``lenience`` (ℓ >= 1, default ``HISTOSPEC_LENIENCE`` or
-1), ``draft_server`` (default ``HISTOSPEC_DRAFT_SERVER``), ``seed``.
+Arguments from the agent-loop YAML entry: ``inner_agent_loop``, ``lenience`` (ℓ >= 1, default
+``HISTOSPEC_LENIENCE`` or 1), ``timeout`` (seconds per engine call, default
+``HISTOSPEC_SPECRL_TIMEOUT`` or 600), ``draft_server`` (default ``HISTOSPEC_DRAFT_SERVER``),
+``seed``. Each sample's ``histospec_reused``, ``histospec_generated``, ``histospec_previous_len`` and
+``histospec_slot`` reach the batch's non-tensor fields.
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from typing import Any
 from uuid import uuid4
 
@@ -40,10 +47,11 @@ from histospec_sgl import prompt_key
 from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.integrations.verl.router import request_id_for
-from histospec_sgl.specrl.acceptance import check_lenience
-from histospec_sgl.specrl.client import RolloutRequest, SpecRLRollout
+from histospec_sgl.specrl.client import SpecRLRequestError, SpecRLRollout
+from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 
 _slots = Slots()
+_log = logging.getLogger("histospec_sgl.integrations")
 
 
 def _input_logprobs(out: TokenOutput, input_ids: list[int], start: int) -> list[list[Any]]:
@@ -93,49 +101,130 @@ class _VerlBackend:
         return {"output_ids": ids, "meta_info": meta}
 
 
-@register("histospec_specrl")
-class SpecRLAgentLoop(AgentLoopBase):
-    def __init__(self, *args: Any, lenience: float | None = None, draft_server: str | None = None,
-                 seed: int = 0, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.response_length = self.rollout_config.response_length
-        self.lenience = check_lenience(float(lenience or os.environ.get("HISTOSPEC_LENIENCE") or 1.0))
-        self.draft_server = draft_server or os.environ.get("HISTOSPEC_DRAFT_SERVER") or None
-        self.seed = int(seed)
+class _ReusingServerManager:
+    """The server manager an inner agent loop sees: its first ``generate`` (the response to the
+    prompt) reuses the slot's previous response, scored and cut under the current policy, and
+    continues it through verl's server manager; the answer is one ``TokenOutput`` as if the engine
+    had generated it all, with the current policy's log-prob of every token. Every other call
+    (later turns of a multi-turn loop) passes through."""
 
-    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        messages = list(kwargs["raw_prompt"])
-        prompt_ids = [int(t) for t in await self.ct_build_initial_tokens(messages)]
+    def __init__(self, inner: Any, options: Options, n: int, response_length: int):
+        self._inner = inner
+        self.options = options
+        self.n = n
+        self.response_length = response_length
+        self.first: dict[str, Any] | None = None  # the counters of the first call, once made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def generate(self, *, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       **kwargs: Any) -> TokenOutput:
+        if self.first is not None:
+            return await self._inner.generate(request_id=request_id, prompt_ids=prompt_ids,
+                                              sampling_params=sampling_params, **kwargs)
+        prompt_ids = [int(t) for t in prompt_ids]
         group = prompt_key(prompt_ids)
-        slot = await _slots.take(group, int(self.rollout_config.n))
-        previous = shared().get(self.draft_server, group, slot)
+        slot = await _slots.take(group, self.n)
+        self.first = {"histospec_reused": 0, "histospec_generated": 0, "histospec_previous_len": 0,
+                      "histospec_slot": slot}
         # The group in the request id keeps scoring and continuation with the prompt's server under
         # the prompt-affinity balancer; any other balancer keys on the id as a sticky session.
-        backend = _VerlBackend(self.server_manager, request_id_for(group, uuid4().hex), sampling_params)
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, group & 0xFFFFFFFF, group >> 32, slot,
-                                                            int(uuid4().int & 0xFFFFFFFF)]))
-        client = SpecRLRollout(backend, lenience=self.lenience, rng=rng, concurrency=1)
-        params = {**sampling_params, "max_new_tokens": self.response_length}
-        (res,) = await client.rollout([RolloutRequest(prompt_ids, params, previous, group=group, sample_index=slot)])
+        rid = request_id_for(group, request_id)
+        previous = shared().get(self.options.draft_server, group, slot)
+        media = any(kwargs.get(k) is not None for k in ("image_data", "video_data", "audio_data"))
+        reuse = None
+        if previous is not None and previous.response_ids and not media:
+            backend = _VerlBackend(self._inner, rid, sampling_params)
+            rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, group & 0xFFFFFFFF, group >> 32,
+                                                                slot, int(uuid4().int & 0xFFFFFFFF)]))
+            client = SpecRLRollout(backend, lenience=self.options.lenience, rng=rng, concurrency=1,
+                                   timeout=self.options.timeout)
+            self.first["histospec_previous_len"] = len(previous.response_ids)
+            try:
+                reuse = await client.reuse(prompt_ids, {**sampling_params, "max_new_tokens": self.response_length},
+                                           previous)
+            except SpecRLRequestError as e:
+                # verl's server raises on an aborted scoring prefill (its prompt log-prob check):
+                # generate normally, and the answer is verl's own (aborted or not).
+                _log.warning("histospec (verl): %s; generating normally", e)
+            if reuse is not None and reuse.aborted:
+                reuse = None
+        wants_logprobs = bool(sampling_params.get("logprobs"))
+        # Log-probs are asked for either way: the response is recorded with them for the next epoch.
+        if reuse is None:
+            prefix, prefix_lp = [], []
+            out = await self._inner.generate(request_id=rid, prompt_ids=prompt_ids,
+                                             sampling_params={**sampling_params, "logprobs": True}, **kwargs)
+        elif reuse.done:
+            prefix, prefix_lp = reuse.prefix, reuse.logprobs
+            out = TokenOutput(token_ids=[], log_probs=[], stop_reason=reuse.finish_reason,
+                              extra_fields=dict(backend.extra_fields))
+        else:
+            prefix, prefix_lp = reuse.prefix, reuse.logprobs
+            out = await self._inner.generate(request_id=rid, prompt_ids=prompt_ids + prefix,
+                                             sampling_params={**sampling_params, "max_tokens": reuse.max_new_tokens,
+                                                              "logprobs": True}, **kwargs)
+        extra = dict(out.extra_fields or {})
+        if reuse is not None:
+            for key in ("prompt_ids", "prompt_logprobs"):  # the scoring pass's, not the caller's
+                extra.pop(key, None)
+        ids = prefix + [int(t) for t in out.token_ids]
+        lps = prefix_lp + [float(x) for x in out.log_probs] if out.log_probs is not None else None
+        self.first.update(histospec_reused=len(prefix), histospec_generated=len(out.token_ids))
+        if out.stop_reason != "abort" and lps is not None and len(lps) == len(ids) and ids:
+            version = int(extra.get("global_steps") or 0)
+            # Queued for the draft server in the background: never waits on it, never fails for it.
+            shared().record(self.options.draft_server, prompt_ids, ids, lps, out.stop_reason, group=group,
+                            slot=slot, version=version)
+        extra.update(self.first)
+        return TokenOutput(token_ids=ids, log_probs=lps if wants_logprobs else None, routed_experts=out.routed_experts, stop_reason=out.stop_reason,
+                           num_preempted=out.num_preempted, extra_fields=extra)
 
-        merge, response_mask, response_logprobs = await self.ct_merge_assistant_token(
-            prompt_ids, res.response_ids, [], [], assistant_logprobs=res.logprobs)
-        response_ids = merge.token_ids[-len(response_mask):] if response_mask else []
-        prompt_ids_out = merge.token_ids[: len(merge.token_ids) - len(response_mask)]
-        version = int(backend.extra_fields.get("global_steps") or 0)
-        # Queued for the draft server in the background: never waits on it, never fails for it.
-        shared().record(self.draft_server, prompt_ids, res.response_ids, res.logprobs,
-                        res.finish_reason, group=group, slot=slot, version=version)
-        extra = dict(backend.extra_fields)
-        extra.update({"turn_scores": [], "tool_rewards": [], "histospec_reused": res.reused,
-                      "histospec_generated": res.generated, "histospec_previous_len": res.previous_len,
-                      "histospec_slot": slot})
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids_out,
-            response_ids=response_ids[: self.response_length],
-            response_mask=response_mask[: self.response_length],
-            response_logprobs=response_logprobs[: self.response_length] if response_logprobs else None,
-            num_turns=2,
-            metrics={"num_preempted": -1},
-            extra_fields=extra,
-        )
+
+@register("histospec_specrl")
+class SpecRLAgentLoop(AgentLoopBase):
+    """SPEC-RL around another agent loop (``inner_agent_loop``, default verl's ``single_turn_agent``):
+    the inner loop runs as it would, with a server manager whose first generate reuses the previous
+    response (:class:`_ReusingServerManager`). Requests SPEC-RL cannot score exactly (validation at
+    verl's greedy ``val_kwargs``, temperature other than 1, top-p/top-k: :func:`~histospec_sgl.specrl.
+    guard.reuse_blocker`) run the inner loop untouched."""
+
+    def __init__(self, *args: Any, lenience: float | None = None, draft_server: str | None = None,
+                 seed: int = 0, timeout: float | None = None, inner_agent_loop: str = "single_turn_agent",
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if args:
+            raise TypeError("verl instantiates agent loops with keyword arguments only")
+        if inner_agent_loop == "histospec_specrl":
+            raise ValueError("inner_agent_loop cannot be histospec_specrl itself")
+        self.options = Options.resolve(lenience=lenience, timeout=timeout, seed=seed, draft_server=draft_server)
+        self.inner_agent_loop = inner_agent_loop
+        self._kwargs = kwargs
+
+    def _inner(self, server_manager: Any) -> AgentLoopBase:
+        import hydra
+        from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+        if self.inner_agent_loop not in _agent_loop_registry:
+            raise ValueError(f"inner_agent_loop {self.inner_agent_loop!r} is not a registered agent loop "
+                             f"({', '.join(sorted(_agent_loop_registry))})")
+        return hydra.utils.instantiate(config=_agent_loop_registry[self.inner_agent_loop],
+                                       **{**self._kwargs, "server_manager": server_manager})
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        blocker = reuse_blocker(sampling_params)
+        if blocker is None and self.rollout_config.get("enable_rollout_routing_replay", False):
+            blocker = "enable_rollout_routing_replay"  # a reused prefix has no routed experts
+        if blocker is not None:
+            note_blocked(blocker, "verl")
+            out = await self._inner(self.server_manager).run(sampling_params, **kwargs)
+            out.extra_fields.update({"histospec_reused": 0, "histospec_generated": len(out.response_ids),
+                                     "histospec_previous_len": 0, "histospec_slot": -1})
+            return out
+        proxy = _ReusingServerManager(self.server_manager, self.options, int(self.rollout_config.n),
+                                      int(self.rollout_config.response_length))
+        out = await self._inner(proxy).run(sampling_params, **kwargs)
+        out.extra_fields.update(proxy.first or {"histospec_reused": 0, "histospec_generated": 0,
+                                                "histospec_previous_len": 0, "histospec_slot": -1})
+        return out
