@@ -55,12 +55,20 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
     srv, ds = text_engine["server"], text_engine["draft_server"]
     out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, ds.address, str(tmp_path / "out.json"))
-    first, second, validation = out["epochs"]
+    first, second, validation, again = out["epochs"]
     assert len(first) == len(second) == 16
     # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.
-    assert len(validation) == 4
-    assert all(r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0 for r in validation)
-    assert all(r["generated"] == len(r["response_ids"]) > 0 for r in validation)
+    assert len(validation) == len(again) == 4
+    for r in validation + again:
+        assert r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0
+        assert r["generated"] == len(r["response_ids"]) > 0
+    # HISTORY's acceptance reaches verl's own metrics: every request carries the three fields, and
+    # the repeated greedy validation drafts the first one's responses whole.
+    assert all(r["spec"] is not None for rows in out["epochs"] for r in rows)
+    assert [r["response_ids"] for r in again] == [r["response_ids"] for r in validation]
+    m = out["spec_metrics"]
+    assert set(m[3]) == {"rollout/spec_accept_rate", "rollout/spec_accept_length"}
+    assert m[3]["rollout/spec_accept_length"] > 3.0 and m[3]["rollout/spec_accept_rate"] > 0.3, m
     for rows in (first, second):
         for prompt in range(4):
             mine = [r for r in rows if r["index"] == prompt]

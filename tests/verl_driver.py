@@ -123,12 +123,16 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) ->
     balancer = get_router_handle(servers, router_config_path=cfg.actor_rollout_ref.rollout.router_config_path)
     workers = {c: AgentLoopWorker(cfg_, LLMServerClient(cfg_, balancer))
                for c, cfg_ in (("base", cfg), ("longer", cfg_longer))}
+    from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
+
     n = cfg.actor_rollout_ref.rollout.n
-    epochs = []
+    epochs: list = []
+    spec_metrics: list = []
     # Two training steps, the second with a longer response budget (a truncated previous response is
-    # kept whole and continued), then a validation step (verl's val_kwargs: greedy).
+    # kept whole and continued), then two validation steps (verl's val_kwargs: greedy; the second
+    # repeats the first, which HISTORY drafts from).
     for step, validate, worker in ((1, False, workers["base"]), (2, False, workers["longer"]),
-                                   (2, True, workers["base"])):
+                                   (2, True, workers["base"]), (2, True, workers["base"])):
         await asyncio.gather(*(s.set_global_steps.remote(step) for s in servers.values()))
         batch = DataProto.from_dict(non_tensors={
             "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts] + [None], dtype=object)[:-1],
@@ -154,10 +158,17 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) ->
                 "global_steps": int(out.non_tensor_batch["global_steps"][i]) if "global_steps" in out.non_tensor_batch
                 else None,
             })
+        # verl's own per-request speculative metrics, from the fields its server filled.
+        spec = [out.non_tensor_batch.get(k) for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens",
+                                                        "spec_num_verify_steps")]
+        for row, d, a, v in zip(rows, *(x if x is not None else [None] * len(rows) for x in spec)):
+            row["spec"] = None if d is None else [int(d), int(a), int(v)]
+        metrics = compute_spec_decode_metrics(*spec) if all(x is not None for x in spec) else {}
         epochs.append(rows)
+        spec_metrics.append(metrics)
     served = {sid: await s.served_prompts.remote() for sid, s in servers.items()}
     stats = await balancer.affinity_stats.remote()
-    return {"epochs": epochs, "served": served, "balancer": stats}
+    return {"epochs": epochs, "served": served, "balancer": stats, "spec_metrics": spec_metrics}
 
 
 def cmd_specrl(model: str, url: str, draft_server: str, out: str) -> None:

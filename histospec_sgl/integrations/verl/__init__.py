@@ -13,13 +13,19 @@ verl logs entry-point errors only at debug level, so a failure is logged here as
 An unsupported verl release is logged as an error here (raising would break verl itself); the
 SPEC-RL agent loop and the router refuse to import under one.
 
+It also puts HISTORY's acceptance into verl's metrics (``rollout/spec_accept_rate``,
+``rollout/spec_accept_length``): :mod:`histospec_sgl.integrations.verl.metrics`, applied when verl's
+SGLang server module is first imported.
+
 The SPEC-RL agent loop and the prompt-affinity router live in submodules that import verl.
 """
 
 from __future__ import annotations
 
 from histospec_sgl.integrations.ray_setup import setup as _setup
+from histospec_sgl.integrations.verl.metrics import install as _install_metrics
 from histospec_sgl.integrations.versions import warn as _warn
 
 SUPPORTED_VERSION = _warn("verl")
 REGISTERED = _setup()
+METRICS = _install_metrics()
