@@ -2,14 +2,18 @@
 tests/test_openrlhf.py (run by .venv-sglang's interpreter, with openrlhf and vllm installed there
 without their dependencies).
 
-    python openrlhf_driver.py MODEL SGLANG_URL DRAFT_SERVER OUT_JSON
+    python openrlhf_driver.py MODEL SGLANG_URL DRAFT_DATA_DIR OUT_JSON
 
-Two episodes of OpenRLHF's ``SamplesGenerator.generate_samples`` (prompt dispatch by engine load,
+Three episodes of OpenRLHF's ``SamplesGenerator.generate_samples`` (prompt dispatch by engine load,
 ``generate_responses``, ``Experience`` conversion) over two engine actors that are OpenRLHF's
 ``RolloutRayActor`` with only its vLLM ``AsyncLLMEngine`` stood in: the stand-in answers
 ``generate(TokensPrompt, SamplingParams, request_id)`` with real ``vllm.outputs.RequestOutput``s from
 the real CPU SGLang server (vLLM has no CPU build here). The executor is loaded by OpenRLHF's own
 ``_load_agent_executor`` from ``histospec_sgl/integrations/openrlhf_agent.py``.
+
+The draft server is this driver's own child: once the first episode's records are acknowledged it
+is killed with SIGKILL, the second episode runs without it, and it is restarted on the same address
+and data directory before the third.
 """
 
 from __future__ import annotations
@@ -86,14 +90,22 @@ def engine_class() -> type:
     return CpuRolloutActor
 
 
-def main(model: str, url: str, draft_server: str, out: str) -> None:
+def main(model: str, url: str, data_dir: str, out: str) -> None:
+    import time
+
     import ray
+    from _draft import wait_records
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from transformers import AutoTokenizer
 
-    env = {"HISTOSPEC_DRAFT_SERVER": draft_server, "HISTOSPEC_N_SAMPLES": "4",
+    from histospec_sgl.sync.process import DraftServerProcess
+
+    server = DraftServerProcess(data_dir=data_dir)
+    address = server.address
+    env = {"HISTOSPEC_DRAFT_SERVER": address, "HISTOSPEC_N_SAMPLES": "4",
            "HISTOSPEC_REMOTE_RM_URL": str(Path(__file__).with_name("openrlhf_reward.py"))}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    durable: dict = {}
     try:
         cls = ray.remote(engine_class())
         engines = [cls.remote(url, str(AGENT)) for _ in range(2)]
@@ -106,8 +118,19 @@ def main(model: str, url: str, draft_server: str, out: str) -> None:
                    "Translate 'good morning' to French."]
         tokenizer = AutoTokenizer.from_pretrained(model)
         episodes = []
-        # The second episode's budget is longer: a previous response cut at 24 is kept and continued.
-        for max_new in (24, 32):
+        # The second and third episodes' budget is longer: a previous response cut at 24 is kept and
+        # continued.
+        for episode, max_new in enumerate((24, 32, 32)):
+            if episode == 1:
+                # Every record of the first episode acknowledged, then the server killed outright.
+                durable["before_kill"] = wait_records(address, 0, 16)
+                time.sleep(0.5)  # and in the engines' mirrors
+                server.kill()
+            if episode == 2:
+                server = DraftServerProcess(listen=address, data_dir=data_dir)
+                # The second episode's records, queued while the server was down, arrive after it.
+                durable["after_restart"] = wait_records(address, 1, 16)
+                time.sleep(1.0)  # and reach the engines' mirrors
             loader = [(None, prompts, ["x"] * len(prompts), [None] * len(prompts))]
             gen = SamplesGenerator(types.SimpleNamespace(args=args), loader, None, tokenizer, engines)
             experiences, *_ = gen.generate_samples(temperature=1.0, max_new_tokens=max_new, max_len=128,
@@ -125,7 +148,8 @@ def main(model: str, url: str, draft_server: str, out: str) -> None:
         calls = ray.get([e.calls.remote() for e in engines])
     finally:
         ray.shutdown()
-    Path(out).write_text(json.dumps({"episodes": episodes, "engine_calls": calls}))
+        server.kill()
+    Path(out).write_text(json.dumps({"episodes": episodes, "engine_calls": calls, "durable": durable}))
 
 
 if __name__ == "__main__":

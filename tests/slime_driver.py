@@ -55,36 +55,113 @@ def make_args(mode: str, router: str, model: str, prompts: str, draft_server: st
 
 def main() -> None:
     mode, router, model, prompts, draft_server, out_path = sys.argv[1:7]
+    import time
+
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
-    from slime.rollout.sglang_rollout import generate_rollout
+    from slime.rollout.sglang_rollout import GenerateState, generate_rollout
     from slime.utils.http_utils import init_http_client
 
+    from histospec_sgl.integrations.previous import shared
+    from histospec_sgl.sync.process import DraftServerProcess
+
+    servers: list[DraftServerProcess] = []
+    data_dir = draft_server
+    if mode == "specrl":
+        # SPEC-RL's store is this driver's own draft server (DRAFT_SERVER is its data dir): killed
+        # once the first rollout's records are acknowledged, restarted after the second.
+        servers.append(DraftServerProcess(data_dir=data_dir))
+        draft_server = servers[0].address
     args = make_args(mode, router, model, prompts, draft_server)
+    args.histospec_publish_wait = 3.0
     init_http_client(args)
     data_source = RolloutDataSourceWithBuffer(args)
-    epochs = []
-    for rollout_id in range(2):
-        if rollout_id == 1 and mode == "specrl":
-            # A longer budget: a previous response cut at 24 is kept whole and continued by slime's
-            # generate, as it continues a partial rollout.
-            from slime.rollout.sglang_rollout import GenerateState
-
-            args.rollout_max_response_len = 32
-            GenerateState(args).sampling_params["max_new_tokens"] = 32
-        output = generate_rollout(args, rollout_id, data_source)
-        rows = []
-        for group in output.samples:
-            for s in group:
-                rows.append({
-                    "index": s.index, "group_index": s.group_index, "prompt": s.prompt, "tokens": s.tokens,
-                    "response": s.response, "response_length": s.response_length, "loss_mask": s.loss_mask,
-                    "rollout_log_probs": s.rollout_log_probs, "status": s.status.value, "reward": s.reward,
-                    "session_id": s.session_id, "spec_info": s.spec_info.to_dict(),
-                    "weight_versions": s.weight_versions, "histospec": s.metadata.get("histospec"),
-                })
-        epochs.append({"rollout_id": rollout_id, "epoch_id": data_source.epoch_id, "samples": rows})
+    out: dict = {"epochs": []}
+    try:
+        for rollout_id in range(2):
+            if rollout_id == 1 and mode == "specrl":
+                servers[0].kill()  # record() had the first rollout's records acknowledged and mirrored
+                start = time.monotonic()
+                # A longer budget: a previous response cut at 24 is kept whole and continued by
+                # slime's generate, as it continues a partial rollout.
+                args.rollout_max_response_len = 32
+                GenerateState(args).sampling_params["max_new_tokens"] = 32
+            output = generate_rollout(args, rollout_id, data_source)
+            rows = []
+            for group in output.samples:
+                for s in group:
+                    rows.append({
+                        "index": s.index, "group_index": s.group_index, "prompt": s.prompt, "tokens": s.tokens,
+                        "response": s.response, "response_length": s.response_length, "loss_mask": s.loss_mask,
+                        "rollout_log_probs": s.rollout_log_probs, "status": s.status.value, "reward": s.reward,
+                        "session_id": s.session_id, "spec_info": s.spec_info.to_dict(),
+                        "weight_versions": s.weight_versions, "histospec": s.metadata.get("histospec"),
+                    })
+            out["epochs"].append({"rollout_id": rollout_id, "epoch_id": data_source.epoch_id, "samples": rows})
+        if mode == "specrl":
+            out["dead_rollout_seconds"] = time.monotonic() - start
+            servers.append(DraftServerProcess(listen=draft_server, data_dir=data_dir))
+            # The second rollout's records, queued while the server was down, go out now.
+            t = time.monotonic()
+            out["settled_after_restart"] = shared().settle(draft_server, 60)
+            out["settle_seconds"] = time.monotonic() - t
+            t = time.monotonic()
+            out["partial"] = partial_rollouts(args, data_source)
+            out["partial_seconds"] = time.monotonic() - t
+    finally:
+        for server in servers:
+            server.kill()
     with open(out_path, "w") as f:
-        json.dump({"epochs": epochs}, f)
+        json.dump(out, f)
+
+
+def _row(s) -> dict:
+    """A sample's fields as they are now (copies: slime resumes the same objects later)."""
+    return {"index": s.index, "prompt": s.prompt, "tokens": list(s.tokens), "response_length": s.response_length,
+            "rollout_log_probs": list(s.rollout_log_probs or []), "loss_mask": list(s.loss_mask or []),
+            "status": s.status.value, "histospec": dict(s.metadata.get("histospec") or {}),
+            "start_rollout_id": s.metadata.get("start_rollout_id")}
+
+
+def partial_rollouts(args: Namespace, data_source) -> dict:
+    """slime's own abort path with ``--partial-rollout``, as ``generate_rollout_async`` takes it when a
+    rollout has what it needs: a rollout's groups are submitted (every slot has a previous response,
+    and the budget is now 96, so each continues past its kept 32 tokens), and once the first
+    continuation is sent slime's
+    ``abort()`` sets its flag, aborts every engine's requests through the router's worker list, and
+    collects the pending groups; they go back to slime's buffer, and the next ``generate_rollout``
+    resumes them."""
+    import asyncio
+    import time
+
+    from slime.rollout.sglang_rollout import GenerateState, abort, generate_rollout
+    from slime.utils.async_utils import run
+
+    state = GenerateState(args)
+    args.partial_rollout = True
+    args.rollout_max_response_len = 96
+    state.sampling_params["max_new_tokens"] = 96
+    timing: dict = {}
+
+    async def submit_then_abort() -> list:
+        groups = data_source.get_samples(args.over_sampling_batch_size)
+        state.submit_generate_tasks(groups)
+        # Once a sample holds its kept 32 tokens, its continuation is being sent: abort then (the
+        # others are in their scoring calls or just past them).
+        t0 = time.monotonic()
+        while not any(s.response_length >= 32 for g in groups for s in g):
+            await asyncio.sleep(0.005)
+        timing["continuations_sent"] = time.monotonic() - t0
+        aborted = await abort(args, 2)
+        timing["aborted"] = time.monotonic() - t0
+        state.reset()
+        return aborted
+
+    aborted = run(submit_then_abort())
+    buffered = [_row(s) for group in aborted for s in group]
+    data_source.add_samples(aborted)
+    resumed = generate_rollout(args, 3, data_source)
+    return {"buffered": buffered, "resumed": [_row(s) for group in resumed.samples for s in group],
+            "timing": timing}
 
 
 if __name__ == "__main__":

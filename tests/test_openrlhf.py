@@ -1,10 +1,12 @@
 """OpenRLHF 0.11.2 (from PyPI, in .venv-sglang, with vLLM 0.33.0 for its types) through
-``histospec_sgl.integrations.openrlhf_agent``: two episodes of OpenRLHF's real
+``histospec_sgl.integrations.openrlhf_agent``: three episodes of OpenRLHF's real
 ``SamplesGenerator.generate_samples`` over two of its ``RolloutRayActor``s on a local Ray cluster,
 the executor loaded by OpenRLHF's own loader, only vLLM's engine stood in (by the real CPU SGLang
 server, answering with vLLM's own ``RequestOutput``). The second episode reuses the first's
 responses through the draft server, whichever engine each sample lands on, with the current
-policy's log-probs, and the reward comes from OpenRLHF's reward-function path.
+policy's log-probs, and the reward comes from OpenRLHF's reward-function path. The draft server is
+killed before the second episode and restarted before the third: the rollouts complete, and the
+third drafts from what the second published while it was down.
 """
 
 from __future__ import annotations
@@ -27,17 +29,27 @@ def openrlhf_py(sglang_py) -> Path:
     return require_modules(sglang_py, "openrlhf.utils.agent, vllm.outputs", "OpenRLHF or vLLM is")
 
 
-def test_specrl_executor_two_episodes(openrlhf_py, text_engine, tmp_path):
-    srv, ds = text_engine["server"], text_engine["draft_server"]
+def test_specrl_executor_three_episodes_and_a_dead_draft_server(openrlhf_py, text_engine, tmp_path):
+    srv = text_engine["server"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
     out_path = tmp_path / "out.json"
-    r = subprocess.run([str(openrlhf_py), str(DRIVER), str(text_engine["model"]), srv.url, ds.address, str(out_path)],
-                       capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
+    r = subprocess.run([str(openrlhf_py), str(DRIVER), str(text_engine["model"]), srv.url, str(tmp_path / "draft"),
+                        str(out_path)], capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-8000:]
     out = json.loads(out_path.read_text())
-    first, second = out["episodes"]
-    assert len(first) == len(second) == 16
+    first, second, third = out["episodes"]
+    assert len(first) == len(second) == len(third) == 16
+    # The draft server was killed (SIGKILL) after the first episode's records were acknowledged; the
+    # second episode ran without it, reusing from the engines' mirrors; restarted on its data dir, it
+    # holds the acknowledged records and the ones queued while it was down.
+    assert out["durable"]["before_kill"] == {"0": 16}
+    assert out["durable"]["after_restart"] == {"0": 16, "1": 16}
+    # The third episode drafts from the second's responses, published while the server was down:
+    # each is a second-episode response of its prompt, kept whole.
+    for r_ in third:
+        assert r_["histospec_reused"] == r_["histospec_previous_len"] == len(r_["response_ids"]) > 0
+        assert any(e["response_ids"] == r_["response_ids"] for e in second if e["prompt"] == r_["prompt"])
     assert all(c > 0 for c in out["engine_calls"])  # OpenRLHF spread the prompts over both engines
     for rows in (first, second):
         for r_ in rows:

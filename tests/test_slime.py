@@ -78,18 +78,19 @@ def stack(sglang_py, slime_src, text_engine, tmp_path_factory):
         router.wait(30)
 
 
-def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str]) -> list[dict]:
+def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str]) -> dict:
     tmp = stack["tmp"]
     data = tmp / f"prompts-{mode}.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "label": "x"}) + "\n" for p in prompts))
     out = tmp / f"out-{mode}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(stack["slime"]), str(DRIVER.parent)])
+    # HISTORY mode syncs with the engine's draft server; SPEC-RL's store is the driver's own (a data dir).
+    draft = stack["draft_server"].address if mode == "history" else str(tmp / "specrl-draft")
     r = subprocess.run([str(sglang_py), str(DRIVER), mode, stack["router"], str(stack["model"]), str(data),
-                        stack["draft_server"].address, str(out)], capture_output=True, text=True, timeout=600,
-                       env=env, cwd=tmp)
+                        draft, str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-8000:]
-    return json.loads(out.read_text())["epochs"]
+    return json.loads(out.read_text())
 
 
 def _tokenizer(stack: dict):
@@ -109,7 +110,7 @@ def _check_fields(s: dict, n_prompt: int) -> None:
 def test_history_mode_two_epochs(sglang_py, stack):
     prompts = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",
                "Solve for x: 3x + 5 = 20."]
-    epochs = _run(sglang_py, stack, "history", prompts)
+    epochs = _run(sglang_py, stack, "history", prompts)["epochs"]
     assert [e["rollout_id"] for e in epochs] == [0, 1] and epochs[1]["epoch_id"] == 1
     by_prompt: dict[str, list[dict]] = {}
     for e in epochs:
@@ -146,7 +147,8 @@ def test_history_mode_two_epochs(sglang_py, stack):
 def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, stack):
     prompts = ["Once upon a time, in a land", "import numpy as np\n", "The capital of France is",
                "Let f(x) = x^2. Then f(3) ="]
-    epochs = _run(sglang_py, stack, "specrl", prompts)
+    res = _run(sglang_py, stack, "specrl", prompts)
+    epochs = res["epochs"]
     tok = _tokenizer(stack)
     first, second = epochs[0]["samples"], epochs[1]["samples"]
     for s in first + second:
@@ -179,6 +181,35 @@ def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, 
         scored = [e[0] for e in out["meta_info"]["input_token_logprobs"]]
         scored = scored[-s["response_length"]:]
         assert max(abs(a - b) for a, b in zip(scored, s["rollout_log_probs"])) < 1e-3
+    # The draft server was killed (SIGKILL) before the second rollout: it ran on the mirror, and
+    # record() waited only histospec_publish_wait (3 s) for it. Restarted, it took the queued records.
+    assert res["dead_rollout_seconds"] < 60 and res["settled_after_restart"] is True
+    # slime's abort path with --partial-rollout (slime_driver.partial_rollouts): the groups in flight
+    # came back aborted, not as an error (a sample that had finished comes back finished, as slime
+    # returns it), each sample whole: its tokens, log-probs and mask agree.
+    buffered, resumed = res["partial"]["buffered"], res["partial"]["resumed"]
+    assert len(buffered) == 16 and sum(s["status"] == "aborted" for s in buffered) >= 8
+    assert all(s["status"] in ("aborted", "completed", "truncated") for s in buffered)
+    for s in buffered:
+        n = s["response_length"]
+        assert len(s["tokens"]) == len(tok.encode(s["prompt"], add_special_tokens=False).ids) + n
+        assert len(s["rollout_log_probs"] or []) == n and (s["loss_mask"] or []) == [1] * n
+    # Aborted in its continuation: it keeps the reused previous response (the second rollout's,
+    # published while the draft server was down) and what was generated before the abort.
+    partial = {s["index"]: s for s in buffered if s["status"] == "aborted" and s["response_length"] > 0}
+    assert partial and all(s["response_length"] >= s["histospec"]["reused"] > 0 for s in partial.values())
+    by_slot = {(s["prompt"], s["index"] % 4): s for s in second}
+    for s in partial.values():
+        prev, k = by_slot[(s["prompt"], s["index"] % 4)], s["histospec"]["reused"]
+        assert s["tokens"][-s["response_length"]:][:k] == prev["tokens"][-prev["response_length"]:][:k]
+    # The next rollout resumed them from the buffer: a partial response is continued, not redone.
+    assert len(resumed) == 16 and all(s["status"] in ("completed", "truncated") for s in resumed)
+    for s in resumed:
+        if s["index"] in partial:
+            before = partial[s["index"]]
+            assert s["tokens"][: len(before["tokens"])] == before["tokens"]
+            assert s["rollout_log_probs"][: before["response_length"]] == before["rollout_log_probs"]
+            assert s["response_length"] > before["response_length"]
 
 
 def test_slime_plugin_contracts_accept_generate(sglang_py, slime_src):

@@ -53,8 +53,14 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
 
 
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
-    srv, ds = text_engine["server"], text_engine["draft_server"]
-    out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, ds.address, str(tmp_path / "out.json"))
+    srv = text_engine["server"]
+    out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, str(tmp_path / "draft"),
+                  str(tmp_path / "out.json"))
+    # The driver's draft server was killed (SIGKILL) after step 1's records were acknowledged; step 2
+    # ran without it (reusing from the mirror) and its records, queued meanwhile, reached the
+    # restarted server, which kept step 1's from its data dir.
+    assert out["durable"]["before_kill"] == {"1": 16}
+    assert out["durable"]["settled"] is True and out["durable"]["after_restart"] == {"1": 16, "2": 16}
     first, second, validation, again = out["epochs"]
     assert len(first) == len(second) == 16
     # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.

@@ -4,7 +4,7 @@
     python verl_driver.py compose MODEL OUT_JSON
         verl's Hydra config (its own ppo_trainer.yaml) with the HISTORY override composes and
         validates into a RolloutConfig.
-    python verl_driver.py specrl MODEL SGLANG_URL DRAFT_SERVER OUT_JSON
+    python verl_driver.py specrl MODEL SGLANG_URL DRAFT_DATA_DIR OUT_JSON
         Two epochs and a validation step of verl's AgentLoopWorker.generate_sequences with the SPEC-RL
         agent loop (wrapping verl's single-turn loop), its
         LLMServerClient, the prompt-affinity balancer made by verl's router factory, and two rollout
@@ -110,7 +110,7 @@ def server_class() -> type:
     return CpuSGLangServer
 
 
-async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) -> dict:
+async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], draft: dict) -> dict:
     import numpy as np
     import ray
     from verl import DataProto
@@ -123,7 +123,13 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) ->
     balancer = get_router_handle(servers, router_config_path=cfg.actor_rollout_ref.rollout.router_config_path)
     workers = {c: AgentLoopWorker(cfg_, LLMServerClient(cfg_, balancer))
                for c, cfg_ in (("base", cfg), ("longer", cfg_longer))}
+    import time
+
+    from _draft import records_by_version, wait_records
     from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
+
+    from histospec_sgl.integrations.previous import shared
+    from histospec_sgl.sync.process import DraftServerProcess
 
     n = cfg.actor_rollout_ref.rollout.n
     epochs: list = []
@@ -133,6 +139,16 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) ->
     # repeats the first, which HISTORY drafts from).
     for step, validate, worker in ((1, False, workers["base"]), (2, False, workers["longer"]),
                                    (2, True, workers["base"]), (2, True, workers["base"])):
+        if step == 2 and not validate:
+            # Every record of the first step acknowledged (and mirrored), then the server killed outright.
+            draft["durable"]["before_kill"] = wait_records(draft["address"], 1, 16)
+            time.sleep(0.5)
+            draft["servers"][0].kill()
+        if step == 2 and validate and len(draft["servers"]) == 1:
+            draft["servers"].append(DraftServerProcess(listen=draft["address"], data_dir=draft["data_dir"]))
+            # The second step's records, queued while the server was down, go out now.
+            draft["durable"]["settled"] = shared().settle(draft["address"], 60)
+            draft["durable"]["after_restart"] = records_by_version(draft["address"])
         await asyncio.gather(*(s.set_global_steps.remote(step) for s in servers.values()))
         batch = DataProto.from_dict(non_tensors={
             "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts] + [None], dtype=object)[:-1],
@@ -168,12 +184,20 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str]) ->
         spec_metrics.append(metrics)
     served = {sid: await s.served_prompts.remote() for sid, s in servers.items()}
     stats = await balancer.affinity_stats.remote()
-    return {"epochs": epochs, "served": served, "balancer": stats, "spec_metrics": spec_metrics}
+    return {"epochs": epochs, "served": served, "balancer": stats, "spec_metrics": spec_metrics,
+            "durable": draft["durable"]}
 
 
-def cmd_specrl(model: str, url: str, draft_server: str, out: str) -> None:
+def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
     import ray
 
+    from histospec_sgl.sync.process import DraftServerProcess
+
+    # SPEC-RL's store is this driver's own draft server: killed after the first step, restarted after
+    # the second.
+    first = DraftServerProcess(data_dir=data_dir)
+    draft = {"servers": [first], "address": first.address, "data_dir": data_dir, "durable": {}}
+    draft_server = first.address
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server}})
     os.environ["HISTOSPEC_DRAFT_SERVER"] = draft_server
@@ -187,9 +211,11 @@ def cmd_specrl(model: str, url: str, draft_server: str, out: str) -> None:
         cfg_longer = compose(model, [*overrides, "data.max_response_length=32"])
         prompts = ["Write a haiku about rivers.", "What is 17 * 23?", "Name three prime numbers.",
                    "Translate 'good morning' to French."]
-        result = asyncio.run(two_epochs(cfg, cfg_longer, url, prompts))
+        result = asyncio.run(two_epochs(cfg, cfg_longer, url, prompts, draft))
     finally:
         ray.shutdown()
+        for server in draft["servers"]:
+            server.kill()
     Path(out).write_text(json.dumps(result))
 
 

@@ -242,7 +242,10 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     sample.append_response_tokens(
         args, tokens=reuse.prefix, log_probs=reuse.logprobs, trainable=True, text=text,
         meta_info={"finish_reason": {"type": reuse.finish_reason}} if reuse.done else None)
-    if not reuse.done:
+    if not reuse.done and state.aborted:
+        # Aborted after the scoring call: a partial rollout keeps the prefix and resumes from it.
+        sample.status = Sample.Status.ABORTED
+    elif not reuse.done:
         # The inner generate subtracts the response so far from max_new_tokens, as for a partial rollout.
         sample = await _call_inner(inner, args, sample, params, False)
         if sample.response_length and sample.loss_mask == [1] * sample.response_length:
