@@ -61,7 +61,7 @@ def main() -> None:
     from slime.rollout.sglang_rollout import GenerateState, generate_rollout
     from slime.utils.http_utils import init_http_client
 
-    from histospec_sgl.integrations.previous import shared
+    from histospec_sgl.specrl.store import shared
     from histospec_sgl.sync.process import DraftServerProcess
 
     servers: list[DraftServerProcess] = []

@@ -96,7 +96,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from histospec_sgl import prompt_key
 from histospec_sgl.integrations import openrlhf_agent as m
-from histospec_sgl.integrations.previous import shared
+from histospec_sgl.specrl.store import shared
 from histospec_sgl.specrl.guard import reuse_blocker
 
 os.environ.pop("HISTOSPEC_N_SAMPLES", None)

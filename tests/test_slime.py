@@ -230,7 +230,7 @@ import asyncio, sys
 from slime.utils.types import Sample
 import slime_driver
 from histospec_sgl.integrations import slime as h
-from histospec_sgl.integrations.previous import shared
+from histospec_sgl.specrl.store import shared
 
 calls = []
 

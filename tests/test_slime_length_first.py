@@ -10,7 +10,7 @@ import types
 import pytest
 
 from histospec_sgl.integrations import slime as adapter
-from histospec_sgl.integrations.previous import shared
+from histospec_sgl.specrl.store import shared
 
 
 def _sample(prompt: str, index: int) -> types.SimpleNamespace:

@@ -560,7 +560,7 @@ def test_a_trainers_record_never_waits_on_a_dead_server_and_nothing_acknowledged
     one warning; ``settle`` gives up after its timeout. Once the server is back on its port (same
     data dir), the queue goes out, and the store's mirror holds what was acknowledged before the
     kill and what waited."""
-    from histospec_sgl.integrations.previous import PreviousStore
+    from histospec_sgl.specrl.store import PreviousStore
 
     data_dir = tmp_path / "data"
     srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")

@@ -128,7 +128,7 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], dr
     from _draft import records_by_version, wait_records
     from verl.trainer.ppo.ray_trainer import compute_spec_decode_metrics
 
-    from histospec_sgl.integrations.previous import shared
+    from histospec_sgl.specrl.store import shared
     from histospec_sgl.sync.process import DraftServerProcess
 
     n = cfg.actor_rollout_ref.rollout.n

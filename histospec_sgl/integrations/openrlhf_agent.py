@@ -50,10 +50,10 @@ require("openrlhf")
 from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
 
 from histospec_sgl import prompt_key
-from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.specrl.client import SpecRLRollout
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
+from histospec_sgl.specrl.store import shared
 
 _slots = Slots()
 _log = logging.getLogger("histospec_sgl.integrations")

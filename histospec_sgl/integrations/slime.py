@@ -76,9 +76,9 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.versions import require
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
+from histospec_sgl.specrl.store import shared
 
 require("slime")
 

@@ -44,11 +44,11 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.workers.rollout.replica import TokenOutput
 
 from histospec_sgl import prompt_key
-from histospec_sgl.integrations.previous import shared
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.integrations.verl.router import request_id_for
 from histospec_sgl.specrl.client import SpecRLRequestError, SpecRLRollout
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
+from histospec_sgl.specrl.store import shared
 
 _slots = Slots()
 _log = logging.getLogger("histospec_sgl.integrations")

@@ -21,7 +21,7 @@ from typing import Any
 
 from histospec_sgl.specrl.client import Previous, PreviousResponses
 
-logger = logging.getLogger("histospec_sgl.integrations")
+logger = logging.getLogger("histospec_sgl.specrl")
 
 
 class PreviousStore:
