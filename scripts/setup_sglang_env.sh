@@ -56,7 +56,8 @@ fi
 # imports that SGLang does not (slime itself is not on PyPI: the tests read its source from
 # ../shared/trainers/slime), and verl.
 # verl 0.9.1 without its dependencies (they would replace torch and sglang's pins), plus what its
-# agent loop, rollout server, Hydra config and trainer module (its spec-decode metrics) import.
+# agent loop, rollout server, Hydra config and trainer module (its spec-decode metrics) import
+# (the last also needs accelerate, installed with the model below).
 TRAINER_STAMP="$VENV/.histospec-trainers-3"
 if [ ! -f "$TRAINER_STAMP" ]; then
   echo "[setup-sglang] installing Ray, sglang-router, verl and the trainers' rollout dependencies into $VENV"
@@ -64,7 +65,6 @@ if [ ! -f "$TRAINER_STAMP" ]; then
     "hydra-core==1.3.8" "omegaconf==2.3.1" "codetiming==1.4.0" "pandas==3.1.1" "cachetools==8.0.2" \
     "tensordict==0.10.0" "datasets==5.2.0"
   "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1" "torchdata==0.11.0" "peft==0.18.0"
-  "$VENV/bin/python" -c "import verl.trainer.ppo.ray_trainer" 2>/dev/null
   touch "$TRAINER_STAMP"
 fi
 # OpenRLHF 0.11.2 for its SPEC-RL executor test: it drives vLLM only, and vLLM has no CPU build
