@@ -101,12 +101,8 @@ def main() -> None:
             out["dead_rollout_seconds"] = time.monotonic() - start
             servers.append(DraftServerProcess(listen=draft_server, data_dir=data_dir))
             # The second rollout's records, queued while the server was down, go out now.
-            t = time.monotonic()
             out["settled_after_restart"] = shared().settle(draft_server, 60)
-            out["settle_seconds"] = time.monotonic() - t
-            t = time.monotonic()
             out["partial"] = partial_rollouts(args, data_source)
-            out["partial_seconds"] = time.monotonic() - t
     finally:
         for server in servers:
             server.kill()
@@ -126,12 +122,10 @@ def partial_rollouts(args: Namespace, data_source) -> dict:
     """slime's own abort path with ``--partial-rollout``, as ``generate_rollout_async`` takes it when a
     rollout has what it needs: a rollout's groups are submitted (every slot has a previous response,
     and the budget is now 96, so each continues past its kept 32 tokens), and once the first
-    continuation is sent slime's
-    ``abort()`` sets its flag, aborts every engine's requests through the router's worker list, and
-    collects the pending groups; they go back to slime's buffer, and the next ``generate_rollout``
-    resumes them."""
+    continuation is sent slime's ``abort()`` sets its flag, aborts every engine's requests through
+    the router's worker list, and collects the pending groups; they go back to slime's buffer, and
+    the next ``generate_rollout`` resumes them."""
     import asyncio
-    import time
 
     from slime.rollout.sglang_rollout import GenerateState, abort, generate_rollout
     from slime.utils.async_utils import run
@@ -140,19 +134,15 @@ def partial_rollouts(args: Namespace, data_source) -> dict:
     args.partial_rollout = True
     args.rollout_max_response_len = 96
     state.sampling_params["max_new_tokens"] = 96
-    timing: dict = {}
 
     async def submit_then_abort() -> list:
         groups = data_source.get_samples(args.over_sampling_batch_size)
         state.submit_generate_tasks(groups)
         # Once a sample holds its kept 32 tokens, its continuation is being sent: abort then (the
         # others are in their scoring calls or just past them).
-        t0 = time.monotonic()
         while not any(s.response_length >= 32 for g in groups for s in g):
             await asyncio.sleep(0.005)
-        timing["continuations_sent"] = time.monotonic() - t0
         aborted = await abort(args, 2)
-        timing["aborted"] = time.monotonic() - t0
         state.reset()
         return aborted
 
@@ -160,8 +150,7 @@ def partial_rollouts(args: Namespace, data_source) -> dict:
     buffered = [_row(s) for group in aborted for s in group]
     data_source.add_samples(aborted)
     resumed = generate_rollout(args, 3, data_source)
-    return {"buffered": buffered, "resumed": [_row(s) for group in resumed.samples for s in group],
-            "timing": timing}
+    return {"buffered": buffered, "resumed": [_row(s) for group in resumed.samples for s in group]}
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ of a group and its later epochs land on the same engine and draft from each othe
   reused/generated counts. Requests SPEC-RL cannot score exactly go to the inner generate untouched
   (:func:`~histospec_sgl.specrl.guard.reuse_blocker`, the rule every trainer adapter shares:
   evaluation, temperature other than 1, top-p/top-k/min-p, penalties, constrained decoding), and so
-  do samples without a previous response and partial rollouts slime resumes.
+  do samples without a previous response and partial rollouts slime resumes (which keep the
+  counts of their first try).
 
 :func:`record` runs after every rollout with all of its samples: finished ones (not aborted) become
 the previous responses of the next epoch, with their log-probs, sample slot and the policy version
@@ -207,11 +208,16 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     from histospec_sgl.specrl.client import SpecRLRollout
 
     slot = sample_slot(args, sample)
-    # A partial rollout resumed by slime is continued as it is; so is a sample with no previous response.
-    previous = None if sample.response_length else shared().get(settings.draft_server, group, slot)
+    if sample.response_length:
+        # A partial rollout slime resumes is continued as it is, keeping the counts of its first try.
+        before = sample.metadata.get("histospec") or {}
+        out = await _call_inner(inner, args, sample, params, False)
+        _count(out, int(before.get("reused", 0)), int(before.get("previous_len", 0)))
+        return out
+    previous = shared().get(settings.draft_server, group, slot)
     if previous is None or not previous.response_ids or sample.multimodal_inputs:
         out = await _call_inner(inner, args, sample, params, False)
-        _count(out, 0, previous)
+        _count(out, 0, len(previous.response_ids) if previous is not None else 0)
         return out
     assert sample.status in (Sample.Status.PENDING, Sample.Status.ABORTED), f"Sample status is {sample.status}"
     state = GenerateState(args)
@@ -233,15 +239,20 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
                                name=str(sample.index))
     if reuse.aborted:
         sample.status = Sample.Status.ABORTED
-        _count(sample, 0, previous)
+        _count(sample, 0, reuse.previous_len)
         return sample
     if not sample.tokens:
         sample.tokens = prompt_ids
     skip = bool(params.get("skip_special_tokens", True))
     text = state.tokenizer.decode(reuse.prefix, skip_special_tokens=skip) if reuse.prefix else ""
-    sample.append_response_tokens(
-        args, tokens=reuse.prefix, log_probs=reuse.logprobs, trainable=True, text=text,
-        meta_info={"finish_reason": {"type": reuse.finish_reason}} if reuse.done else None)
+    meta = None
+    if reuse.done:
+        # The scoring call's meta_info (weight version, cache counters), with the finish reason of the
+        # kept response; its speculative counters describe the scoring prefill, not this response.
+        meta = {k: v for k, v in (reuse.meta_info or {}).items() if k not in _SCORING_COUNTERS}
+        meta["finish_reason"] = {"type": reuse.finish_reason}
+    sample.append_response_tokens(args, tokens=reuse.prefix, log_probs=reuse.logprobs, trainable=True, text=text,
+                                  meta_info=meta)
     if not reuse.done and state.aborted:
         # Aborted after the scoring call: a partial rollout keeps the prefix and resumes from it.
         sample.status = Sample.Status.ABORTED
@@ -252,13 +263,16 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
             # One model-generated response: its text decoded whole, not in two pieces.
             sample.response = state.tokenizer.decode(sample.tokens[-sample.response_length:],
                                                      skip_special_tokens=skip)
-    _count(sample, len(reuse.prefix), previous)
+    _count(sample, len(reuse.prefix), reuse.previous_len)
     return sample
 
 
-def _count(sample: Any, reused: int, previous: Any) -> None:
+_SCORING_COUNTERS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
+
+
+def _count(sample: Any, reused: int, previous_len: int) -> None:
     sample.metadata["histospec"] = {"reused": reused, "generated": int(sample.response_length or 0) - reused,
-                                    "previous_len": len(previous.response_ids) if previous is not None else 0}
+                                    "previous_len": previous_len}
 
 
 # -- length-first ----------------------------------------------------------------------------------

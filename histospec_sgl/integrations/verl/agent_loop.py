@@ -101,6 +101,12 @@ class _VerlBackend:
         return {"output_ids": ids, "meta_info": meta}
 
 
+def _counters(*, slot: int = -1, generated: int = 0) -> dict[str, int]:
+    """A sample's SPEC-RL fields with nothing reused (slot -1: none taken)."""
+    return {"histospec_reused": 0, "histospec_generated": generated, "histospec_previous_len": 0,
+            "histospec_slot": slot}
+
+
 class _ReusingServerManager:
     """The server manager an inner agent loop sees: its first ``generate`` (the response to the
     prompt) reuses the slot's previous response, scored and cut under the current policy, and
@@ -126,8 +132,7 @@ class _ReusingServerManager:
         prompt_ids = [int(t) for t in prompt_ids]
         group = prompt_key(prompt_ids)
         slot = await _slots.take(group, self.n)
-        self.first = {"histospec_reused": 0, "histospec_generated": 0, "histospec_previous_len": 0,
-                      "histospec_slot": slot}
+        self.first = _counters(slot=slot)
         # The group in the request id keeps scoring and continuation with the prompt's server under
         # the prompt-affinity balancer; any other balancer keys on the id as a sticky session.
         rid = request_id_for(group, request_id)
@@ -219,12 +224,10 @@ class SpecRLAgentLoop(AgentLoopBase):
         if blocker is not None:
             note_blocked(blocker, "verl")
             out = await self._inner(self.server_manager).run(sampling_params, **kwargs)
-            out.extra_fields.update({"histospec_reused": 0, "histospec_generated": len(out.response_ids),
-                                     "histospec_previous_len": 0, "histospec_slot": -1})
+            out.extra_fields.update(_counters(generated=len(out.response_ids)))
             return out
         proxy = _ReusingServerManager(self.server_manager, self.options, int(self.rollout_config.n),
                                       int(self.rollout_config.response_length))
         out = await self._inner(proxy).run(sampling_params, **kwargs)
-        out.extra_fields.update(proxy.first or {"histospec_reused": 0, "histospec_generated": 0,
-                                                "histospec_previous_len": 0, "histospec_slot": -1})
+        out.extra_fields.update(proxy.first or _counters())
         return out
