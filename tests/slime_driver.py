@@ -3,7 +3,10 @@
 a real SGLang server behind a real sglang-router. Run by tests/test_slime.py with .venv-sglang's
 interpreter and slime's source on ``PYTHONPATH``.
 
-    python slime_driver.py MODE ROUTER_URL MODEL_DIR PROMPTS_JSONL DRAFT_SERVER OUT_JSON
+    python slime_driver.py MODE ROUTER_URL MODEL_DIR PROMPTS_JSONL DRAFT_SERVER OUT_JSON [ROUTER_POLICY]
+
+DRAFT_SERVER may be empty (history mode without one: each engine drafts from its own history).
+ROUTER_POLICY is slime's ``--router-policy`` (default ``consistent_hashing``).
 
 Prints nothing useful; writes, per epoch, every sample's fields the test checks.
 """
@@ -21,7 +24,8 @@ async def reward(args, sample) -> float:
     return float(len(sample.response) % 2)
 
 
-def make_args(mode: str, router: str, model: str, prompts: str, draft_server: str) -> Namespace:
+def make_args(mode: str, router: str, model: str, prompts: str, draft_server: str,
+              router_policy: str = "consistent_hashing") -> Namespace:
     """The fields slime's parser would give (it needs Megatron to run; the values are its defaults or
     what a GRPO job on one engine would pass)."""
     url = urlsplit(router)
@@ -44,7 +48,7 @@ def make_args(mode: str, router: str, model: str, prompts: str, draft_server: st
         # engines and router
         hf_checkpoint=model, sglang_router_ip=url.hostname, sglang_router_port=url.port,
         sglang_server_concurrency=16, rollout_num_engines=1, sglang_dp_size=None, use_distributed_post=False,
-        router_policy="consistent_hashing", sglang_speculative_algorithm="HISTORY",
+        router_policy=router_policy, sglang_speculative_algorithm="HISTORY",
         sglang_enable_deterministic_inference=False, num_gpus_per_node=1,
         # histospec.yaml (--custom-config-path sets these on args)
         histospec_mode=mode, histospec_draft_server=draft_server, histospec_lenience=1.0, histospec_seed=7,
@@ -55,6 +59,7 @@ def make_args(mode: str, router: str, model: str, prompts: str, draft_server: st
 
 def main() -> None:
     mode, router, model, prompts, draft_server, out_path = sys.argv[1:7]
+    router_policy = sys.argv[7] if len(sys.argv) > 7 else "consistent_hashing"
     import time
 
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
@@ -71,7 +76,7 @@ def main() -> None:
         # once the first rollout's records are acknowledged, restarted after the second.
         servers.append(DraftServerProcess(data_dir=data_dir))
         draft_server = servers[0].address
-    args = make_args(mode, router, model, prompts, draft_server)
+    args = make_args(mode, router, model, prompts, draft_server, router_policy)
     args.histospec_publish_wait = 3.0
     init_http_client(args)
     data_source = RolloutDataSourceWithBuffer(args)

@@ -46,10 +46,11 @@ def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
 
 
 def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
-    """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep."""
+    """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep
+    (``--sleep-on-idle``, which :func:`server_args` adds on a CPU)."""
     tag = kw.pop("tag", method)
     return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
-                        log_path=tmp_path / f"server-{tag}.log", extra_args=["--sleep-on-idle", *kw.pop("extra", ())],
+                        log_path=tmp_path / f"server-{tag}.log", extra_args=list(kw.pop("extra", ())),
                         **kw)
 
 

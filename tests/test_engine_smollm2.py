@@ -49,8 +49,7 @@ def math_prompts(sglang_py, smollm2, data_root) -> list[list[int]]:
 def servers(sglang_py, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2")
     with running(*(EngineServer(smollm2, m, python=str(sglang_py), draft_tokens=D, max_running=64,
-                                max_total_tokens=16384, log_path=tmp / f"server-{m}.log",
-                                extra_args=["--sleep-on-idle"])
+                                max_total_tokens=16384, log_path=tmp / f"server-{m}.log")
                    for m in ("plain", "history"))) as (plain, history):
         yield plain, history
 

@@ -9,11 +9,15 @@ tokenizer, so that slime's text path (tokenize, detokenize) runs for real.
 - SPEC-RL mode, T=1: the second epoch reuses the previous responses of the same sample slots,
   the log-probs slime trains on are the current policy's (checked against a fresh scoring pass),
   and the sample's fields line up as slime's own generate leaves them.
+- Routing across two engines (sglang-router 0.3.2): without a draft server, ``--router-policy
+  manual`` keeps a prompt's n samples and its next epoch on the engine that holds its history;
+  with one, every engine drafts every group whatever the router picks.
 - slime's own plugin-contract tests accept ``generate``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -59,36 +63,55 @@ def _wait_http(url: str, timeout: float = 120) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-@pytest.fixture(scope="module")
-def stack(sglang_py, slime_src, text_engine, tmp_path_factory):
-    """sglang-router in front of the shared HISTORY server (synced with the draft server)."""
-    tmp = tmp_path_factory.mktemp("slime")
-    srv = text_engine["server"]
+@contextlib.contextmanager
+def _router(sglang_py: Path, urls: list[str], policy: str, log: Path, *extra: str):
+    """sglang-router (its command line) in front of ``urls``; yields its URL once every worker is
+    registered and healthy."""
     port = free_port()
-    with open(tmp / "router.log", "wb") as log:
+    with open(log, "wb") as f:
         router = subprocess.Popen(
-            [str(sglang_py), "-m", "sglang_router.launch_router", "--worker-urls", srv.url, "--host",
-             "127.0.0.1", "--port", str(port), "--policy", "round_robin", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [str(sglang_py), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
+             "--port", str(port), "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
+             *extra], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_http(f"http://127.0.0.1:{port}/workers")
-        yield {**text_engine, "router": f"http://127.0.0.1:{port}", "tmp": tmp, "slime": slime_src}
+        _wait_http(f"{url}/workers")
+        deadline = time.monotonic() + 120
+        while True:
+            with urllib.request.urlopen(f"{url}/workers", timeout=5) as r:
+                workers = json.loads(r.read()).get("workers", [])
+            if len(workers) == len(urls) and all(w.get("is_healthy") for w in workers):
+                break
+            assert time.monotonic() < deadline and router.poll() is None, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        yield url
     finally:
         router.kill()
         router.wait(30)
 
 
-def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str]) -> dict:
+@pytest.fixture(scope="module")
+def stack(sglang_py, slime_src, text_engine, tmp_path_factory):
+    """sglang-router in front of the shared HISTORY server (synced with the draft server)."""
+    tmp = tmp_path_factory.mktemp("slime")
+    with _router(sglang_py, [text_engine["server"].url], "round_robin", tmp / "router.log") as url:
+        yield {**text_engine, "router": url, "tmp": tmp, "slime": slime_src}
+
+
+def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str], *, router: str | None = None,
+         draft: str | None = None, policy: str = "consistent_hashing", name: str | None = None) -> dict:
     tmp = stack["tmp"]
-    data = tmp / f"prompts-{mode}.jsonl"
+    name = name or mode
+    data = tmp / f"prompts-{name}.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "label": "x"}) + "\n" for p in prompts))
-    out = tmp / f"out-{mode}.json"
+    out = tmp / f"out-{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(stack["slime"]), str(DRIVER.parent)])
     # HISTORY mode syncs with the engine's draft server; SPEC-RL's store is the driver's own (a data dir).
-    draft = stack["draft_server"].address if mode == "history" else str(tmp / "specrl-draft")
-    r = subprocess.run([str(sglang_py), str(DRIVER), mode, stack["router"], str(stack["model"]), str(data),
-                        draft, str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
+    if draft is None:
+        draft = stack["draft_server"].address if mode == "history" else str(tmp / "specrl-draft")
+    r = subprocess.run([str(sglang_py), str(DRIVER), mode, router or stack["router"], str(stack["model"]), str(data),
+                        draft, str(out), policy], capture_output=True, text=True, timeout=600, env=env, cwd=tmp)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-8000:]
     return json.loads(out.read_text())
 
@@ -210,6 +233,75 @@ def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, 
             assert s["tokens"][: len(before["tokens"])] == before["tokens"]
             assert s["rollout_log_probs"][: before["response_length"]] == before["rollout_log_probs"]
             assert s["response_length"] > before["response_length"]
+
+
+@pytest.fixture(scope="module")
+def engines(sglang_py, stack):
+    """Two HISTORY engines with per-engine history only (no draft server), and one more synced with
+    the shared engine's draft server."""
+    from histospec_sgl.bench.engine_server import EngineServer, running
+
+    tmp = stack["tmp"]
+    kw = dict(python=str(sglang_py), tokenizer=True, max_running=16, max_total_tokens=16384)
+    alone = [EngineServer(stack["model"], "history", log_path=tmp / f"alone-{i}.log", **kw) for i in range(2)]
+    synced = EngineServer(stack["model"], "history", log_path=tmp / "synced.log",
+                          env={"HISTOSPEC_DRAFT_SERVER": stack["draft_server"].address}, **kw)
+    with running(*alone, synced):
+        yield {"alone": alone, "synced": [stack["server"], synced]}
+
+
+def _per_step(samples: list[dict]) -> float:
+    info = [s["spec_info"] for s in samples]
+    return sum(x["completion_token_num"] for x in info) / sum(x["spec_verify_ct"] for x in info)
+
+
+def _probe(srv, tok, prompt: str) -> float:
+    """Tokens per verify step of one greedy request for ``prompt`` sent to ``srv`` itself, as slime's
+    next epoch reaches it. sglang-router 0.3.2 drops ``custom_params`` from the sampling params it
+    forwards, so behind it the engines group a request by its prompt ids, and so does this one."""
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = srv._post("/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}}, 300)
+    return out["meta_info"]["completion_tokens"] / out["meta_info"]["spec_verify_ct"]
+
+
+def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang_py, stack, engines):
+    """sglang-router 0.3.2's command line has no ``consistent_hashing`` (slime's policy for routing
+    by key); ``manual`` routes by the same ``X-SMG-Routing-Key``, and our generate makes slime's send
+    it. Each prompt's 4 samples and its next epoch land on one engine, which alone holds its
+    history: a request for the prompt sent to that engine drafts whole responses, one sent to the
+    other does not; ``min_group`` spreads the groups over both engines."""
+    prompts = ["Roses are red, violets are", "for i in range(10):", "The mitochondria is the",
+               "Compute 12 * 13 step by step."]
+    with _router(sglang_py, [e.url for e in engines["alone"]], "manual", stack["tmp"] / "router-manual.log",
+                 "--assignment-mode", "min_group") as url:
+        epochs = _run(sglang_py, stack, "history", prompts, router=url, draft="", policy="manual",
+                      name="manual")["epochs"]
+    second = epochs[1]["samples"]
+    assert _per_step(second) > 4.0, [_per_step(e["samples"]) for e in epochs]
+    tok = _tokenizer(stack)
+    holders = []
+    for prompt in prompts:
+        rates = [_probe(e, tok, prompt) for e in engines["alone"]]
+        holder = max(range(2), key=rates.__getitem__)
+        assert rates[holder] > 4.0 and rates[1 - holder] < rates[holder] / 2, (prompt, rates)
+        holders.append(holder)
+    assert sorted(holders) == [0, 0, 1, 1], holders
+
+
+def test_two_engines_with_a_draft_server_draft_every_group(sglang_py, stack, engines):
+    """With a draft server, routing does not matter for drafting: round-robin sends a prompt's
+    samples to both engines, and either engine drafts the prompt's next epoch."""
+    prompts = ["Twinkle twinkle little star,", "SELECT name FROM users WHERE", "Water boils at a temperature of",
+               "Prove that the square root of 2 is"]
+    with _router(sglang_py, [e.url for e in engines["synced"]], "round_robin",
+                 stack["tmp"] / "router-synced.log") as url:
+        epochs = _run(sglang_py, stack, "history", prompts, router=url, policy="round_robin", name="synced")["epochs"]
+    assert _per_step(epochs[1]["samples"]) > 4.0, [_per_step(e["samples"]) for e in epochs]
+    tok = _tokenizer(stack)
+    for prompt in prompts:
+        rates = [_probe(e, tok, prompt) for e in engines["synced"]]
+        assert min(rates) > 4.0, (prompt, rates)
 
 
 def test_slime_plugin_contracts_accept_generate(sglang_py, slime_src):

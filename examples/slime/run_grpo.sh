@@ -17,7 +17,6 @@ ray job submit --address="http://127.0.0.1:8265" \
   ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} ${CKPT_ARGS[@]+"${CKPT_ARGS[@]}"} \
   --advantage-estimator grpo --n-samples-per-prompt 8 --rollout-temperature 1.0 \
   --sglang-speculative-algorithm HISTORY --sglang-speculative-num-draft-tokens 12 \
-  --router-policy consistent_hashing \
   --custom-generate-function-path histospec_sgl.integrations.slime.generate \
   --rollout-all-samples-process-path histospec_sgl.integrations.slime.record \
   --custom-config-path "$HERE/histospec.yaml"

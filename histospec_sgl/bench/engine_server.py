@@ -79,6 +79,9 @@ def server_args(model: str | os.PathLike[str], method: str, *, port: int, device
     if device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens",
                  str(max_total_tokens), "--disable-cuda-graph"]
+        if "--sleep-on-idle" not in (extra or []):
+            # An idle scheduler otherwise polls at 100% of a core, which starves servers beside it.
+            args.append("--sleep-on-idle")
     else:
         args += ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
     if method != "plain":

@@ -9,7 +9,10 @@ Two functions for slime's command line (slime imports them by path)::
 :func:`generate` keeps a prompt's samples together: it sets the sample's routing key
 (``session_id``, which slime sends as ``X-SMG-Routing-Key`` under ``--router-policy
 consistent_hashing``) and ``custom_params.histospec_group`` to the prompt's group, so the n samples
-of a group and its later epochs land on the same engine and draft from each other. Then:
+of a group and its later epochs land on the same engine and draft from each other. sglang-router
+0.3.2's command line has no ``consistent_hashing``; its ``manual`` policy routes by the same key,
+and under it the inner generate is handed ``args`` that name ``consistent_hashing``, so that it
+sends the key. Then:
 
 - ``histospec_mode: history`` (default): hands the request to the inner generate (slime's own
   ``slime.rollout.sglang_rollout.generate`` unless ``histospec_inner_generate_path`` names another),
@@ -189,7 +192,30 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
     return await _call_inner(inner, args, sample, params, evaluation)
 
 
+KEYED_POLICIES = ("consistent_hashing", "manual")
+"""sglang-router policies that route by ``X-SMG-Routing-Key``: slime sends the key only under the
+first, which sglang-router 0.3.2's command line does not offer; the second routes by the same key."""
+
+
+class _KeyedArgs:
+    """slime's ``args``, live, except that ``router_policy`` reads ``consistent_hashing``: slime's
+    generate then sends the sample's routing key to a router whose policy is ``manual``."""
+
+    def __init__(self, args: Any):
+        object.__setattr__(self, "_args", args)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "router_policy":
+            return "consistent_hashing"
+        return getattr(self._args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
+
+
 async def _call_inner(inner: Any, args: Any, sample: Any, params: dict[str, Any], evaluation: bool) -> Any:
+    if getattr(args, "router_policy", None) == "manual":
+        args = _KeyedArgs(args)
     if "evaluation" in inspect.signature(inner).parameters:
         return await inner(args, sample, params, evaluation=evaluation)
     return await inner(args, sample, params)
@@ -224,7 +250,7 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     prompt_ids = list(_prepare_prompt_ids(sample, state.tokenizer, state.processor))
     url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
     headers = ({"X-SMG-Routing-Key": sample.session_id}
-               if getattr(args, "router_policy", None) == "consistent_hashing" else None)
+               if getattr(args, "router_policy", None) in KEYED_POLICIES else None)
 
     async def backend(payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         return await asyncio.wait_for(post(url, payload, headers=headers), timeout)
