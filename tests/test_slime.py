@@ -12,6 +12,9 @@ tokenizer, so that slime's text path (tokenize, detokenize) runs for real.
 - Routing across two engines (sglang-router 0.3.2): without a draft server, ``--router-policy
   manual`` keeps a prompt's n samples and its next epoch on the engine that holds its history;
   with one, every engine drafts every group whatever the router picks.
+- slime's own engine code starts HISTORY (``SGLangEngine.init``: ``_compute_server_args`` over
+  slime's parser's arguments), and drafting goes on through its weight update (
+  ``update_weights_from_disk`` + ``flush_cache``) and its release/resume of memory.
 - slime's own plugin-contract tests accept ``generate``.
 """
 
@@ -302,6 +305,42 @@ def test_two_engines_with_a_draft_server_draft_every_group(sglang_py, stack, eng
     for prompt in prompts:
         rates = [_probe(e, tok, prompt) for e in engines["synced"]]
         assert min(rates) > 4.0, (prompt, rates)
+
+
+def test_slime_engine_code_starts_history_and_keeps_it_through_weight_updates(sglang_py, slime_src, greedy_model,
+                                                                             tmp_path):
+    """slime's ``SGLangEngine`` (tests/slime_engine_driver.py lists what it stands in, and why):
+    the server arguments slime computes name HISTORY and keep SGLang's running limit; the second
+    rollout drafts whole responses, and so do the rollouts after a weight update from disk (the
+    responses carry the new weight version) and after a release and resume of memory."""
+    from histospec_sgl.bench.engine_server import cpu_engine_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent)])
+    env = cpu_engine_env(str(sglang_py), base=env)
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([str(sglang_py), str(DRIVER.with_name("slime_engine_driver.py")), str(greedy_model),
+                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)  # the engine slime spawned, whatever happened
+    assert proc.returncode == 0, log[-6000:]
+    res = json.loads(out.read_text())
+    assert res["server_args"]["speculative_algorithm"] == "HISTORY"
+    assert res["server_args"]["speculative_num_draft_tokens"] == 8
+    assert res["server_args"]["max_running_requests"] is None  # SGLang's own limit for speculation
+    phases = res["phases"]
+    assert list(phases) == ["first", "second", "after_update", "after_wake"], res.get("wake_error")
+    greedy = {tuple(r["prompt"]): r["output_ids"] for r in phases["first"]}
+    for name, rows in phases.items():
+        assert len(rows) == 16 and all(r["output_ids"] == greedy[tuple(r["prompt"])] for r in rows), name
+        per_step = sum(r["per_step"] for r in rows) / len(rows)
+        if name != "first":
+            assert per_step > 6.0, (name, per_step)
+    assert {r["weight_version"] for r in phases["after_update"] + phases["after_wake"]} == {"2"}
 
 
 def test_slime_plugin_contracts_accept_generate(sglang_py, slime_src):

@@ -143,6 +143,15 @@ class HistoryWorker(NGRAMWorker):
             except Exception:
                 logger.exception("histospec: could not save the history snapshot")
 
+    def update_weights_from_disk(self, recv_req: Any) -> tuple[bool, str]:
+        # The scheduler has updated the target's weights; the history has none. SGLang 0.5.17's
+        # base class would walk the draft model's runners, and NGRAM has none (its draft_worker is
+        # None), so /update_weights_from_disk killed the scheduler.
+        return True, "Succeeded to update model weights (HISTORY has no draft weights)."
+
+    def update_weights_from_ipc(self, recv_req: Any) -> tuple[bool, str]:
+        return self.update_weights_from_disk(recv_req)
+
     def _update_ngram_corpus(self, batch: Any) -> None:
         # Contexts are brought up to date right before drafting (_prepare_draft_tokens).
         pass
