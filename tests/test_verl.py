@@ -8,13 +8,18 @@
   ``histospec_specrl`` agent loop from examples/verl/agent_loops.yaml, verl's ``LLMServerClient``,
   the prompt-affinity balancer made by verl's router factory from examples/verl/router.yaml, and two
   rollout-server actors that are verl's ``SGLangHttpServer`` with only its in-process engine stood
-  in by the real CPU SGLang server (over HTTP), on a local Ray cluster.
+  in by the real CPU SGLang server (over HTTP), on a local Ray cluster;
+- verl's own ``SGLangHttpServer.launch_server`` starts HISTORY on the CPU engine (its
+  ``max_running_requests`` from ``max_num_seqs`` reaches SGLang), and drafting goes on through
+  verl's ``sleep`` and ``wake_up`` (colocated).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -50,6 +55,37 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
                   env={"VERL_USE_EXTERNAL_PLUGINS": "none"})
     assert off["entry_point_loaded"] is False
     assert "Unknown speculative algorithm name: HISTORY" in off["server_args"]["error"]
+
+
+def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_and_wake(verl_py, text_model, tmp_path):
+    """verl_driver.py ``launch`` lists what it stands in (no CUDA here), and why."""
+    from histospec_sgl.bench.engine_server import cpu_engine_env
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HISTOSPEC_", "VERL_"))}
+    base.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join([str(ROOT), str(DRIVER.parent)]))
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([str(verl_py), str(DRIVER), "launch", str(text_model), str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cpu_engine_env(str(verl_py), base=base),
+                            cwd=tmp_path, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=540)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the SGLang processes verl started, whatever happened
+    assert proc.returncode == 0, log[-6000:]
+    res = json.loads(out.read_text())
+    assert res["server_args"]["speculative_algorithm"] == "HISTORY"
+    assert res["server_args"]["speculative_num_draft_tokens"] == 8
+    assert res["server_args"]["max_running_requests"] == 256  # verl's max_num_seqs, not SGLang's default
+    phases = res["phases"]
+    greedy = {tuple(r["prompt"]): r["output_ids"] for r in phases["first"]}
+    for name, rows in phases.items():
+        assert len(rows) == 16 and all(r["output_ids"] == greedy[tuple(r["prompt"])] for r in rows), name
+    for name in ("second", "after_wake"):
+        per_step = sum(r["per_step"] for r in phases[name]) / 16
+        assert per_step > 6.0, (name, per_step)
+    first = phases["first"][0]
+    assert res["verl_generate"] == greedy[tuple(first["prompt"])]
 
 
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):

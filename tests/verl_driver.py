@@ -10,6 +10,14 @@
         LLMServerClient, the prompt-affinity balancer made by verl's router factory, and two rollout
         server actors that are verl's SGLangHttpServer with only the in-process SGLang engine stood in
         by a real SGLang server over HTTP (verl's server needs a GPU engine in its own process).
+    python verl_driver.py launch MODEL OUT_JSON
+        verl's own SGLangHttpServer.launch_server starts HISTORY on the CPU engine in this process
+        (run with the CPU engine's environment); two epochs, then verl's sleep and wake_up
+        (colocated), then a third epoch. Stood in, because there is no CUDA here: through the
+        config a user sets, engine_kwargs.sglang gives device cpu, attention_backend torch_native, a
+        small max_total_tokens and enable_memory_saver false (verl hard-codes true, and
+        torch-memory-saver pauses CUDA allocations), and rollout.enforce_eager true; the Ray actor
+        (the class runs in this process).
 """
 
 from __future__ import annotations
@@ -219,8 +227,69 @@ def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+async def launched(cfg: Any) -> dict:
+    from verl.workers.rollout.replica import RolloutMode
+    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
+
+    server = SGLangHttpServer(cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model, RolloutMode.COLOCATED,
+                              workers=[], replica_rank=0, node_rank=0, nnodes=1, cuda_visible_devices="",
+                              base_gpu_id=0)
+    await server.launch_server()
+    host, port = server.get_server_address()
+    url = f"http://{host}:{port}"
+    sa = server.tokenizer_manager.server_args
+    out: dict = {"server_args": {"speculative_algorithm": str(sa.speculative_algorithm),
+                                 "speculative_num_draft_tokens": sa.speculative_num_draft_tokens,
+                                 "max_running_requests": sa.max_running_requests,
+                                 "enable_weights_cpu_backup": getattr(sa, "enable_weights_cpu_backup", None)},
+                 "phases": {}}
+    prompts = [[(37 * i + 11 * j) % 500 + 2 for j in range(12)] for i in range(4)]
+
+    async def epoch() -> list[dict]:
+        def one(ids: list[int]) -> dict:
+            body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}}
+            req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                res = json.loads(r.read())
+            m = res["meta_info"]
+            return {"prompt": ids, "output_ids": res["output_ids"],
+                    "per_step": m["completion_tokens"] / m["spec_verify_ct"]}
+        return list(await asyncio.gather(*(asyncio.to_thread(one, p) for p in prompts for _ in range(4))))
+
+    out["phases"]["first"] = await epoch()
+    out["phases"]["second"] = await epoch()
+    await server.sleep()
+    await server.wake_up()
+    out["phases"]["after_wake"] = await epoch()
+    # verl's own generate (what its agent loops call) on the woken server.
+    tok = await server.generate(prompts[0], {"temperature": 0.0, "max_tokens": 24}, request_id="verl-0")
+    out["verl_generate"] = list(tok.token_ids)
+    return out
+
+
+def cmd_launch(model: str, out: str) -> None:
+    cfg = compose(model, [
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.device=cpu",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=torch_native",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.max_total_tokens=16384",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false",
+        "+actor_rollout_ref.rollout.engine_kwargs.sglang.sleep_on_idle=true",
+        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.dtype=float32",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.skip_tokenizer_init=true", "actor_rollout_ref.rollout.free_cache_engine=true"])
+    result = asyncio.run(launched(cfg))
+    Path(out).write_text(json.dumps(result))
+    from sglang.srt.utils import kill_process_tree
+
+    # SGLang's scheduler and detokenizer are this process's children (verl launched them here).
+    kill_process_tree(os.getpid(), include_parent=False)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "compose":
         cmd_compose(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "launch":
+        cmd_launch(sys.argv[2], sys.argv[3])
     else:
         cmd_specrl(*sys.argv[2:6])
