@@ -11,7 +11,8 @@
   in by the real CPU SGLang server (over HTTP), on a local Ray cluster;
 - verl's own ``SGLangHttpServer.launch_server`` starts HISTORY on the CPU engine (its
   ``max_running_requests`` from ``max_num_seqs`` reaches SGLang), and drafting goes on through
-  verl's ``sleep`` and ``wake_up`` (colocated).
+  verl's ``sleep`` and ``wake_up`` (colocated) and its ``abort_all_requests``, which aborts plain
+  requests and a SPEC-RL continuation in flight.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
     assert "Unknown speculative algorithm name: HISTORY" in off["server_args"]["error"]
 
 
-def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_and_wake(verl_py, text_model, tmp_path):
+def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_abort(verl_py, text_model, tmp_path):
     """verl_driver.py ``launch`` lists what it stands in (no CUDA here), and why."""
     from histospec_sgl.bench.engine_server import cpu_engine_env
 
@@ -86,6 +87,20 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_and_wake(v
         assert per_step > 6.0, (name, per_step)
     first = phases["first"][0]
     assert res["verl_generate"] == greedy[tuple(first["prompt"])]
+    # verl's abort_all_requests with requests in flight: each comes back as verl's aborted answer
+    # (stop reason "abort", the tokens so far), nothing hangs, and after resume_generation the
+    # engine drafts whole responses again (phase "after_abort" above).
+    abort = res["abort"]
+    for row in abort["plain"]:
+        assert row["stop_reason"] == "abort" and len(row["token_ids"]) < 100  # none yet, if still queued
+    # SPEC-RL's server manager: aborted in its continuation, it answers with the reused previous
+    # response, what was generated after it, a log-prob for each, and the abort; an aborted answer is
+    # not recorded as the slot's next previous response.
+    sp = abort["specrl"]
+    assert sp["stop_reason"] == "abort" and sp["reused"] == len(sp["previous"]) == 24
+    assert sp["token_ids"][:24] == sp["previous"] and 24 <= len(sp["token_ids"]) < 100
+    assert sp["log_probs"] == len(sp["token_ids"]) and len(sp["calls"]) == 2
+    assert abort["kept"] == sp["previous"]
 
 
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):

@@ -265,7 +265,55 @@ async def launched(cfg: Any) -> dict:
     # verl's own generate (what its agent loops call) on the woken server.
     tok = await server.generate(prompts[0], {"temperature": 0.0, "max_tokens": 24}, request_id="verl-0")
     out["verl_generate"] = list(tok.token_ids)
+    out["abort"] = await abort_all(server, prompts, {tuple(r["prompt"]): r["output_ids"] for r in out["phases"]["first"]})
+    out["phases"]["after_abort"] = await epoch()
     return out
+
+
+async def abort_all(server: Any, prompts: list[list[int]], greedy: dict) -> dict:
+    """verl's abort_all_requests while requests are in flight: four plain sampled ones and one through
+    SPEC-RL's server manager, which reused a previous response and is continuing it; then verl's
+    resume_generation."""
+    from histospec_sgl import prompt_key
+    from histospec_sgl.integrations.verl.agent_loop import _ReusingServerManager
+    from histospec_sgl.specrl.guard import Options
+    from histospec_sgl.specrl.store import shared
+
+    continuing = asyncio.Event()
+    calls: list[int] = []
+
+    class OneServer:
+        """verl's server manager picks a server for each request; there is one here."""
+
+        async def generate(self, *, request_id: str, prompt_ids: list[int], sampling_params: dict, **kw: Any):
+            calls.append(len(prompt_ids))
+            if len(calls) == 2:  # the continuation, after the scoring pass
+                continuing.set()
+            return await server.generate(prompt_ids, dict(sampling_params), request_id, **kw)
+
+    reused = prompts[1]
+    previous = greedy[tuple(reused)]
+    group = prompt_key(reused)
+    # The slot's previous response; a lenience that keeps all of it, so the continuation runs long.
+    shared().record(None, reused, previous, [-1.0] * len(previous), "length", group=group, slot=0, version=0)
+    manager = _ReusingServerManager(OneServer(), Options(lenience=1e9), n=1, response_length=100)
+    specrl = asyncio.create_task(manager.generate(
+        request_id="specrl-0", prompt_ids=reused,
+        sampling_params={"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}))
+    plain = [asyncio.create_task(server.generate(p, {"temperature": 1.0, "max_tokens": 100}, request_id=f"plain-{i}"))
+             for i, p in enumerate(prompts)]
+    await asyncio.wait_for(continuing.wait(), 120)
+    await asyncio.sleep(0.2)
+    await server.abort_all_requests()
+    done = await asyncio.wait_for(asyncio.gather(specrl, *plain), 120)
+    await server.resume_generation()
+    sp = done[0]
+    return {"plain": [{"prompt": p, "stop_reason": o.stop_reason, "token_ids": list(o.token_ids)}
+                      for p, o in zip(prompts, done[1:])],
+            "specrl": {"previous": previous, "stop_reason": sp.stop_reason, "token_ids": list(sp.token_ids),
+                       "log_probs": len(sp.log_probs or []), "reused": sp.extra_fields.get("histospec_reused"),
+                       "calls": calls},
+            "kept": list(shared().get(None, group, 0).response_ids)}
 
 
 def cmd_launch(model: str, out: str) -> None:
