@@ -34,21 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
-PROMPTS = [[(37 * i + 11 * j) % 500 + 2 for j in range(12)] for i in range(4)]  # ids within every test vocab
-SAMPLES = 4
-MAX_NEW = 32
+from _greedy import greedy_rollout
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from histospec_sgl.bench.engine_server import free_port
 
 
 def make_args(model: str) -> argparse.Namespace:
@@ -67,23 +58,6 @@ def make_args(model: str) -> argparse.Namespace:
                      sglang_router_ip=None, sglang_router_port=None).items():
         setattr(args, k, v)
     return args
-
-
-def rollout(url: str) -> list[dict]:
-    """Every prompt's SAMPLES greedy samples at once (siblings), one request each."""
-    def one(ids: list[int]) -> dict:
-        body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": MAX_NEW,
-                                                      "ignore_eos": True}}
-        req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.loads(r.read())
-        m = out["meta_info"]
-        return {"prompt": ids, "output_ids": out["output_ids"], "per_step": m["completion_tokens"] / m["spec_verify_ct"],
-                "weight_version": m.get("weight_version")}
-
-    with ThreadPoolExecutor(SAMPLES * len(PROMPTS)) as pool:
-        return list(pool.map(one, [p for p in PROMPTS for _ in range(SAMPLES)]))
 
 
 def launch_server_process(server_args):
@@ -118,30 +92,30 @@ def main() -> None:
     sglang_engine.launch_server_process = launch_server_process
 
     args = make_args(model)
-    kwargs, _ = _compute_server_args(args, 0, f"127.0.0.1:{_port()}", _port(), "127.0.0.1", _port())
+    kwargs, _ = _compute_server_args(args, 0, f"127.0.0.1:{free_port()}", free_port(), "127.0.0.1", free_port())
     out: dict = {"server_args": {k: kwargs.get(k) for k in (
         "speculative_algorithm", "speculative_num_draft_tokens", "max_running_requests", "enable_memory_saver",
         "skip_server_warmup", "enable_metrics", "enable_draft_weights_cpu_backup")}, "phases": {}}
     engine = SGLangEngine(args, rank=0)
     started = time.monotonic()
-    engine.init(f"127.0.0.1:{_port()}", _port(), _port(), host="127.0.0.1")
+    engine.init(f"127.0.0.1:{free_port()}", free_port(), free_port(), host="127.0.0.1")
     out["start_seconds"] = time.monotonic() - started
     try:
         url = engine.get_url()
-        out["phases"]["first"] = rollout(url)
-        out["phases"]["second"] = rollout(url)
+        out["phases"]["first"] = greedy_rollout(url, 32)
+        out["phases"]["second"] = greedy_rollout(url, 32)
         # A weight update as slime's rollout manager runs it (the same checkpoint: greedy responses stay
         # the same, so the history still drafts them whole), then flush_cache.
         engine.update_weights_from_disk(model, weight_version="2")
         engine.flush_cache()
         # (slime's get_weight_version asks for /get_weight_version, which SGLang 0.5.17 does not
         # serve; the version each response reports is checked instead.)
-        out["phases"]["after_update"] = rollout(url)
+        out["phases"]["after_update"] = greedy_rollout(url, 32)
         # Colocated training's sleep and wake.
         try:
             engine.release_memory_occupation()
             engine.resume_memory_occupation()
-            out["phases"]["after_wake"] = rollout(url)
+            out["phases"]["after_wake"] = greedy_rollout(url, 32)
         except Exception as e:  # noqa: BLE001 - reported to the test, which says what it needs
             out["wake_error"] = f"{type(e).__name__}: {e}"
     finally:

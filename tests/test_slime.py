@@ -30,6 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _greedy import check_phases, run_in_group
 
 from conftest import ROOT, require_modules, sglang_missing, shared_path
 from histospec_sgl.bench.engine_server import free_port
@@ -317,29 +318,16 @@ def test_slime_engine_code_starts_history_and_keeps_it_through_weight_updates(sg
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent)])
-    env = cpu_engine_env(str(sglang_py), base=env)
     out = tmp_path / "out.json"
-    proc = subprocess.Popen([str(sglang_py), str(DRIVER.with_name("slime_engine_driver.py")), str(greedy_model),
-                             str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=tmp_path, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=600)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 9)  # the engine slime spawned, whatever happened
-    assert proc.returncode == 0, log[-6000:]
+    run_in_group([str(sglang_py), str(DRIVER.with_name("slime_engine_driver.py")), str(greedy_model), str(out)],
+                 cpu_engine_env(str(sglang_py), base=env), tmp_path, 600)
     res = json.loads(out.read_text())
     assert res["server_args"]["speculative_algorithm"] == "HISTORY"
     assert res["server_args"]["speculative_num_draft_tokens"] == 8
     assert res["server_args"]["max_running_requests"] is None  # SGLang's own limit for speculation
     phases = res["phases"]
     assert list(phases) == ["first", "second", "after_update", "after_wake"], res.get("wake_error")
-    greedy = {tuple(r["prompt"]): r["output_ids"] for r in phases["first"]}
-    for name, rows in phases.items():
-        assert len(rows) == 16 and all(r["output_ids"] == greedy[tuple(r["prompt"])] for r in rows), name
-        per_step = sum(r["per_step"] for r in rows) / len(rows)
-        if name != "first":
-            assert per_step > 6.0, (name, per_step)
+    check_phases(phases)
     assert {r["weight_version"] for r in phases["after_update"] + phases["after_wake"]} == {"2"}
 
 

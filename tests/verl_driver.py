@@ -228,6 +228,7 @@ def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
 
 
 async def launched(cfg: Any) -> dict:
+    from _greedy import PROMPTS, greedy_rollout
     from verl.workers.rollout.replica import RolloutMode
     from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer
 
@@ -243,19 +244,10 @@ async def launched(cfg: Any) -> dict:
                                  "max_running_requests": sa.max_running_requests,
                                  "enable_weights_cpu_backup": getattr(sa, "enable_weights_cpu_backup", None)},
                  "phases": {}}
-    prompts = [[(37 * i + 11 * j) % 500 + 2 for j in range(12)] for i in range(4)]
 
     async def epoch() -> list[dict]:
-        def one(ids: list[int]) -> dict:
-            body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}}
-            req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=600) as r:
-                res = json.loads(r.read())
-            m = res["meta_info"]
-            return {"prompt": ids, "output_ids": res["output_ids"],
-                    "per_step": m["completion_tokens"] / m["spec_verify_ct"]}
-        return list(await asyncio.gather(*(asyncio.to_thread(one, p) for p in prompts for _ in range(4))))
+        # Blocking HTTP calls, off the event loop that serves them.
+        return await asyncio.to_thread(greedy_rollout, url, 24)
 
     out["phases"]["first"] = await epoch()
     out["phases"]["second"] = await epoch()
@@ -263,9 +255,9 @@ async def launched(cfg: Any) -> dict:
     await server.wake_up()
     out["phases"]["after_wake"] = await epoch()
     # verl's own generate (what its agent loops call) on the woken server.
-    tok = await server.generate(prompts[0], {"temperature": 0.0, "max_tokens": 24}, request_id="verl-0")
+    tok = await server.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 24}, request_id="verl-0")
     out["verl_generate"] = list(tok.token_ids)
-    out["abort"] = await abort_all(server, prompts, {tuple(r["prompt"]): r["output_ids"] for r in out["phases"]["first"]})
+    out["abort"] = await abort_all(server, PROMPTS, {tuple(r["prompt"]): r["output_ids"] for r in out["phases"]["first"]})
     out["phases"]["after_abort"] = await epoch()
     return out
 
