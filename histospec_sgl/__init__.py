@@ -25,8 +25,8 @@ if TYPE_CHECKING:
         __version__,
         prompt_key,
     )
+    from histospec_sgl.engine.draft import Draft, draft
     from histospec_sgl.hugepages import huge_pages
-    from histospec_sgl.index import Draft, draft
 
 # The native module loads on first use: SGLang imports this package (its plugin entry point) in
 # every one of its processes, most of which never touch the index.
@@ -36,8 +36,8 @@ _LAZY = {
     "huge_pages": "histospec_sgl.hugepages",
     "SNAPSHOT_FORMAT_VERSION": "histospec_sgl._core",
     "__version__": "histospec_sgl._core",
-    "Draft": "histospec_sgl.index",
-    "draft": "histospec_sgl.index",
+    "Draft": "histospec_sgl.engine.draft",
+    "draft": "histospec_sgl.engine.draft",
 }
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import hugepages
-from histospec_sgl.bench.commands import add_bench, add_simulate
+from histospec_sgl.bench.commands import add_bench
 from histospec_sgl.cliutil import command, floats, kv, names, write_json
+from histospec_sgl.simulate.cli import add_simulate
 
 
 def _replay(args: argparse.Namespace) -> int:

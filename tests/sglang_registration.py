@@ -12,7 +12,7 @@ def idempotent() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     assert type(SpeculativeAlgorithm.from_string("HISTORY")).__name__ == "HistoryAlgo"
     heavy = [m for m in ("histospec_sgl._core", "histospec_sgl.plugin.worker",
-                         "sglang.srt.speculative.ngram_worker", "histospec_sgl.drafter") if m in sys.modules]
+                         "sglang.srt.speculative.ngram_worker", "histospec_sgl.engine.drafter") if m in sys.modules]
     print("RESULT", heavy)
 
 

@@ -51,7 +51,7 @@ import json, sys, tempfile
 from pathlib import Path
 from histospec_sgl.replay import FieldMap, Selection, build_cases, load_rollouts
 from histospec_sgl.replay.arctic import per_prompt_method, shared_cache_method
-from histospec_sgl.replay.simulate import run_method
+from histospec_sgl.replay.measure import run_method
 
 ids = FieldMap("p", "r", group="g", token_ids=True)
 def log(rows):

@@ -11,10 +11,12 @@ import sys
 import numpy as np
 import pytest
 
-from histospec_sgl.control.costmodel import CostModel, EngineControl
-from histospec_sgl.control.length import LengthPredictor, Response, evaluate, expected_longest, spearman
-from histospec_sgl.control.profile import H100_8B, Measured, resolve
-from histospec_sgl.control.simulate import (
+from histospec_sgl.bench.length_bench import Response, evaluate, spearman
+from histospec_sgl.engine.costmodel import CostModel, EngineControl
+from histospec_sgl.engine.profile import H100_8B, Measured, resolve
+from histospec_sgl.length import LengthPredictor, expected_longest
+from histospec_sgl.replay.data import Rollout, default_data_root
+from histospec_sgl.simulate.step import (
     GROUP_ORACLE,
     ORACLE,
     SimRequest,
@@ -27,7 +29,6 @@ from histospec_sgl.control.simulate import (
     run_policies,
     run_step,
 )
-from histospec_sgl.replay.data import Rollout, default_data_root
 
 #: A plain step costs 1 s at any batch size; a verify step at width 4 costs 2 s.
 FLAT = Measured("flat", "test: 1 s plain, 2 s at width 4", {1: [(1, 1.0), (64, 1.0)], 4: [(1, 2.0), (64, 2.0)]})
@@ -392,8 +393,8 @@ def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
 
 
 def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
-    from histospec_sgl.drafter import BatchDrafter
-    from histospec_sgl.plugin.config import HistoryConfig
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.drafter import BatchDrafter
 
     d = 8
     dr = BatchDrafter(d, HistoryConfig(control="cost"))
@@ -417,7 +418,7 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
 
 
 def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
-    from histospec_sgl.control.profile import from_engine_bench
+    from histospec_sgl.engine.profile import from_engine_bench
 
     rows = [{"method": m, "batch_size": b, "pass": p, "step_ms": ms}
             for m, b, p, ms in (("plain", 1, 1, 10.0), ("plain", 1, 2, 12.0), ("plain", 8, 1, 20.0),
@@ -436,7 +437,7 @@ def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
-    from histospec_sgl.control.costmodel import ShadowDraft
+    from histospec_sgl.engine.costmodel import ShadowDraft
 
     # Root 5 with children 7 (node 1) and 8 (node 2); 7 -> 9 (node 3) -> 4 (node 4); 8 -> 6 (node 5).
     tree = dict(tokens=[5, 7, 8, 9, 6, 4], parents=[0, 0, 0, 1, 2, 3], promised=2.5)
@@ -471,8 +472,8 @@ def test_calibration_forgets_and_the_engine_never_probes():
 
 
 def test_drafter_measures_the_drafts_of_plain_steps():
-    from histospec_sgl.drafter import BatchDrafter
-    from histospec_sgl.plugin.config import HistoryConfig
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.drafter import BatchDrafter
 
     d = 4
     dr = BatchDrafter(d, HistoryConfig(control="cost"))

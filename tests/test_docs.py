@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from histospec_sgl.plugin.config import ENV_NAMES, settings_table
+from histospec_sgl.engine.config import ENV_NAMES, settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -17,7 +17,7 @@ PAGES = [ROOT / "README.md", *DOCS, ROOT / "bench" / "RESULTS.md", ROOT / "bench
 
 
 def test_plugin_settings_table_is_the_codes():
-    # Regenerate with: python -c "from histospec_sgl.plugin.config import settings_table; print(settings_table())"
+    # Regenerate with: python -c "from histospec_sgl.engine.config import settings_table; print(settings_table())"
     assert settings_table() in (ROOT / "docs" / "plugin.md").read_text()
 
 

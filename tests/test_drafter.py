@@ -1,4 +1,4 @@
-"""The draft source of the HISTORY worker (:class:`histospec_sgl.drafter.BatchDrafter`, no SGLang
+"""The draft source of the HISTORY worker (:class:`histospec_sgl.engine.drafter.BatchDrafter`, no SGLang
 needed) on real HumanEval completions: the draft contract, sibling drafting, batched syncing, the
 request lifecycle, switch-off, history in and out; and ``histospec-sgl bench worker``, which times it.
 """
@@ -15,8 +15,8 @@ import pytest
 from _contract import check_contract
 from _samples import humaneval
 
-from histospec_sgl.drafter import BatchDrafter, SwitchOff
-from histospec_sgl.plugin.config import HistoryConfig
+from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.drafter import BatchDrafter, SwitchOff
 
 # -- the draft source ------------------------------------------------------------------------------
 

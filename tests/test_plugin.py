@@ -25,7 +25,7 @@ from sglang_subprocess import BASE, free_port, resolve, result, run_script, run_
 
 from conftest import SGLANG_0523
 from conftest import sglang_missing as _sglang_missing
-from histospec_sgl.drafter import BatchDrafter
+from histospec_sgl.engine.drafter import BatchDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from histospec_sgl import HistoryIndex
-from histospec_sgl.drafter import group_of
-from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
+from histospec_sgl.engine.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
+from histospec_sgl.engine.drafter import group_of
 
 # -- settings --------------------------------------------------------------------------------------
 
@@ -103,18 +103,42 @@ def test_launch_server_help_and_errors():
         assert r.returncode == 1 and "sglang is not installed" in r.stderr
 
 
-def test_the_engine_plugin_imports_nothing_from_the_trainer_side():
-    """plugin/ adapts SGLang only: the Ray integration hands it the draft-server actor lookup
-    (``registration.ENV_RESOLVERS``) instead of the plugin importing it."""
+def _imports(package: str) -> dict[str, list[str]]:
+    """The modules each file of ``package`` imports (absolute ``histospec_sgl`` names, relative ones
+    resolved), wherever in the file the import sits."""
     import ast
+    import importlib
     from pathlib import Path
 
-    import histospec_sgl.plugin as plugin
-
-    offenders = []
-    for path in Path(plugin.__file__).parent.glob("*.py"):
+    root = Path(importlib.import_module(package).__file__).parent
+    out = {}
+    for path in root.glob("*.py"):
+        names = []
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path.name}: {n}" for n in names if n.startswith("histospec_sgl.integrations")]
+            if isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] + "." if node.level else ""
+                names.append(base + (node.module or ""))
+        out[path.name] = names
+    return out
+
+
+#: Where each layer's code may not reach: the engine's runtime imports neither SGLang's adapter, nor a
+#: trainer, nor the offline code; the SGLang plugin never imports the trainer side.
+FORBIDDEN = {
+    "histospec_sgl.engine": ("histospec_sgl.plugin", "histospec_sgl.integrations", "histospec_sgl.replay",
+                             "histospec_sgl.simulate", "histospec_sgl.bench", "sglang"),
+    "histospec_sgl.plugin": ("histospec_sgl.integrations", "histospec_sgl.replay", "histospec_sgl.simulate",
+                             "histospec_sgl.bench"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_runtime_layers_import_nothing_above_them(package):
+    """engine/ runs inside the engine without SGLang; plugin/ adapts SGLang only (the Ray integration
+    hands it the draft-server actor lookup, ``registration.ENV_RESOLVERS``, instead of the plugin
+    importing it). Neither imports trainer or offline code."""
+    offenders = [f"{f}: {n}" for f, names in _imports(package).items() for n in names
+                 if any(n == x or n.startswith(x + ".") for x in FORBIDDEN[package])]
     assert offenders == []

@@ -21,9 +21,9 @@ from histospec_sgl.replay import (
     run_replay,
 )
 from histospec_sgl.replay.data import PRESETS, default_data_root, default_tokenizer, preset_path
+from histospec_sgl.replay.measure import run_method
 from histospec_sgl.replay.methods import CopyBound, Ours, PromptLookup, SGLangTrie
 from histospec_sgl.replay.run import load_cases
-from histospec_sgl.replay.simulate import run_method
 
 IDS = FieldMap("p", "r", group="g", token_ids=True)
 

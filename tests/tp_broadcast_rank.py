@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
-from histospec_sgl.drafter import BatchDrafter
+from histospec_sgl.engine.drafter import BatchDrafter
 from histospec_sgl.plugin.tp import DraftBroadcast
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]

@@ -56,7 +56,7 @@ METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_s
 #: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
 #: speculative decoding on CPU (on a GPU HISTORY runs with it): the same scheduler as HISTORY's there.
 SYNC_ARGS = ["--disable-overlap-schedule"]
-#: ``history_cost``: the cost model picks each step's width (:mod:`histospec_sgl.control.costmodel`).
+#: ``history_cost``: the cost model picks each step's width (:mod:`histospec_sgl.engine.costmodel`).
 COST = {"HISTOSPEC_CONTROL": "cost"}
 #: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
 #: is accepted (a verify step costs about two decode steps on this CPU engine), and verify steps

@@ -2,7 +2,7 @@
 through a real SGLang engine, with the target's choice at every position forced to the logged token.
 
 The step is drawn from the GRPO log as ``histospec-sgl simulate`` draws one
-(:func:`histospec_sgl.control.simulate.choose_groups`): ``groups`` prompts of one policy's run, 8
+(:func:`histospec_sgl.simulate.step.choose_groups`): ``groups`` prompts of one policy's run, 8
 logged samples each, and as each prompt's history the same prompt's responses from
 ``history_policies`` other policies at that step (what an earlier epoch of a closely related policy
 answered). Prompts (the logged prompt strings) and responses are tokenized with the model's own
@@ -68,8 +68,8 @@ def eos_of(model_dir: Path) -> int:
 
 def workload(spec: TraceSpec, model_dir: Path, data_root: Path | None) -> list[TraceGroup]:
     """The step's groups, tokenized with ``model_dir``'s ``tokenizer.json``."""
-    from histospec_sgl.control.simulate import StepSpec, choose_groups
     from histospec_sgl.replay.data import PRESETS, ReplayDataError, Tokenization, load_rollouts, preset_path
+    from histospec_sgl.simulate.step import StepSpec, choose_groups
 
     if spec.preset not in TRACE_PRESETS:
         raise ReplayDataError(f"--trace {spec.preset!r}: trace mode decodes {', '.join(TRACE_PRESETS)}")
@@ -111,7 +111,7 @@ def write_trace_file(path: Path, groups: list[TraceGroup], eos: int) -> None:
 def write_history(path: Path, groups: list[TraceGroup], keys: list[str]) -> int:
     """HISTORY's start-up history (``HISTOSPEC_HISTORY_LOAD``): every group's history under each of
     ``keys`` (one per row: ``f"{key}:{group index}"``, the request's ``histospec_group``)."""
-    from histospec_sgl.drafter import GROUP_PARAM, group_of
+    from histospec_sgl.engine.drafter import GROUP_PARAM, group_of
 
     n = 0
     with open(path, "w") as f:

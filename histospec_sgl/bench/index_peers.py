@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.bench.workload import Workload
+from histospec_sgl.replay.measure import accept_greedy
 from histospec_sgl.replay.methods import mask_parents, sglang_ngram_corpus_class
-from histospec_sgl.replay.simulate import accept_greedy
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.

@@ -1,7 +1,7 @@
 """``histospec-sgl bench worker``: the host time the HISTORY worker adds to each decode step.
 
 Every verify step the worker brings each request's context in the index up to what SGLang accepted,
-then drafts the whole batch (:class:`~histospec_sgl.drafter.BatchDrafter`, the code the
+then drafts the whole batch (:class:`~histospec_sgl.engine.drafter.BatchDrafter`, the code the
 SGLang worker runs). This benchmark replays that loop without a GPU, on W1 (RL-shaped synthetic,
 2000-token responses): ``--groups`` prompts hold their 16 epoch-1 responses as history, and
 ``bs / groups`` epoch-2 responses of each prompt decode together, as siblings of a GRPO group do.
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.bench.workload import W1, generate
-from histospec_sgl.drafter import BatchDrafter
-from histospec_sgl.plugin.config import HistoryConfig
+from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.drafter import BatchDrafter
+from histospec_sgl.replay.measure import accept_greedy
 from histospec_sgl.replay.methods import mask_parents
-from histospec_sgl.replay.simulate import accept_greedy
 
 
 def _sync_one_by_one(dr: BatchDrafter, rids: list[str], prompts: list[list[int]], outputs: list[list[int]],

@@ -61,7 +61,7 @@ response ends, so the requests predicted to run longest should start first. slim
 rollout's requests all at once; each waits until no new one has arrived for the window, then they
 go to the inner generate (and so to the router and the engines, whose scheduler admits in arrival
 order) in descending order of predicted length: the expected longest of the group's n samples,
-from the lengths of its previous responses (:meth:`~histospec_sgl.control.length.LengthPredictor.longest`;
+from the lengths of its previous responses (:meth:`~histospec_sgl.length.LengthPredictor.longest`;
 a group without any goes last, in submission order). It is off by default: on the GRPO log the
 prediction across runs orders a step too weakly to pay (bench/RESULTS.md, ``simulate``).
 """
@@ -345,8 +345,8 @@ def _gate(window: float) -> LengthFirstGate:
 
 def _predicted_length(args: Any, settings: Settings, group: int) -> float | None:
     """The expected longest of the group's n samples, from its previous responses' lengths
-    (:meth:`~histospec_sgl.control.length.LengthPredictor.longest`; None: it has none)."""
-    from histospec_sgl.control.length import LengthPredictor
+    (:meth:`~histospec_sgl.length.LengthPredictor.longest`; None: it has none)."""
+    from histospec_sgl.length import LengthPredictor
 
     predictor = LengthPredictor()
     n = int(getattr(args, "n_samples_per_prompt", 1) or 1)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from histospec_sgl.plugin.config import NAME, SUPPORTED_SGLANG, HistoryConfig, HistoryConfigError
+from histospec_sgl.engine.config import NAME, SUPPORTED_SGLANG, HistoryConfig, HistoryConfigError
 
 __all__ = ["register", "flag_value", "NAME", "SUPPORTED_SGLANG", "HistoryConfig", "HistoryConfigError"]
 

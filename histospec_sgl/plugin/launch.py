@@ -14,9 +14,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from histospec_sgl.engine.config import HistoryConfig, HistoryConfigError, settings_table
 from histospec_sgl.hugepages import prepare_children
 from histospec_sgl.plugin import flag_value
-from histospec_sgl.plugin.config import HistoryConfig, HistoryConfigError, settings_table
 
 #: --history-* option -> environment variable.
 OPTIONS: dict[str, tuple[str, str]] = {

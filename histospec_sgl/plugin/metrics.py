@@ -95,7 +95,7 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
 
 
 class HistoryMetrics:
-    """Follows a :class:`~histospec_sgl.drafter.BatchDrafter`'s counters into Prometheus.
+    """Follows a :class:`~histospec_sgl.engine.drafter.BatchDrafter`'s counters into Prometheus.
 
     Args:
         labels: label values (SGLang's ``model_name`` and ``tp_rank``, and any extra labels).

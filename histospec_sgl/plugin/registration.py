@@ -12,9 +12,9 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from histospec_sgl.engine.config import NAME, SUPPORTED_SGLANG, HistoryConfig
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.compat import ATTENTION_FIELDS, handle_ngram, has_resolution_hooks, resolved
-from histospec_sgl.plugin.config import NAME, SUPPORTED_SGLANG, HistoryConfig
 
 logger = logging.getLogger("histospec_sgl.plugin")
 

@@ -24,7 +24,7 @@ overlap relay. What differs:
 - the cost model (``HISTOSPEC_CONTROL=cost``): each decode step verifies the drafts at width d or
   decodes plainly, whichever the step costs it times per batch size and the acceptance the drafts
   promise say gives more tokens per second
-  (:class:`~histospec_sgl.control.costmodel.EngineControl`);
+  (:class:`~histospec_sgl.engine.costmodel.EngineControl`);
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
 
@@ -45,10 +45,10 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
-from histospec_sgl.drafter import BatchDrafter, fill_root_only, group_of
+from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.drafter import BatchDrafter, fill_root_only, group_of
 from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat
-from histospec_sgl.plugin.config import HistoryConfig
 from histospec_sgl.plugin.metrics import HistoryMetrics
 from histospec_sgl.plugin.tp import DraftBroadcast
 

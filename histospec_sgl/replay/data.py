@@ -280,3 +280,15 @@ class Tokenization:
         for r, enc in zip(todo, encs):
             r.prompt_ids = self._prompts[r.prompt]  # type: ignore[index]
             r.response_ids = enc.ids
+
+
+def preset_rows(preset: str, data_root: Path | None, tokenizer: Path | None, tokenize: bool = True) -> list[Rollout]:
+    """The rows of a preset's log (:data:`PRESETS`), tokenized with ``tokenizer`` (default: the
+    preset's) when the log has no token ids and ``tokenize`` is set."""
+    if preset not in PRESETS:
+        raise ReplayDataError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    pre = PRESETS[preset]
+    rows = load_rollouts(preset_path(pre, data_root), pre.fields)
+    if tokenize and not pre.fields.token_ids:
+        Tokenization(tokenizer or default_tokenizer()).ensure(rows)
+    return rows

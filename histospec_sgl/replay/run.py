@@ -18,6 +18,7 @@ from histospec_sgl.replay.data import (
     load_rollouts,
     preset_path,
 )
+from histospec_sgl.replay.measure import run_method
 from histospec_sgl.replay.methods import (
     FINISH_MODES,
     CopyBound,
@@ -29,7 +30,6 @@ from histospec_sgl.replay.methods import (
     missing_peers,
 )
 from histospec_sgl.replay.scenarios import Case, Selection, build_cases
-from histospec_sgl.replay.simulate import run_method
 
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
 #: Peers that need extra software (SGLang's own C++ corpus, ArcticInference: run from .venv-sglang).

@@ -140,8 +140,8 @@ def _sampling_verify(original: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _allow_torch_native_on_cpu() -> None:
     from histospec_sgl import plugin as histospec_plugin
+    from histospec_sgl.engine.config import HistoryConfig
     from histospec_sgl.plugin import compat
-    from histospec_sgl.plugin.config import HistoryConfig
 
     histospec_plugin.register()
     from sglang.srt.speculative import spec_registry

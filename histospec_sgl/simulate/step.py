@@ -11,7 +11,7 @@ in-flight siblings do (``StepSpec.siblings``; off, each request sees its history
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
-:class:`~histospec_sgl.control.costmodel.CostModel`, calibrated as the engine's is: by the verified
+:class:`~histospec_sgl.engine.costmodel.CostModel`, calibrated as the engine's is: by the verified
 steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
 model); ``length_first_oracle`` is the ceiling of length-first scheduling (every true length
@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.control.costmodel import CostModel
-from histospec_sgl.control.length import expected_longest
-from histospec_sgl.control.profile import Profile
-from histospec_sgl.replay.simulate import accept_greedy
+from histospec_sgl.engine.costmodel import CostModel
+from histospec_sgl.engine.profile import Profile
+from histospec_sgl.length import expected_longest
+from histospec_sgl.replay.measure import accept_greedy
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
@@ -149,7 +149,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     A group ends when its longest sample does, so a waiting request's prediction is the expected
     longest of its group's n samples (n: the group's requests in the step) drawn from the group's
     known lengths: its history and its siblings that finished in this step
-    (:func:`~histospec_sgl.control.length.expected_longest`); ``predicted`` for a group with none.
+    (:func:`~histospec_sgl.length.expected_longest`); ``predicted`` for a group with none.
     Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
     the step it joins."""
     if max_running < 1:

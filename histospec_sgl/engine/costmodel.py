@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from histospec_sgl.control.profile import Profile
+from histospec_sgl.engine.profile import Profile
 
 
 @dataclass
@@ -130,7 +130,7 @@ class StepClock:
     """Step costs measured on the running engine: the time from one decode step's start to the
     next's, per verify width and batch-size bucket. A bucket's cost at a width is the median of its
     last ``window`` timings, so that one slow step (the first of a shape, a pause of the host) does
-    not move it. A profile (:class:`~histospec_sgl.control.profile.Profile`) once a bucket has both
+    not move it. A profile (:class:`~histospec_sgl.engine.profile.Profile`) once a bucket has both
     widths measured."""
 
     name: str = "measured online"

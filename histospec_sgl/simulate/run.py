@@ -1,65 +1,23 @@
-"""``histospec-sgl simulate`` and ``histospec-sgl bench lengths``: loading the logs, running, tables."""
+"""``histospec-sgl simulate``: loading the logs, running whole rollout steps, tables; ``--check``
+against a trace-mode ``bench engine`` result."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.control import length, simulate
-from histospec_sgl.control.profile import resolve
+from histospec_sgl.engine.profile import resolve
 from histospec_sgl.replay.data import (
-    PRESETS,
     ReplayDataError,
     Tokenization,
     default_tokenizer,
-    load_rollouts,
-    preset_path,
+    preset_rows,
 )
+from histospec_sgl.simulate import step as simulate
 
 #: Logs with several policies per prompt and step, as a simulated step's history needs.
 SIMULATE_PRESETS = ("grpo", "ei")
-
-
-def _rows(preset: str, data_root: Path | None, tokenizer: Path | None, tokenize: bool = True) -> list[Any]:
-    if preset not in PRESETS:
-        raise ReplayDataError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    pre = PRESETS[preset]
-    rows = load_rollouts(preset_path(pre, data_root), pre.fields)
-    if tokenize and not pre.fields.token_ids:
-        Tokenization(tokenizer or default_tokenizer()).ensure(rows)
-    return rows
-
-
-def lengths(presets: list[str], data_root: Path | None, tokenizer: Path | None) -> dict[str, Any]:
-    """Spearman of predicted vs actual response length on each log, per scenario."""
-    out: dict[str, Any] = {"logs": {}}
-    for p in presets:
-        rows = _rows(p, data_root, tokenizer)
-        resp = [length.Response(r.group, r.policy, r.step, len(r.response_ids)) for r in rows]
-        out["logs"][p] = {"responses": len(resp), "scenarios": length.evaluate(resp)}
-    return out
-
-
-def print_lengths(result: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from histospec_sgl.console import console
-
-    def f(x: float) -> str:
-        return "n/a (constant)" if isinstance(x, float) and math.isnan(x) else f"{x:.3f}"
-
-    t = Table(title="response length from history: Spearman of predicted vs actual length")
-    for c in ("log", "scenario", "requests", "history (ours)", "probe sibling (Seer)", "dataset mean", "groups",
-              "group's longest: ours", "probe"):
-        t.add_column(c, justify="left" if c in ("log", "scenario") else "right")
-    for log, r in result["logs"].items():
-        for sc, v in r["scenarios"].items():
-            g = v.get("longest")
-            t.add_row(log, sc, str(v["requests"]), f(v["ours"]), f(v["probe"]), f(v["mean"]),
-                      *((str(g["groups"]), f(g["ours"]), f(g["probe"])) if g else ("", "", "")))
-    console().print(t)
 
 
 def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_name: str, groups: int,
@@ -77,7 +35,7 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
     if engines < 1:
         raise ValueError(f"--engines must be >= 1, got {engines}")
     profile = resolve(profile_name)
-    rows = _rows(preset, data_root, tokenizer, tokenize=False)  # only the step's rows are tokenized
+    rows = preset_rows(preset, data_root, tokenizer, tokenize=False)  # only the step's rows are tokenized
     tok = Tokenization(tokenizer or default_tokenizer())
     built = [simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed + k, kind, siblings), widths,
                                  ensure=tok.ensure) for k in range(steps)]
@@ -152,14 +110,14 @@ CHECKED = ("history", "history_cost")
 
 def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
     """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
-    from the result itself (:func:`~histospec_sgl.control.profile.from_engine_bench`), the same
+    from the result itself (:func:`~histospec_sgl.engine.profile.from_engine_bench`), the same
     logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.bench.engine_trace`), and
     each measured row re-run in the simulator as the engine ran it: its requests in order, in
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.bench import engine_trace as et
     from histospec_sgl.bench.engine_bench import trace_row_requests
-    from histospec_sgl.control.profile import Measured, from_engine_bench
+    from histospec_sgl.engine.profile import Measured, from_engine_bench
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
@@ -227,7 +185,7 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
     """Simulated seconds of a trace row under one policy (a fixed ``width``, the cost model, or
     plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
     of earlier batches in the row added to its history, as the engine keeps them."""
-    from histospec_sgl.control.costmodel import CostModel
+    from histospec_sgl.engine.costmodel import CostModel
 
     seconds, steps, tokens = 0.0, 0, 0
     done: dict[int, list[list[int]]] = {}

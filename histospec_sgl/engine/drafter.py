@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl._core import HistoryIndex
-from histospec_sgl.control.costmodel import EngineControl, ShadowDraft
+from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.hugepages import TUNABLE, huge_pages
-from histospec_sgl.plugin.config import HistoryConfig
 
 logger = logging.getLogger("histospec_sgl.plugin")
 
