@@ -171,6 +171,10 @@ class HistoryIndex:
     @staticmethod
     def draft_knobs() -> list[str]:
         """The names of the draft-policy knobs."""
+    @staticmethod
+    def draft_defaults(**draft: Unpack[_DraftKnobs]) -> dict[str, Any]:
+        """Every draft-policy knob's value: the defaults, with those given by name set and checked
+        (``ValueError`` naming the knob), without building an index."""
 
     def config(self) -> dict[str, Any]:
         """Every setting of the index."""

@@ -21,6 +21,17 @@ def test_plugin_settings_table_is_the_codes():
     assert settings_table() in (ROOT / "docs" / "plugin.md").read_text()
 
 
+def test_draft_knob_table_is_the_indexs():
+    """docs/index.md's knob table names every knob, with the default the index itself holds."""
+    from histospec_sgl import HistoryIndex
+
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", (ROOT / "docs" / "index.md").read_text(), re.M)
+    documented = {name: float(default) for name, default in rows if name in HistoryIndex.draft_knobs()}
+    defaults = HistoryIndex.draft_defaults()
+    assert sorted(documented) == sorted(defaults)
+    assert {k: round(v, 6) for k, v in documented.items()} == {k: round(float(v), 6) for k, v in defaults.items()}
+
+
 def test_every_environment_variable_is_documented():
     text = "\n".join(p.read_text() for p in DOCS)
     assert sorted(n for n in ENV_NAMES if n not in text) == []

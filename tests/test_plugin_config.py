@@ -21,11 +21,9 @@ def test_config_defaults_and_values():
     assert HistoryConfig.from_env({}) == HistoryConfig()
     cfg = HistoryConfig.from_env({
         "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
-        "HISTOSPEC_DRAFT_POLICY": "Frequency", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
-        "HISTOSPEC_FOLLOW": "0",
+        "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
     })
-    assert (cfg.max_responses, cfg.memory_budget, cfg.draft_policy, cfg.max_batch, cfg.min_accept) == (
-        32, 512 << 20, "frequency", 64, 0.5)
+    assert (cfg.max_responses, cfg.memory_budget, cfg.max_batch, cfg.min_accept) == (32, 512 << 20, 64, 0.5)
     assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
     assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
     assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
@@ -36,7 +34,13 @@ def test_config_defaults_and_values():
     assert HistoryIndex(**kw).draft_config()["follow"] == 0.0  # the index takes every setting
     assert parse_size("4G") == 4 << 30 and parse_size("1.5KiB") == 1536 and parse_size("100") == 100
     assert "HISTOSPEC_DRAFT_SERVER" in settings_table()
-    # Any draft knob by name: checked by the index, handed to it, and overriding only what it names.
+    # Any draft knob by name: checked by the index, handed to it, and overriding only what it names;
+    # the defaults are the index's own (no second copy in Python).
+    assert "min_match" not in cfg.index_kwargs() and "follow" not in HistoryConfig().index_kwargs()
+    assert HistoryIndex().draft_config() == HistoryIndex.draft_defaults()
+    assert HistoryIndex.draft_defaults(follow=0)["follow"] == 0.0
+    with pytest.raises(ValueError, match="max_children"):
+        HistoryIndex.draft_defaults(max_children=0)
     knobs = HistoryConfig.from_env({"HISTOSPEC_DRAFT_KNOBS": " max_children=3, escape=0.5,follow=0 "})
     assert knobs.draft_knobs == (("max_children", 3), ("escape", 0.5), ("follow", 0))
     drawn = HistoryIndex(**knobs.index_kwargs()).draft_config()
@@ -46,12 +50,12 @@ def test_config_defaults_and_values():
 @pytest.mark.parametrize("env, needle", [
     ({"HISTOSPEC_MAX_RESPONSES": "-1"}, "HISTOSPEC_MAX_RESPONSES"),
     ({"HISTOSPEC_MEMORY_BUDGET": "lots"}, "HISTOSPEC_MEMORY_BUDGET"),
-    ({"HISTOSPEC_DRAFT_POLICY": "random"}, "recency, frequency"),
     ({"HISTOSPEC_VERSION_DECAY": "0"}, "HISTOSPEC_VERSION_DECAY"),
     ({"HISTOSPEC_LENIENCE": "inf"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_HUGE_PAGES": "yes"}, "HISTOSPEC_HUGE_PAGES"),
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
-    ({"HISTOSPEC_FOLLOW": "1"}, "HISTOSPEC_FOLLOW"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "follow=1"}, "HISTOSPEC_DRAFT_KNOBS.*follow"),
+    ({"HISTOSPEC_FOLLOW": "0.2"}, "unknown setting HISTOSPEC_FOLLOW"),
     ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),
     ({"HISTOSPEC_THREADS": "65"}, "HISTOSPEC_THREADS"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
@@ -60,7 +64,7 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_DRAFT_KNOBS": "max_children=0"}, "HISTOSPEC_DRAFT_KNOBS.*max_children"),
     ({"HISTOSPEC_DRAFT_KNOBS": "escape"}, "HISTOSPEC_DRAFT_KNOBS.*name=value"),
     ({"HISTOSPEC_DRAFT_KNOBS": "escape=much"}, "HISTOSPEC_DRAFT_KNOBS.*not a number"),
-    ({"HISTOSPEC_DRAFT_KNOBS": "follow=0", "HISTOSPEC_FOLLOW": "0.2"}, "HISTOSPEC_FOLLOW also sets"),
+    ({"HISTOSPEC_DRAFT_KNOBS": "follow=0,follow=0.2"}, "HISTOSPEC_DRAFT_KNOBS.*set twice"),
 ])
 def test_config_errors_name_the_variable(env, needle):
     with pytest.raises(HistoryConfigError, match=needle):
@@ -91,8 +95,8 @@ def test_launch_server_help_and_errors():
     assert r.returncode == 0 and "--history-load" in r.stdout and "HISTOSPEC_MEMORY_BUDGET" in r.stdout
     r = _cli("launch-server", "--history-memory-budget", "lots", "--model-path", "m")
     assert r.returncode == 2 and "HISTOSPEC_MEMORY_BUDGET='lots'" in r.stderr
-    r = _cli("launch-server", "--model-path", "m", env={"HISTOSPEC_DRAFT_POLICY": "bogus"})
-    assert r.returncode == 2 and "HISTOSPEC_DRAFT_POLICY" in r.stderr
+    r = _cli("launch-server", "--model-path", "m", "--history-draft-knobs", "recency=bogus")
+    assert r.returncode == 2 and "HISTOSPEC_DRAFT_KNOBS" in r.stderr
     r = _cli("launch-server", "--model-path", "m", "--attention-backend", "triton")
     assert r.returncode == 2 and "--attention-backend flashinfer" in r.stderr
     r = _cli("launch-server", "--model-path", "m", "--speculative-algorithm", "NGRAM")

@@ -74,7 +74,8 @@ def _path(text: str) -> str:
 
 
 def _knobs(text: str) -> tuple[tuple[str, float], ...]:
-    """``"recency=0.2,max_children=4"`` -> the draft knobs, checked by the index itself."""
+    """``"recency=0.2,max_children=4"`` -> the draft knobs, checked by the index's own rules
+    (:meth:`~histospec_sgl.HistoryIndex.draft_defaults`)."""
     from histospec_sgl._core import HistoryIndex
 
     pairs: list[tuple[str, float]] = []
@@ -87,7 +88,9 @@ def _knobs(text: str) -> tuple[tuple[str, float], ...]:
         except ValueError:
             raise ValueError(f"{name.strip()}: {value.strip()!r} is not a number") from None
         pairs.append((name.strip(), int(number) if number.is_integer() else number))
-    HistoryIndex(**dict(pairs))  # type: ignore[arg-type]  # names and domains checked here
+    if len({n for n, _ in pairs}) < len(pairs):
+        raise ValueError(f"a knob is set twice in {text!r}")
+    HistoryIndex.draft_defaults(**dict(pairs))  # type: ignore[arg-type]  # names and domains checked here
     return tuple(pairs)
 
 
@@ -121,16 +124,10 @@ SETTINGS: tuple[Setting, ...] = (
             "memory budget of the index per engine (e.g. 4G); idle groups are evicted LRU first"),
     Setting("HISTOSPEC_VERSION_DECAY", "version_decay", _float(0.0, 1.0, lo_open=True), 1.0,
             "an occurrence from version v weighs decay**(newest - v)"),
-    Setting("HISTOSPEC_DRAFT_POLICY", "draft_policy", _choice("recency", "frequency"), "recency",
-            "order of continuations: recency-weighted (best on real rollouts) or pure frequency"),
-    Setting("HISTOSPEC_MIN_MATCH", "min_match", _int(1, 1 << 20), 1,
-            "draft only after matching at least this many context tokens"),
-    Setting("HISTOSPEC_FOLLOW", "follow", _float(0.0, 0.99), 0.5,
-            "source following: prior weight of the next token of the earlier response a request is "
-            "rewriting (learned per request from its hits; 0: off)"),
     Setting("HISTOSPEC_DRAFT_KNOBS", "draft_knobs", _knobs, None,
-            "any draft-policy knob by name, e.g. recency=0.2,max_children=4 (docs/index.md lists them); "
-            "a knob may not also be set by its own variable above"),
+            "the draft policy's knobs by name, e.g. min_match=2,follow=0,recency=0 (recency=0: order "
+            "continuations by pure frequency); docs/index.md lists each knob and its default, which the "
+            "index itself holds (HistoryIndex.draft_defaults())"),
     Setting("HISTOSPEC_HISTORY_LOAD", "history_load", _path, None,
             "history to load at start: an index snapshot, or token-id JSONL(.gz) lines "
             '{"prompt_ids": [...], "response_ids": [...], "group"?: int, "version"?: int}'),
@@ -196,9 +193,6 @@ class HistoryConfig:
     max_versions: int = 0
     memory_budget: int = 4 << 30
     version_decay: float = 1.0
-    draft_policy: str = "recency"
-    min_match: int = 1
-    follow: float = 0.5
     draft_knobs: tuple[tuple[str, float], ...] | None = None
     history_load: str | None = None
     snapshot_path: str | None = None
@@ -238,10 +232,6 @@ class HistoryConfig:
             except ValueError as e:
                 raise HistoryConfigError(f"{s.env}={raw!r}: {e} ({s.help})") from None
         cfg = cls(**values)
-        own = {"min_match": "HISTOSPEC_MIN_MATCH", "follow": "HISTOSPEC_FOLLOW", "recency": "HISTOSPEC_DRAFT_POLICY"}
-        for name, _ in cfg.draft_knobs or ():
-            if env.get(own.get(name, "")):
-                raise HistoryConfigError(f"HISTOSPEC_DRAFT_KNOBS sets {name}, which {own[name]} also sets; keep one")
         if cfg.history_load is not None and not Path(cfg.history_load).exists():
             raise HistoryConfigError(f"HISTOSPEC_HISTORY_LOAD={cfg.history_load!r}: no such file")
         return cfg
@@ -253,12 +243,8 @@ class HistoryConfig:
             max_versions=self.max_versions,
             max_bytes=self.memory_budget,
             version_decay=self.version_decay,
-            min_match=self.min_match,
-            follow=self.follow,
             threads=self.threads or default_threads(),
         )
-        if self.draft_policy == "frequency":
-            kw["recency"] = 0.0
         kw.update(self.draft_knobs or ())
         return kw
 

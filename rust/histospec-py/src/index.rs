@@ -470,6 +470,17 @@ impl PyHistoryIndex {
         DraftConfig::KNOBS.to_vec()
     }
 
+    /// Every draft-policy knob's value: the defaults, with those given by name set, checked as
+    /// `HistoryIndex(**draft)` checks them (`ValueError` naming the knob), without building an index.
+    #[staticmethod]
+    #[pyo3(signature = (**draft))]
+    fn draft_defaults<'py>(
+        py: Python<'py>,
+        draft: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        draft_dict(py, &draft_from_kwargs(DraftConfig::default(), draft)?)
+    }
+
     /// The index configuration (retention, memory, vocabulary, draft policy) as a dict.
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let g = self.read()?;
