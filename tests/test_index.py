@@ -11,6 +11,7 @@ from _contract import check_contract
 
 import histospec_sgl as hs
 from histospec_sgl import HistoryIndex, prompt_key
+from histospec_sgl.engine.draft import tree_mask, tree_parents, write_empty
 
 FREQUENCY = {"recency": 0.0, "escape_short": 0.0, "follow": 0.0}
 
@@ -77,6 +78,19 @@ def test_draft_batch_fills_sglang_layout(mask_dtype):
     single = hs.draft(ix, 10, num_nodes=d)
     assert t[0, : len(single)].tolist() == single.tokens.tolist()
     assert np.allclose(probs[: len(single)], single.probs)
+    # The layout helpers (histospec_sgl.engine.draft) are the index's layout: the mask of the tree
+    # from its parents, padding included, is the one written; the parents read back from the written
+    # mask are the tree's; an empty draft is written as the index writes a request with nothing.
+    m = mask.reshape(2, d, d).astype(bool)
+    assert (m[0] == single.mask(d)).all() and (m[0] == tree_mask(single.parents, d)).all()
+    assert tree_parents(mask[: d * d], d)[: len(single)].tolist() == single.parents.tolist()
+    assert tree_parents(mask[: d * d], d)[len(single):].tolist() == list(range(len(single) - 1, d - 1))
+    ix.begin_request(12, None, [77, 78])  # nothing to draft from
+    alone_t, alone_m = np.zeros(d, np.int64), np.zeros(d * d, mask_dtype)
+    assert ix.draft_batch([12], d, alone_t, alone_m)[0] == 0
+    empty_t, empty_m = np.full(d, 5, np.int64), np.zeros(d * d, mask_dtype)
+    write_empty(empty_t, empty_m, [78], d)
+    assert empty_t.tolist() == alone_t.tolist() and (empty_m == alone_m).all()
 
 
 def _add_siblings(ix: HistoryIndex, rng: np.random.Generator, groups: int, length: int, vocab: int) -> None:

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.bench.workload import Workload
+from histospec_sgl.engine.draft import tree_parents
 from histospec_sgl.replay.measure import accept_greedy
-from histospec_sgl.replay.methods import mask_parents, sglang_ngram_corpus_class
+from histospec_sgl.replay.methods import sglang_ngram_corpus_class
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.
@@ -153,7 +154,7 @@ class SGLangSAM:
             t1 = time.perf_counter()
             for p in range(n):
                 toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-                path = _longest_path(np.asarray(toks), mask_parents(mask, SGLANG_NODES))
+                path = _longest_path(np.asarray(toks), tree_parents(mask, SGLANG_NODES))
                 acc = _matching(path[:K], truths[p], int(pos[p]))
                 pos[p] = min(pos[p] + acc + 1, len(truths[p]))
             t2 = time.perf_counter()
@@ -195,7 +196,7 @@ class _CorpusDrive:
             h[0].synchronize()
             h[2] = len(ctx)
         t, m = h[0].batch_get([h[1]], [win], [len(ctx)])
-        return np.asarray(t), mask_parents(m, SGLANG_NODES)
+        return np.asarray(t), tree_parents(m, SGLANG_NODES)
 
     def chain(self, p: int, h: list[Any], ctx: np.ndarray) -> list[int]:
         return _longest_path(*self._get(h, ctx))
@@ -279,7 +280,7 @@ class SGLangTriePeer:
             toks = np.asarray(toks).reshape(n, SGLANG_NODES)
             mask = np.asarray(mask).reshape(n, -1)
             for p in range(n):
-                a = accept_greedy(toks[p], mask_parents(mask[p], SGLANG_NODES), truths[p], int(pos[p]))
+                a = accept_greedy(toks[p], tree_parents(mask[p], SGLANG_NODES), truths[p], int(pos[p]))
                 pos[p] = min(pos[p] + a + 1, len(truths[p]))
             t_upd.append(t1 - t0)
             t_tree.append(t2 - t1)

@@ -32,9 +32,9 @@ import numpy as np
 
 from histospec_sgl.bench.workload import W1, generate
 from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.draft import tree_parents
 from histospec_sgl.engine.drafter import BatchDrafter
 from histospec_sgl.replay.measure import accept_greedy
-from histospec_sgl.replay.methods import mask_parents
 
 
 def _sync_one_by_one(dr: BatchDrafter, rids: list[str], prompts: list[list[int]], outputs: list[list[int]],
@@ -85,7 +85,7 @@ def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int, thre
                 pending[i] = []
                 continue
             t = tokens[i * d:(i + 1) * d]
-            acc = accept_greedy(t, mask_parents(mask[i * d * d:(i + 1) * d * d], d), truth, pos)
+            acc = accept_greedy(t, tree_parents(mask[i * d * d:(i + 1) * d * d], d), truth, pos)
             pending[i] = truth[pos:pos + acc + 1]
             adv += len(pending[i])
         advanced.append(adv / len(reqs))

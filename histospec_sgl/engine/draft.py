@@ -1,14 +1,21 @@
-"""Pythonic helpers over the native :class:`~histospec_sgl.HistoryIndex`."""
+"""A draft tree in SGLang's layout, as the index's ``draft_batch`` writes it (Rust's ``write_tree``):
+per request, ``d`` node tokens in BFS order (the root, the last context token, first) and a flat
+``d x d`` ancestor mask (row i: node i and its ancestors); a draft of fewer than ``d`` nodes is padded
+with a chain of token-0 nodes, each the child of the one before. The conversions between that layout
+and parent positions live here once (:func:`tree_mask`, :func:`tree_parents`, :func:`write_empty`);
+tests/test_index.py holds them equal to what the index writes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 
-__all__ = ["Draft", "draft"]
+__all__ = ["Draft", "draft", "tree_mask", "tree_parents", "write_empty"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +50,7 @@ class Draft:
         d = len(self) if num_nodes is None else num_nodes
         if d < len(self):
             raise ValueError(f"num_nodes={d} is smaller than the draft ({len(self)} nodes)")
-        m = np.zeros((d, d), dtype=bool)
-        for i in range(d):
-            p = int(self.parents[i]) if i < len(self) else i - 1
-            if p >= 0:
-                m[i] = m[p]
-            m[i, i] = True
-        return m
+        return tree_mask(self.parents, d)
 
     def paths(self) -> list[list[int]]:
         """Every root-to-leaf token path (root excluded): handy in tests and debugging."""
@@ -73,3 +74,37 @@ class Draft:
 def draft(index: HistoryIndex, rid: int, num_nodes: int = 16, chain: bool = False) -> Draft:
     """The draft of one in-flight request as a :class:`Draft`."""
     return Draft.from_native(index.draft(rid, num_nodes, chain))
+
+
+def tree_mask(parents: Sequence[int] | np.ndarray, d: int) -> np.ndarray:
+    """The ``[d, d]`` bool ancestor mask of a tree given by its parent positions (``-1`` for the root),
+    padded to ``d`` nodes with a chain as ``draft_batch`` pads."""
+    m = np.zeros((d, d), dtype=bool)
+    for i in range(d):
+        p = int(parents[i]) if i < len(parents) else i - 1
+        if p >= 0:
+            m[i] = m[p]
+        m[i, i] = True
+    return m
+
+
+def tree_parents(mask: Any, d: int) -> np.ndarray:
+    """Parent positions (``-1`` for the root) of a tree from its flat ``d x d`` ancestor mask: nodes
+    are in BFS order, so a node's parent is its nearest ancestor, the last earlier column set in its
+    row."""
+    below = np.tril(np.asarray(mask).reshape(d, d).astype(bool), k=-1)
+    has = np.asarray(below.any(axis=1))
+    if not has[1:].all():
+        raise ValueError(f"draft tree mask has a non-root node without an ancestor: {mask!r}")
+    return np.where(has, d - 1 - np.argmax(below[:, ::-1], axis=1), -1)
+
+
+def write_empty(tokens: np.ndarray, mask: np.ndarray, roots: Sequence[int], d: int) -> None:
+    """Writes an empty draft for each request into ``tokens[bs*d]`` / ``mask[bs*d*d]``: its root
+    (last token) and the padding chain, the layout SGLang's verify expects when there is nothing
+    to offer."""
+    bs = len(roots)
+    t = tokens.reshape(bs, d)
+    t[:] = 0
+    t[:, 0] = roots
+    mask.reshape(bs, d, d)[:] = np.tril(np.ones((d, d), dtype=mask.dtype))

@@ -36,6 +36,7 @@ import numpy as np
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
+from histospec_sgl.engine.draft import tree_parents, write_empty
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -65,17 +66,6 @@ def group_of(custom_params: Any) -> int | None:
     if isinstance(v, str):
         return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little")
     raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {type(v).__name__}")
-
-
-def fill_root_only(tokens: np.ndarray, mask: np.ndarray, roots: Sequence[int], d: int) -> None:
-    """Writes an empty draft for each request into ``tokens[bs*d]`` / ``mask[bs*d*d]``: its root
-    (last token) followed by a chain of token-0 pads, the layout SGLang's verify expects when there
-    is nothing to offer."""
-    bs = len(roots)
-    t = tokens.reshape(bs, d)
-    t[:] = 0
-    t[:, 0] = roots
-    mask.reshape(bs, d, d)[:] = np.tril(np.ones((d, d), dtype=mask.dtype))
 
 
 @dataclasses.dataclass
@@ -339,7 +329,7 @@ class BatchDrafter:
         self._drafted_steps.append((drafting, promised))
         if not drafting:
             # Switched off: the root alone, padded like an empty draft.
-            fill_root_only(tokens, mask, [lv.last for lv in lives], d)
+            write_empty(tokens, mask, [lv.last for lv in lives], d)
             counts[:] = 0
             nonempty = 0
         for lv, c in zip(lives, counts.tolist()):
@@ -365,18 +355,13 @@ class BatchDrafter:
                 counts: np.ndarray) -> None:
         """Drafts the cost model will not verify this step are followed as shadow drafts (one per
         request at a time), which measure what verifying them would have accepted."""
-        bs, d = len(lives), self.d
-        parents = None
+        d = self.d
         for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
             if lv.shadow is not None or not c:
                 continue
-            if parents is None:
-                # Nodes are in BFS order, so a node's parent is its last ancestor before it.
-                m = np.tril(mask.reshape(bs, d, d), -1)
-                parents = (m * np.arange(d)).max(axis=2)
             row = slice(b * d, b * d + c + 1)
-            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[b, : c + 1].tolist(),
-                                    float(probs[row][1:].sum()))
+            parents = tree_parents(mask[b * d * d:(b + 1) * d * d], d)
+            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[: c + 1].tolist(), float(probs[row][1:].sum()))
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

@@ -46,7 +46,8 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.drafter import BatchDrafter, fill_root_only, group_of
+from histospec_sgl.engine.draft import write_empty
+from histospec_sgl.engine.drafter import BatchDrafter, group_of
 from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.metrics import HistoryMetrics
@@ -335,7 +336,7 @@ class HistoryWorker(NGRAMWorker):
                 roots.append(req.origin_input_ids[-1])
         tokens = np.empty(bs * d, dtype=np.int64)
         mask = np.empty(bs * d * d, dtype=np.int64)
-        fill_root_only(tokens, mask, roots, d)
+        write_empty(tokens, mask, roots, d)
         return tokens, mask
 
     def _group(self, req: Any) -> int | None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from histospec_sgl._core import HistoryIndex, TriePeer
+from histospec_sgl.engine.draft import tree_parents
 
 
 class Method(Protocol):
@@ -167,18 +168,6 @@ class SGLangTrie:
         del self.ctx[rid]
 
 
-def mask_parents(mask: Any, d: int) -> Any:
-    """Parents (int array, -1 for the root) of an SGLang draft tree from its flat d x d ancestor mask:
-    a node's parent is its nearest ancestor, the last earlier column set in its row."""
-    import numpy as np
-
-    below = np.tril(np.asarray(mask).reshape(d, d).astype(bool), k=-1)
-    has = np.asarray(below.any(axis=1))
-    if not has[1:].all():
-        raise ValueError(f"draft tree mask has a non-root node without an ancestor: {mask!r}")
-    return np.where(has, d - 1 - np.argmax(below[:, ::-1], axis=1), -1)
-
-
 def sglang_ngram_corpus_class() -> Any:
     """SGLang's ``NgramCorpus`` (its C++ module is JIT-built on first use). SGLang 0.5.17's JIT sources
     use ``size_t`` without including ``<cstddef>``, which g++ 12 rejects; unless ``CXX`` is set, the
@@ -250,7 +239,7 @@ class SGLangNgram:
             self.inserted[rid] = len(ctx)
         self.corpus.synchronize()
         toks, mask = self.corpus.batch_get([str(rid)], [window], [len(ctx)])
-        return [int(t) for t in toks], mask_parents(mask, num_nodes).tolist()
+        return [int(t) for t in toks], tree_parents(mask, num_nodes).tolist()
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
         self.ctx[rid].extend(tokens)
