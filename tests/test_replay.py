@@ -144,7 +144,7 @@ def test_draft_server_finish_counts_a_sibling_twice_until_the_group_is_idle():
     # Two siblings of one prompt; A finishes first while B still decodes.
     def run(finish: str) -> tuple[dict, dict, list[int], list[float]]:
         m = Ours(finish=finish)
-        m.reset(True)
+        m.reset(True, num_nodes=4)
         assert m.index is not None
         # Some earlier history, so that A's deferred tokens are under half of what the group
         # holds (over half, the group is rebuilt at once).
@@ -154,8 +154,9 @@ def test_draft_server_finish_counts_a_sibling_twice_until_the_group_is_idle():
         m.extend(1, [3, 4, 5, 6])
         m.extend(2, [3, 4])
         m.finish(1)
+        m.draft_batch([2], 4)  # B's tokens reach the index at its next draft, as in the worker
         mid = m.index.stats()
-        toks, _, probs = m.index.draft(2, 4, False)
+        toks, _, probs = m.index.draft(m.drafter.request_id("2"), 4, False)
         m.extend(2, [5, 7])
         m.finish(2)
         return mid, m.index.stats(), list(toks), list(probs)

@@ -292,6 +292,14 @@ class BatchDrafter:
     def is_live(self, rid: str) -> bool:
         return rid in self._live
 
+    def request_id(self, rid: str) -> int:
+        """The index's id of live request ``rid`` (for calls on :attr:`index` itself)."""
+        return self._live[rid].iid
+
+    def drafted(self, rid: str) -> int:
+        """Draft nodes (root excluded) offered to live request ``rid`` at the last :meth:`draft`."""
+        return self._live[rid].drafted
+
     def live(self) -> set[str]:
         return set(self._live)
 

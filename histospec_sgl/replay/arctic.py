@@ -218,7 +218,7 @@ class ArcticMethod:
         self.store: Any = None
         self.reqs: dict[int, tuple[int, list[int]]] = {}
 
-    def reset(self, case_online_visible: bool) -> None:
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         self.store = self.make()
         self.reqs.clear()
 

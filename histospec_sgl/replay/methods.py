@@ -2,25 +2,29 @@
 
 Each method sees the same calls in the same order: ``reset`` at a new case (per-prompt methods
 start empty; global ones keep what they had), ``add_history`` for the case's finished responses,
-``begin`` per request, then per verify step ``draft`` and ``extend`` with the tokens the step
-emitted, and ``finish`` when a response ends (a finished in-flight sibling becomes history).
+``begin`` per request, then per verify step ``draft`` (or, where a method has it, ``draft_batch``
+for every request of the step at once, as a decode batch drafts) and ``extend`` with the tokens the
+step emitted, and ``finish`` when a response ends (a finished in-flight sibling becomes history).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from histospec_sgl._core import HistoryIndex, TriePeer
+from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import tree_parents
+from histospec_sgl.engine.drafter import BatchDrafter
 
 
 class Method(Protocol):
     name: str
     description: str
 
-    def reset(self, case_online_visible: bool) -> None: ...
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None: ...
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None: ...
     def begin(self, rid: int, prompt: Sequence[int]) -> None: ...
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]: ...
@@ -32,15 +36,48 @@ class Method(Protocol):
 FINISH_MODES = ("keep", "draft-server")
 
 
+class _TimedIndex:
+    """The drafter's index, with the time spent in its drafting and updating calls counted, so that
+    the replay charges the engine for the index's work alone (its per-request cost at the replay's
+    small batches is not the worker's Python bookkeeping, which ``bench worker`` measures)."""
+
+    DRAFT = frozenset({"draft", "draft_batch"})
+    UPDATE = frozenset({"extend_request", "extend_batch"})
+
+    def __init__(self, index: HistoryIndex):
+        self._index = index
+        self.draft_ns = 0
+        self.update_ns = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._index, name)
+        if name not in self.DRAFT and name not in self.UPDATE:
+            return attr
+        counter = "draft_ns" if name in self.DRAFT else "update_ns"
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                setattr(self, counter, getattr(self, counter) + time.perf_counter_ns() - t0)
+
+        return timed
+
+
 class Ours:
-    """histospec-sgl's HistoryIndex, exactly as the SGLang worker uses it (one index per case).
+    """histospec-sgl's drafting exactly as the SGLang worker runs it: one
+    :class:`~histospec_sgl.engine.drafter.BatchDrafter` per case, whose requests are synced and
+    drafted for a whole decode batch at once (:meth:`draft_batch`), with the worker's default
+    settings and any draft knobs given. ``chain=True`` drafts chains with the index's own
+    ``draft(chain=True)`` instead (no worker mode does).
 
     ``finish``: ``keep`` finishes a request with ``keep=True`` (the worker without a draft
-    server). ``draft-server`` does what the worker does with one: the request leaves with
-    ``keep=False, defer_removal=True`` (its tokens stay until its group's next rebuild) and its
-    response comes back at once as a published record (``add_response``), so while siblings
-    decode the response is in the automaton twice. That is the worst case of the sync path: a
-    record published later than at once counts twice for a shorter time.
+    server). ``draft-server`` does what the worker does with one: the request leaves unkept
+    (its tokens stay until its group's next rebuild) and its response comes back at once as a
+    published record (``add_finished``), so while siblings decode the response is in the automaton
+    twice. That is the worst case of the sync path: a record published later than at once counts
+    twice for a shorter time.
     """
 
     name = "ours"
@@ -54,46 +91,82 @@ class Ours:
         self.description = "histospec-sgl HistoryIndex, per-prompt GSAM, " + ("chain" if chain else "tree")
         if finish != "keep":
             self.description += f", finish={finish}"
-        self.index: HistoryIndex | None = None
-        # draft-server: what each request would publish when it finishes.
+        self.drafter: BatchDrafter | None = None
+        # Each request's prompt and the tokens it emitted so far (what SGLang hands the worker), and
+        # the requests with tokens the drafter has not seen yet.
         self.texts: dict[int, tuple[list[int], list[int]]] = {}
+        self.pending: set[int] = set()
 
-    def reset(self, case_online_visible: bool) -> None:
-        self.index = HistoryIndex()
+    @property
+    def index(self) -> HistoryIndex | None:
+        return self.timed._index if self.drafter is not None else None
+
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
+        knobs = tuple(self.draft_config.items()) or None
+        self.drafter = BatchDrafter(num_nodes, HistoryConfig(draft_knobs=knobs))
+        self.timed = _TimedIndex(self.drafter.index)
+        self.drafter.index = self.timed  # type: ignore[assignment]
         self.texts.clear()
-        if self.draft_config:
-            self.index.set_draft_config(**self.draft_config)
+        self.pending.clear()
+
+    def index_ns(self) -> tuple[int, int]:
+        """Nanoseconds the index has spent drafting and updating since this case began."""
+        return self.timed.draft_ns, self.timed.update_ns
 
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
-        assert self.index is not None
-        self.index.add_response(None, prompt, response)
+        assert self.drafter is not None
+        self.drafter.add_finished(prompt, response)
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
-        assert self.index is not None
-        self.index.begin_request(rid, None, prompt)
-        if self.finish_mode == "draft-server":
-            self.texts[rid] = (list(prompt), [])
+        assert self.drafter is not None
+        self.texts[rid] = (list(prompt), [])
+        self.drafter.sync(str(rid), prompt, [])
+
+    def draft_batch(self, rids: Sequence[int], num_nodes: int) -> list[tuple[Sequence[int], Sequence[int]]]:
+        """One decode step's drafts for every request in ``rids``, as the worker draws them."""
+        assert self.drafter is not None
+        if num_nodes != self.drafter.d:
+            raise ValueError(f"this case was reset for {self.drafter.d}-node drafts, not {num_nodes}")
+        if self.chain:
+            return [self.draft(rid, num_nodes) for rid in rids]
+        self._sync()
+        keys = [str(r) for r in rids]
+        tokens, mask = self.drafter.draft(keys)
+        d = num_nodes
+        out = []
+        for b, key in enumerate(keys):
+            n = 1 + self.drafter.drafted(key)
+            out.append((tokens[b * d:b * d + n].tolist(),
+                        tree_parents(mask[b * d * d:(b + 1) * d * d], d)[:n].tolist()))
+        return out
 
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
-        assert self.index is not None
-        toks, parents, _ = self.index.draft(rid, num_nodes, self.chain)
+        assert self.drafter is not None
+        if not self.chain:
+            return self.draft_batch([rid], num_nodes)[0]
+        self._sync()
+        toks, parents, _ = self.timed.draft(self.drafter.request_id(str(rid)), num_nodes, True)
         return toks, parents
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
-        assert self.index is not None
-        self.index.extend_request(rid, tokens)
-        if self.finish_mode == "draft-server":
-            self.texts[rid][1].extend(tokens)
+        # The worker learns a step's tokens at its next draft, for the whole batch at once.
+        self.texts[rid][1].extend(tokens)
+        self.pending.add(rid)
+
+    def _sync(self) -> None:
+        assert self.drafter is not None
+        if self.pending:
+            self.drafter.sync_batch((str(r), *self.texts[r], (), None) for r in sorted(self.pending))
+            self.pending.clear()
 
     def finish(self, rid: int) -> None:
-        assert self.index is not None
-        if self.finish_mode == "keep":
-            self.index.finish_request(rid, keep=True)
-            return
+        assert self.drafter is not None
         prompt, response = self.texts.pop(rid)
-        self.index.finish_request(rid, keep=False, defer_removal=True)
-        if response:
-            self.index.add_response(None, prompt, response)
+        self.pending.discard(rid)
+        keep = self.finish_mode == "keep"
+        self.drafter.finish(str(rid), response, keep=keep)
+        if not keep:
+            self.drafter.add_finished(prompt, response)
 
 
 class SGLangTrie:
@@ -122,7 +195,7 @@ class SGLangTrie:
         self.prompts: set[tuple[int, ...]] = set()
         self.visible = True
 
-    def reset(self, case_online_visible: bool) -> None:
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         self.trie = TriePeer(max_depth=self.depth)
         self.prompts.clear()
         self.visible = case_online_visible
@@ -213,7 +286,7 @@ class SGLangNgram:
             self.corpus = self._cls(draft_token_num=d, **self.kw)
             self.d = d
 
-    def reset(self, case_online_visible: bool) -> None:
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         if self.corpus is not None:
             self.corpus.reset()
         self.visible = case_online_visible
@@ -264,7 +337,7 @@ class PromptLookup:
         self.hist_map: dict[tuple[int, ...], tuple[int, int]] = {}
         self.reqs: dict[int, tuple[list[int], dict[tuple[int, ...], int]]] = {}
 
-    def reset(self, case_online_visible: bool) -> None:
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         self.hist_seqs, self.hist_map, self.reqs = [], {}, {}
 
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
@@ -385,7 +458,7 @@ class CopyBound:
                 mul = (mul * _BASE) & _MASK
                 seen.add(h)
 
-    def reset(self, case_online_visible: bool) -> None:
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         self.seen = set()
         self.prompts.clear()
         self.ctx.clear()
