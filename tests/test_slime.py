@@ -33,7 +33,7 @@ import pytest
 from _greedy import check_phases, run_in_group
 
 from conftest import ROOT, require_modules, sglang_missing, shared_path
-from histospec_sgl.bench.engine_server import free_port
+from histospec_sgl.bench.engine_server import free_port, verify_steps
 
 pytestmark = pytest.mark.timeout(900)
 DRIVER = Path(__file__).with_name("slime_driver.py")
@@ -266,7 +266,7 @@ def _probe(srv, tok, prompt: str) -> float:
     ids = tok.encode(prompt, add_special_tokens=False).ids
     out = srv._post("/generate", {"input_ids": ids, "sampling_params": {
         "temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}}, 300)
-    return out["meta_info"]["completion_tokens"] / out["meta_info"]["spec_verify_ct"]
+    return out["meta_info"]["completion_tokens"] / verify_steps(out)
 
 
 def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang_py, stack, engines):
