@@ -11,7 +11,7 @@ from _contract import check_contract
 
 import histospec_sgl as hs
 from histospec_sgl import HistoryIndex, prompt_key
-from histospec_sgl.engine.draft import tree_mask, tree_parents, write_empty
+from histospec_sgl.engine.draft import tree_mask, tree_parents, tree_parents_batch, write_empty
 
 FREQUENCY = {"recency": 0.0, "escape_short": 0.0, "follow": 0.0}
 
@@ -85,6 +85,7 @@ def test_draft_batch_fills_sglang_layout(mask_dtype):
     assert (m[0] == single.mask(d)).all() and (m[0] == tree_mask(single.parents, d)).all()
     assert tree_parents(mask[: d * d], d)[: len(single)].tolist() == single.parents.tolist()
     assert tree_parents(mask[: d * d], d)[len(single):].tolist() == list(range(len(single) - 1, d - 1))
+    assert (tree_parents_batch(mask, d) == [tree_parents(mask[b * d * d:(b + 1) * d * d], d) for b in (0, 1)]).all()
     ix.begin_request(12, None, [77, 78])  # nothing to draft from
     alone_t, alone_m = np.zeros(d, np.int64), np.zeros(d * d, mask_dtype)
     assert ix.draft_batch([12], d, alone_t, alone_m)[0] == 0

@@ -68,7 +68,7 @@ def eos_of(model_dir: Path) -> int:
 
 def workload(spec: TraceSpec, model_dir: Path, data_root: Path | None) -> list[TraceGroup]:
     """The step's groups, tokenized with ``model_dir``'s ``tokenizer.json``."""
-    from histospec_sgl.replay.data import PRESETS, ReplayDataError, Tokenization, load_rollouts, preset_path
+    from histospec_sgl.replay.data import ReplayDataError, Tokenization, preset_rows
     from histospec_sgl.simulate.step import StepSpec, choose_groups
 
     if spec.preset not in TRACE_PRESETS:
@@ -76,8 +76,7 @@ def workload(spec: TraceSpec, model_dir: Path, data_root: Path | None) -> list[T
     tok_file = Path(model_dir) / "tokenizer.json"
     if not tok_file.exists():
         raise ReplayDataError(f"trace mode tokenizes the log with the model's tokenizer: {tok_file} is missing")
-    pre = PRESETS[spec.preset]
-    rows = load_rollouts(preset_path(pre, data_root), pre.fields)
+    rows = preset_rows(spec.preset, data_root, None, tokenize=False)  # only the step's rows are tokenized
     chosen = choose_groups(rows, StepSpec(spec.groups, spec.history_policies, spec.seed))
     tok = Tokenization(tok_file)
     eos = eos_of(model_dir)

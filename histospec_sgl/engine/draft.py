@@ -2,7 +2,8 @@
 per request, ``d`` node tokens in BFS order (the root, the last context token, first) and a flat
 ``d x d`` ancestor mask (row i: node i and its ancestors); a draft of fewer than ``d`` nodes is padded
 with a chain of token-0 nodes, each the child of the one before. The conversions between that layout
-and parent positions live here once (:func:`tree_mask`, :func:`tree_parents`, :func:`write_empty`);
+and parent positions live here once (:func:`tree_mask`, :func:`tree_parents`,
+:func:`tree_parents_batch`, :func:`write_empty`);
 tests/test_index.py holds them equal to what the index writes."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 
-__all__ = ["Draft", "draft", "tree_mask", "tree_parents", "write_empty"]
+__all__ = ["Draft", "draft", "tree_mask", "tree_parents", "tree_parents_batch", "write_empty"]
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,23 @@ def tree_mask(parents: Sequence[int] | np.ndarray, d: int) -> np.ndarray:
 
 
 def tree_parents(mask: Any, d: int) -> np.ndarray:
-    """Parent positions (``-1`` for the root) of a tree from its flat ``d x d`` ancestor mask: nodes
-    are in BFS order, so a node's parent is its nearest ancestor, the last earlier column set in its
-    row."""
-    below = np.tril(np.asarray(mask).reshape(d, d).astype(bool), k=-1)
-    has = np.asarray(below.any(axis=1))
-    if not has[1:].all():
-        raise ValueError(f"draft tree mask has a non-root node without an ancestor: {mask!r}")
-    return np.where(has, d - 1 - np.argmax(below[:, ::-1], axis=1), -1)
+    """Parent positions ``[d]`` (``-1`` for the root) of one tree from its flat ``d x d`` ancestor mask:
+    nodes are in BFS order, so a node's parent is its nearest ancestor, the last earlier column set in
+    its row."""
+    m = np.asarray(mask)
+    if m.size != d * d:
+        raise ValueError(f"a {d}-node tree's mask has {d * d} values, not {m.size}")
+    return tree_parents_batch(m, d)[0]
+
+
+def tree_parents_batch(masks: Any, d: int) -> np.ndarray:
+    """:func:`tree_parents` of every tree in a batch's flat masks (``[bs*d*d]``, as ``draft_batch``
+    writes them), in one pass: ``[bs, d]``."""
+    below = np.tril(np.asarray(masks).reshape(-1, d, d).astype(bool), k=-1)
+    has = np.asarray(below.any(axis=2))
+    if not has[:, 1:].all():
+        raise ValueError(f"draft tree mask has a non-root node without an ancestor: {masks!r}")
+    return np.where(has, d - 1 - np.argmax(below[:, :, ::-1], axis=2), -1)
 
 
 def write_empty(tokens: np.ndarray, mask: np.ndarray, roots: Sequence[int], d: int) -> None:

@@ -36,7 +36,7 @@ import numpy as np
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
-from histospec_sgl.engine.draft import tree_parents, write_empty
+from histospec_sgl.engine.draft import tree_parents_batch, write_empty
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -364,12 +364,14 @@ class BatchDrafter:
         """Drafts the cost model will not verify this step are followed as shadow drafts (one per
         request at a time), which measure what verifying them would have accepted."""
         d = self.d
+        parents = None
         for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
             if lv.shadow is not None or not c:
                 continue
+            if parents is None:
+                parents = tree_parents_batch(mask, d)  # the whole batch in one pass, once a step
             row = slice(b * d, b * d + c + 1)
-            parents = tree_parents(mask[b * d * d:(b + 1) * d * d], d)
-            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[: c + 1].tolist(), float(probs[row][1:].sum()))
+            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[b, : c + 1].tolist(), float(probs[row][1:].sum()))
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from histospec_sgl._core import HistoryIndex, TriePeer
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.draft import tree_parents
+from histospec_sgl.engine.draft import tree_parents, tree_parents_batch
 from histospec_sgl.engine.drafter import BatchDrafter
 
 
@@ -45,12 +45,12 @@ class _TimedIndex:
     UPDATE = frozenset({"extend_request", "extend_batch"})
 
     def __init__(self, index: HistoryIndex):
-        self._index = index
+        self.index = index
         self.draft_ns = 0
         self.update_ns = 0
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._index, name)
+        attr = getattr(self.index, name)
         if name not in self.DRAFT and name not in self.UPDATE:
             return attr
         counter = "draft_ns" if name in self.DRAFT else "update_ns"
@@ -92,6 +92,7 @@ class Ours:
         if finish != "keep":
             self.description += f", finish={finish}"
         self.drafter: BatchDrafter | None = None
+        self.timed: _TimedIndex | None = None  # the drafter's index, timed
         # Each request's prompt and the tokens it emitted so far (what SGLang hands the worker), and
         # the requests with tokens the drafter has not seen yet.
         self.texts: dict[int, tuple[list[int], list[int]]] = {}
@@ -99,7 +100,8 @@ class Ours:
 
     @property
     def index(self) -> HistoryIndex | None:
-        return self.timed._index if self.drafter is not None else None
+        """The case's index itself (not timed)."""
+        return self.timed.index if self.timed is not None else None
 
     def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         knobs = tuple(self.draft_config.items()) or None
@@ -111,6 +113,7 @@ class Ours:
 
     def index_ns(self) -> tuple[int, int]:
         """Nanoseconds the index has spent drafting and updating since this case began."""
+        assert self.timed is not None
         return self.timed.draft_ns, self.timed.update_ns
 
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
@@ -133,11 +136,11 @@ class Ours:
         keys = [str(r) for r in rids]
         tokens, mask = self.drafter.draft(keys)
         d = num_nodes
+        parents = tree_parents_batch(mask, d)
         out = []
         for b, key in enumerate(keys):
             n = 1 + self.drafter.drafted(key)
-            out.append((tokens[b * d:b * d + n].tolist(),
-                        tree_parents(mask[b * d * d:(b + 1) * d * d], d)[:n].tolist()))
+            out.append((tokens[b * d:b * d + n].tolist(), parents[b, :n].tolist()))
         return out
 
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
@@ -145,6 +148,7 @@ class Ours:
         if not self.chain:
             return self.draft_batch([rid], num_nodes)[0]
         self._sync()
+        assert self.timed is not None
         toks, parents, _ = self.timed.draft(self.drafter.request_id(str(rid)), num_nodes, True)
         return toks, parents
 
