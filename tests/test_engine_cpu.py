@@ -6,12 +6,13 @@ whole verify path, on this machine's CPU, with a small Llama built locally
 What is stood in, in test support only (``tests/_cpu_engine``, ``tests/_stubs``; see their
 docstrings): tree attention for the verify forward of SGLang's ``torch_native`` backend, SGLang's
 sampling-verify branch on CPU, and plain-torch restatements of the sgl-kernel ops SGLang calls there.
-Each is shown load-bearing here: ``CPU_ENGINE_BROKEN`` breaks one, and the checks that pass without it
-fail with it.
+Each is shown load-bearing here: ``CPU_ENGINE_BROKEN_FILE`` breaks one for a while on a running server,
+and the checks that pass without it fail with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +45,17 @@ def peaked_model(sglang_py) -> Path:
 def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(2, vocab - 1) for _ in range(rng.randrange(12, 40))] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def broken_verify(switch: Path, kind: str) -> Iterator[None]:
+    """Breaks one piece of the CPU verify (``CPU_ENGINE_BROKEN_FILE``, read at every step) of the
+    servers started with ``switch``, until the block ends."""
+    switch.write_text(kind)
+    try:
+        yield
+    finally:
+        switch.write_text("")
 
 
 def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
@@ -99,33 +112,38 @@ def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
         assert runs["ngram"][2]["steps"] > 2 * hist[2]["steps"]
 
 
+@pytest.mark.memory(9)
 def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, plain_server, tmp_path):
     """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens and log-probs
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
     does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
     too, and the plain steps are counted in ``histospec:plain_steps_total``."""
-    prompts = _prompts(8)
+    prompts, fresh = _prompts(8), _prompts(8, seed=7)
     methods = ("ngram", "history")
     cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
                    env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
-    # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place of
-    # the tree mask, branching drafts attend to their siblings and the outputs go wrong.
-    broken_mask = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="broken-mask",
-                          env={"CPU_ENGINE_BROKEN": "mask"})
-    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8) for m in methods),
-                 broken_mask, cost) as servers:
+    switch = tmp_path / "broken"
+    with running(_server(sglang_py, greedy_model, "ngram", tmp_path, max_running=8),
+                 _server(sglang_py, greedy_model, "history", tmp_path, max_running=8,
+                         env={"CPU_ENGINE_BROKEN_FILE": str(switch)}), cost) as servers:
         runs = {"plain": _greedy_passes(plain_server, prompts)}
         runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
-        broken = _greedy_passes(broken_mask, prompts)
         runs["history_cost"] = _greedy_passes(cost, prompts)
         plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
                           if line.startswith("histospec:plain_steps_total"))
+        # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
+        # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
+        # the server has no history for, as on a fresh server).
+        plain_fresh = _greedy_passes(plain_server, fresh, passes=1)[0]["outputs"]
+        with broken_verify(switch, "mask"):
+            broken = _greedy_passes(servers[1], fresh)
     _check_greedy(runs)
     assert plain_steps > 0
-    assert any(p["outputs"] != runs["plain"][0]["outputs"] for p in broken)
+    assert any(p["outputs"] != plain_fresh for p in broken)
 
 
+@pytest.mark.memory(5)
 def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, plain_server, tmp_path):
     """HISTORY on two TP ranks (gloo over loopback, one core each): rank 0 drafts and broadcasts its
     drafts to rank 1 every step; the tokens equal single-rank plain decoding's, and pass 2 and the
@@ -137,6 +155,7 @@ def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, pla
     _check_greedy({"plain": plain, "history": hist})
 
 
+@pytest.mark.memory(9)
 def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
     """The same over HTTP on SGLang 0.5.23, laid over the 0.5.17 environment (its Rust radix tree is
     built for a newer torch, so it runs SGLang's Python radix tree)."""
@@ -182,6 +201,7 @@ def _check_engine_api(res: dict) -> None:
     assert hist["fresh"]["tokens"] / hist["fresh"]["steps"] < hist["loaded"]["tokens"] / hist["loaded"]["steps"]
 
 
+@pytest.mark.memory(5.5)
 def test_greedy_engine_api_history_equals_plain_and_ngram(sglang_py, greedy_model, tmp_path):
     """``sgl.Engine`` (what trainers embed): the same identities, plus the collective RPCs
     (histospec_save, histospec_version, histospec_load into a fresh engine)."""
@@ -190,6 +210,7 @@ def test_greedy_engine_api_history_equals_plain_and_ngram(sglang_py, greedy_mode
     _check_engine_api(res)
 
 
+@pytest.mark.memory(4.5)
 def test_greedy_engine_api_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
     """``sgl.Engine`` on 0.5.23: HISTORY equals plain decoding (NGRAM's equality on 0.5.23 is checked over
     HTTP above), with the collective RPCs and flush_cache."""
@@ -207,9 +228,13 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
 TOP_P = {**SAMPLED, "top_p": 0.8}
 
 
-def _sample(srv: EngineServer, sp: dict, rounds: int = 40, width: int = 64) -> tuple[list[tuple], float]:
+def _sample(srv: EngineServer, sp: dict, rounds: int = 40, width: int = 64,
+            group: str | None = None) -> tuple[list[tuple], float]:
     """``rounds`` batches of ``width`` samples of the same prompt: 4-token continuations, and tokens
-    per verify step over all of them (history grows from round to round, siblings draft in flight)."""
+    per verify step over all of them (history grows from round to round, siblings draft in flight).
+    ``group`` puts them in a history group of their own (``custom_params.histospec_group``)."""
+    if group is not None:
+        sp = {**sp, "custom_params": {"histospec_group": group}}
     seqs, tokens, steps = [], 0, 0
     for _ in range(rounds):
         for o in srv.generate([PEAKED_PROMPT] * width, sp):
@@ -233,51 +258,64 @@ def _same_distribution(a: list[tuple], b: list[tuple]) -> list[float]:
     return ps
 
 
-def test_sampling_through_history_is_lossless(sglang_py, peaked_model, tmp_path):
-    """At temperature 1 (and with top-p 0.8), 2,560 continuations sampled through HISTORY (d=16,
-    drafting from history and in-flight siblings, about 2.5 tokens per verify step) are distributed as
-    plain decoding's (chi-square, p > 1e-4 for the first 2, 3 and 4 tokens). The same test rejects the
-    two classic bugs at p < 1e-10: sampled requests verified greedily (SGLang's stock CPU path) and
-    duplicate sibling tokens (a padding scheme that repeats a drafted token)."""
-    brokens = ("greedy-verify", "padding")
-    with running(_server(sglang_py, peaked_model, "plain", tmp_path),
-                 _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16),
-                 *(_server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag=b,
-                           env={"CPU_ENGINE_BROKEN": b}) for b in brokens)) as (plain_srv, srv, *broken_srvs):
+@pytest.fixture(scope="class")
+def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
+    """Plain decoding, HISTORY (d=16, its verify breakable through ``switch``) and HISTORY with
+    ``HISTOSPEC_LENIENCE`` = 4 on the peaked model, started side by side, shared by the sampling tests
+    (each puts its requests in history groups of its own) and stopped after them."""
+    tmp = tmp_path_factory.mktemp("peaked")
+    switch = tmp / "broken"
+    with running(_server(sglang_py, peaked_model, "plain", tmp),
+                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16,
+                         env={"CPU_ENGINE_BROKEN_FILE": str(switch)}),
+                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="lenient",
+                         env={"HISTOSPEC_LENIENCE": "4"})) as (plain, history, lenient):
+        yield {"plain": plain, "history": history, "lenient": lenient, "switch": switch}
+
+
+@pytest.mark.memory(7)
+class TestSampling:
+    """Sampled requests on the peaked model (a class: its servers stop after it, and on two pytest
+    workers it may run beside the module's greedy tests)."""
+
+    def test_sampling_through_history_is_lossless(self, peaked_servers):
+        """At temperature 1 (and with top-p 0.8), 2,560 continuations sampled through HISTORY (d=16,
+        drafting from history and in-flight siblings, about 2.5 tokens per verify step) are distributed as
+        plain decoding's (chi-square, p > 1e-4 for the first 2, 3 and 4 tokens). The same test rejects the
+        two classic bugs at p < 1e-10: sampled requests verified greedily (SGLang's stock CPU path) and
+        duplicate sibling tokens (a padding scheme that repeats a drafted token)."""
+        plain_srv, srv = peaked_servers["plain"], peaked_servers["history"]
         plain = {"t1": _sample(plain_srv, SAMPLED)[0], "top_p": _sample(plain_srv, TOP_P)[0]}
         t1, tps = _sample(srv, SAMPLED)
         top_p, tps_top_p = _sample(srv, TOP_P)
-        bad = {b: _sample(s, SAMPLED)[0] for b, s in zip(brokens, broken_srvs)}
-    assert tps > 1.8 and tps_top_p > 1.8, (tps, tps_top_p)
-    assert min(_same_distribution(plain["t1"], t1)) > 1e-4
-    assert min(_same_distribution(plain["top_p"], top_p)) > 1e-4
-    for b in brokens:
-        assert min(_same_distribution(plain["t1"], bad[b])) < 1e-10, b
+        bad = {}
+        for b in ("greedy-verify", "padding"):
+            with broken_verify(peaked_servers["switch"], b):
+                bad[b] = _sample(srv, SAMPLED, group=b)[0]
+        assert tps > 1.8 and tps_top_p > 1.8, (tps, tps_top_p)
+        assert min(_same_distribution(plain["t1"], t1)) > 1e-4
+        assert min(_same_distribution(plain["top_p"], top_p)) > 1e-4
+        for b, seqs in bad.items():
+            assert min(_same_distribution(plain["t1"], seqs)) < 1e-10, b
 
-
-def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(sglang_py, peaked_model, tmp_path):
-    """On a fresh server, 16 samples of one prompt decoding together accept more per step when they
-    share a group (drafting from each other in flight) than when each has its own
-    (``custom_params.histospec_group``); and ``HISTOSPEC_LENIENCE`` = 4 accepts more than exact
-    verification on the same workload."""
-    def run(srv: EngineServer, tag: str) -> tuple[float, float]:
+    def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(self, peaked_servers):
+        """16 samples of one prompt decoding together, from no history, accept more per step when they
+        share a group (drafting from each other in flight) than when each has its own
+        (``custom_params.histospec_group``); and ``HISTOSPEC_LENIENCE`` = 4 accepts more than exact
+        verification on the same workload."""
+        srv, lenient_srv = peaked_servers["history"], peaked_servers["lenient"]
         rates = []
         for shared in (True, False):
             sps = [{**SAMPLED, "max_new_tokens": 24,
-                    "custom_params": {"histospec_group": f"{tag}-shared" if shared else f"{tag}-own-{i}"}}
+                    "custom_params": {"histospec_group": "siblings-shared" if shared else f"siblings-own-{i}"}}
                    for i in range(16)]
             outs = srv.generate([PEAKED_PROMPT] * 16, sps)
             rates.append(sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs))
-        return rates[0], rates[1]
-
-    with running(_server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16),
-                 _server(sglang_py, peaked_model, "history", tmp_path, draft_tokens=16, tag="lenient",
-                         env={"HISTOSPEC_LENIENCE": "4"})) as (srv, lenient_srv):
-        shared, own = run(srv, "a")
-        _, exact = _sample(srv, SAMPLED, rounds=8)
-        _, lenient = _sample(lenient_srv, SAMPLED, rounds=8)
-    assert shared > own + 0.15, (shared, own)
-    assert lenient > exact + 0.3, (lenient, exact)
+        shared, own = rates
+        _, exact = _sample(srv, SAMPLED, rounds=8, group="exact")
+        _, lenient = _sample(lenient_srv, SAMPLED, rounds=8, group="exact")
+        assert shared > own + 0.15, (shared, own)
+        assert lenient > exact + 0.3, (lenient, exact)
 
 
 # -- load and faults -----------------------------------------------------------------------------
@@ -304,6 +342,7 @@ def _load_requests(prompts: list[list[int]], n: int, seed: int = 3) -> list[dict
     return reqs
 
 
+@pytest.mark.memory(4)
 def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server, tmp_path):
     """500 mixed requests, 12 at a time, against a HISTORY server synced with a draft server, while
     flush_cache runs, the draft server is killed (SIGKILL) and restarted on its port, and 20 records
@@ -477,6 +516,7 @@ def test_bench_engine_methods_and_their_ratios():
     assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
 
 
+@pytest.mark.memory(5)
 def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
     """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a
     row for every method, pass, batch size, temperature and sibling count; on the second greedy pass

@@ -26,7 +26,8 @@ in plain torch:
 ``mask`` (a causal mask in place of the tree mask), ``greedy-verify`` (SGLang's stock CPU behaviour:
 sampled requests verified greedily) or ``padding`` (the last leaves of each HISTORY draft, its pads when
 it is short, are re-hung under the root carrying node 1's token: duplicate siblings, which sampling
-verification counts several times).
+verification counts several times). ``CPU_ENGINE_BROKEN_FILE`` names a file holding one of those words
+(or nothing), read at every step, so that one server runs both the real and a broken verify.
 """
 
 from __future__ import annotations
@@ -38,24 +39,39 @@ from typing import Any
 logger = logging.getLogger("histospec_cpu_engine")
 
 BROKEN = os.environ.get("CPU_ENGINE_BROKEN", "")
+BROKEN_FILE = os.environ.get("CPU_ENGINE_BROKEN_FILE", "")
 _KINDS = ("", "mask", "greedy-verify", "padding")
 _registered = False
+
+
+def _check(kind: str, where: str) -> str:
+    if kind not in _KINDS:
+        raise ValueError(f"{where}={kind!r}: expected one of {', '.join(k for k in _KINDS if k)}")
+    return kind
+
+
+def broken() -> str:
+    """The piece broken for this step: ``CPU_ENGINE_BROKEN``, else the word in ``CPU_ENGINE_BROKEN_FILE``."""
+    if BROKEN or not BROKEN_FILE:
+        return BROKEN
+    try:
+        with open(BROKEN_FILE) as f:
+            return _check(f.read().strip(), f"CPU_ENGINE_BROKEN_FILE ({BROKEN_FILE})")
+    except FileNotFoundError:
+        return ""
 
 
 def register() -> None:
     global _registered
     if _registered:
         return
-    if BROKEN not in _KINDS:
-        raise ValueError(f"CPU_ENGINE_BROKEN={BROKEN!r}: expected one of {', '.join(k for k in _KINDS if k)}")
+    _check(BROKEN, "CPU_ENGINE_BROKEN")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
                           _verify_attention, HookType.AROUND)
-    if BROKEN != "greedy-verify":
-        HookRegistry.register("sglang.srt.speculative.eagle_utils.eagle_sample", _sampling_verify,
-                              HookType.AROUND)
-    if BROKEN == "padding":
+    HookRegistry.register("sglang.srt.speculative.eagle_utils.eagle_sample", _sampling_verify, HookType.AROUND)
+    if BROKEN == "padding" or BROKEN_FILE:
         HookRegistry.register("histospec_sgl.plugin.worker.HistoryWorker._prepare_draft_tokens",
                               _duplicate_pads, HookType.AFTER)
     _allow_torch_native_on_cpu()
@@ -88,7 +104,7 @@ def _verify_attention(original: Any, backend: Any, q: Any, k: Any, v: Any, layer
     o = q.new_empty((qv.shape[0], heads * layer.v_head_dim))
     ov = o.view(-1, heads, layer.v_head_dim)
     trees = spec.custom_mask.reshape(-1)[: bs * d * d].view(bs, d, d).bool()
-    if BROKEN == "mask":
+    if broken() == "mask":
         trees = torch.ones(d, d, dtype=torch.bool).tril().expand(bs, d, d)
     seq_lens = forward_batch.seq_lens.tolist()
     pools = forward_batch.req_pool_indices.tolist()
@@ -126,8 +142,8 @@ def _sampling_verify(original: Any, *args: Any, **kwargs: Any) -> Any:
         from sgl_kernel import tree_speculative_sampling_target_only
 
         eagle_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
-    if batch.sampling_info.is_all_greedy or not eagle_utils._is_cpu:
-        return original(*args, **kwargs)
+    if batch.sampling_info.is_all_greedy or not eagle_utils._is_cpu or broken() == "greedy-verify":
+        return original(*args, **kwargs)  # greedy-verify: SGLang's stock CPU path
     eagle_utils._is_cpu = False
     try:
         return original(*args, **kwargs)
@@ -167,6 +183,8 @@ def _duplicate_pads(result: Any, worker: Any, batch: Any) -> Any:
     """A padding scheme that repeats a drafted token: the last ``DUPLICATES`` leaves of each tree (the
     token-0 pads of a short draft, else the deepest drafted nodes) are re-hung under the root, each
     carrying node 1's token, so that token appears several times among the root's children."""
+    if broken() != "padding":
+        return result
     tokens, mask = result
     d = worker.draft_token_num
     bs = len(batch.reqs)
