@@ -54,83 +54,16 @@ def servers(sglang_py, smollm2, tmp_path_factory):
         yield plain, history
 
 
-def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
-    info = json.loads((smollm2 / "histospec_model.json").read_text())
-    assert info["kind"] == "smollm2" and info["parameters"] == 134_515_008
-    cfg = json.loads((smollm2 / "config.json").read_text())
-    assert cfg["eos_token_id"] == 2 and cfg["num_hidden_layers"] == 30
-    # The chat template's turns: <|im_start|>system ... <|im_start|>user {question}<|im_end|>
-    # <|im_start|>assistant\n (the last four ids).
-    assert all(p[0] == 1 and p[-4:] == [1, 520, 9531, 198] for p in math_prompts), math_prompts[0][-6:]
-
-
-def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str) -> dict:
-    sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True, "custom_params": {"histospec_group": tag}}
-    outs = [srv.generate([prompts[0]], sp, return_logprob=True)[0]] + srv.generate(prompts, sp, return_logprob=True)
-    return {"outputs": [o["output_ids"] for o in outs],
-            "logprobs": np.array([x[0] for o in outs for x in o["meta_info"]["output_token_logprobs"]]),
-            "tokens": sum(len(o["output_ids"]) for o in outs), "steps": sum(verify_steps(o) for o in outs)}
-
-
-def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
-    """Greedy answers to MATH questions: HISTORY's tokens and log-probs equal plain decoding's on a
-    first pass, a second pass (drafted from the first: at least d - 1 tokens per verify step) and a
-    pass after flush_cache (a weight update; the history stays)."""
-    plain_srv, hist_srv = servers
-    math_prompts = math_prompts[:4]
-    plain = _greedy(plain_srv, math_prompts, "p")
-    assert plain["steps"] == plain["tokens"]
-    passes = []
-    for i in range(3):
-        if i == 2:
-            hist_srv.flush_cache()
-        passes.append(_greedy(hist_srv, math_prompts, "greedy"))
-    for i, p in enumerate(passes):
-        assert p["outputs"] == plain["outputs"], f"pass {i + 1} differs from plain decoding"
-        assert np.abs(p["logprobs"] - plain["logprobs"]).max() < 1e-3, i
-    assert passes[1]["tokens"] / passes[1]["steps"] >= D - 1, passes[1]
-    assert passes[2]["tokens"] / passes[2]["steps"] >= D - 1, passes[2]
-
-
-def test_smollm2_sampling_through_history_is_lossless(servers, math_prompts):
-    """At temperature 1, 256 four-token answers to one MATH question sampled through HISTORY
-    (siblings in flight and earlier rounds drafting) are distributed as plain decoding's: a
-    chi-square test of homogeneity on the first 2, 3 and 4 tokens (outcomes seen fewer than 10 times
-    pooled), p > 1e-4; and HISTORY did verify drafts (more than 1.1 tokens per forward pass)."""
-    plain_srv, hist_srv = servers
-    prompt = math_prompts[1]
-    sp = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "custom_params": {"histospec_group": "s"}}
-
-    def sample(srv: EngineServer) -> tuple[list[tuple], float]:
-        seqs, tokens, steps = [], 0, 0
-        for _ in range(4):
-            for o in srv.generate([prompt] * 64, sp):
-                seqs.append(tuple(o["output_ids"]))
-                tokens += len(o["output_ids"])
-                steps += verify_steps(o)
-        return seqs, tokens / steps
-
-    from scipy.stats import chi2_contingency
-
-    a, _ = sample(plain_srv)
-    b, rate = sample(hist_srv)
-    assert rate > 1.1, rate
-    for k in (2, 3, 4):
-        ca, cb = Counter(x[:k] for x in a), Counter(x[:k] for x in b)
-        keys = sorted(x for x in set(ca) | set(cb) if ca[x] + cb[x] >= 10)
-        assert keys, k
-        rows = np.array([[c[x] for x in keys] + [len(s) - sum(c[x] for x in keys)] for c, s in ((ca, a), (cb, b))])
-        p = float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1])
-        assert p > 1e-4, (k, p)
-
-
-def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py, smollm2, servers, data_root,
-                                                                        tmp_path):
+@pytest.mark.memory(6)
+def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py, smollm2, data_root, tmp_path,
+                                                                        request):
     """``bench engine --trace grpo``, shrunk: every request of plain decoding and HISTORY (whose verify
     path is NGRAM's), at batch 1 and 4, sampled (T = 1: SGLang's sampling verify), emits exactly the
     logged tokens (the bench checks each and fails otherwise), and HISTORY, given the prompts'
     history, accepts several tokens per verify step. The forcing is load-bearing: the model's own greedy answer to the
-    same prompt is another. ``simulate --check`` then predicts HISTORY's rows from the result."""
+    same prompt is another. ``simulate --check`` then predicts HISTORY's rows from the result.
+
+    First in the module: the module's servers start after the bench's have stopped."""
     out = tmp_path / "trace.json"
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--trace", "grpo",
                         "--model", str(smollm2), "--data-root", str(data_root), "--methods", "plain,history",
@@ -161,7 +94,7 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
                        timeout=300, cwd=str(ROOT))
     assert w.returncode == 0, w.stderr[-3000:]
     trace = json.loads(w.stdout.strip().splitlines()[-1])
-    own = servers[0].generate([trace["prompt"]], {"temperature": 0.0, "max_new_tokens": 32})[0]["output_ids"]
+    own = request.getfixturevalue("servers")[0].generate([trace["prompt"]], {"temperature": 0.0, "max_new_tokens": 32})[0]["output_ids"]
     assert all(own != s[:32] for s in trace["samples"])
     chk = tmp_path / "check.json"
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(out), "--data-root",
@@ -172,3 +105,75 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     for c in check:
         assert c["measured_speedup"] == rows[("history", c["batch_size"], c["temperature"])]["vs_plain"]
         assert c["predicted_speedup"] > 0
+
+
+def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
+    info = json.loads((smollm2 / "histospec_model.json").read_text())
+    assert info["kind"] == "smollm2" and info["parameters"] == 134_515_008
+    cfg = json.loads((smollm2 / "config.json").read_text())
+    assert cfg["eos_token_id"] == 2 and cfg["num_hidden_layers"] == 30
+    # The chat template's turns: <|im_start|>system ... <|im_start|>user {question}<|im_end|>
+    # <|im_start|>assistant\n (the last four ids).
+    assert all(p[0] == 1 and p[-4:] == [1, 520, 9531, 198] for p in math_prompts), math_prompts[0][-6:]
+
+
+def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str) -> dict:
+    sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True, "custom_params": {"histospec_group": tag}}
+    outs = [srv.generate([prompts[0]], sp, return_logprob=True)[0]] + srv.generate(prompts, sp, return_logprob=True)
+    return {"outputs": [o["output_ids"] for o in outs],
+            "logprobs": np.array([x[0] for o in outs for x in o["meta_info"]["output_token_logprobs"]]),
+            "tokens": sum(len(o["output_ids"]) for o in outs), "steps": sum(verify_steps(o) for o in outs)}
+
+
+@pytest.mark.memory(6)
+def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
+    """Greedy answers to MATH questions: HISTORY's tokens and log-probs equal plain decoding's on a
+    first pass, a second pass (drafted from the first: at least d - 1 tokens per verify step) and a
+    pass after flush_cache (a weight update; the history stays)."""
+    plain_srv, hist_srv = servers
+    math_prompts = math_prompts[:4]
+    plain = _greedy(plain_srv, math_prompts, "p")
+    assert plain["steps"] == plain["tokens"]
+    passes = []
+    for i in range(3):
+        if i == 2:
+            hist_srv.flush_cache()
+        passes.append(_greedy(hist_srv, math_prompts, "greedy"))
+    for i, p in enumerate(passes):
+        assert p["outputs"] == plain["outputs"], f"pass {i + 1} differs from plain decoding"
+        assert np.abs(p["logprobs"] - plain["logprobs"]).max() < 1e-3, i
+    assert passes[1]["tokens"] / passes[1]["steps"] >= D - 1, passes[1]
+    assert passes[2]["tokens"] / passes[2]["steps"] >= D - 1, passes[2]
+
+
+@pytest.mark.memory(6)
+def test_smollm2_sampling_through_history_is_lossless(servers, math_prompts):
+    """At temperature 1, 256 four-token answers to one MATH question sampled through HISTORY
+    (siblings in flight and earlier rounds drafting) are distributed as plain decoding's: a
+    chi-square test of homogeneity on the first 2, 3 and 4 tokens (outcomes seen fewer than 10 times
+    pooled), p > 1e-4; and HISTORY did verify drafts (more than 1.1 tokens per forward pass)."""
+    plain_srv, hist_srv = servers
+    prompt = math_prompts[1]
+    sp = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "custom_params": {"histospec_group": "s"}}
+
+    def sample(srv: EngineServer) -> tuple[list[tuple], float]:
+        seqs, tokens, steps = [], 0, 0
+        for _ in range(4):
+            for o in srv.generate([prompt] * 64, sp):
+                seqs.append(tuple(o["output_ids"]))
+                tokens += len(o["output_ids"])
+                steps += verify_steps(o)
+        return seqs, tokens / steps
+
+    from scipy.stats import chi2_contingency
+
+    a, _ = sample(plain_srv)
+    b, rate = sample(hist_srv)
+    assert rate > 1.1, rate
+    for k in (2, 3, 4):
+        ca, cb = Counter(x[:k] for x in a), Counter(x[:k] for x in b)
+        keys = sorted(x for x in set(ca) | set(cb) if ca[x] + cb[x] >= 10)
+        assert keys, k
+        rows = np.array([[c[x] for x in keys] + [len(s) - sum(c[x] for x in keys)] for c, s in ((ca, a), (cb, b))])
+        p = float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1])
+        assert p > 1e-4, (k, p)

@@ -134,6 +134,7 @@ def _check_fields(s: dict, n_prompt: int) -> None:
     assert s["status"] in ("completed", "truncated") and s["reward"] is not None
 
 
+@pytest.mark.memory(5.5)
 def test_history_mode_two_epochs(sglang_py, stack):
     prompts = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",
                "Solve for x: 3x + 5 = 20."]
@@ -171,6 +172,7 @@ def test_history_mode_two_epochs(sglang_py, stack):
             assert prev is not None and list(prev.response_ids) == samples[0]["tokens"][-len(prev.response_ids):]
 
 
+@pytest.mark.memory(5.5)
 def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, stack):
     prompts = ["Once upon a time, in a land", "import numpy as np\n", "The capital of France is",
                "Let f(x) = x^2. Then f(3) ="]
@@ -239,75 +241,7 @@ def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, 
             assert s["response_length"] > before["response_length"]
 
 
-@pytest.fixture(scope="module")
-def engines(sglang_py, stack):
-    """Two HISTORY engines with per-engine history only (no draft server), and one more synced with
-    the shared engine's draft server."""
-    from histospec_sgl.bench.engine_server import EngineServer, running
-
-    tmp = stack["tmp"]
-    kw = dict(python=str(sglang_py), tokenizer=True, max_running=16, max_total_tokens=16384)
-    alone = [EngineServer(stack["model"], "history", log_path=tmp / f"alone-{i}.log", **kw) for i in range(2)]
-    synced = EngineServer(stack["model"], "history", log_path=tmp / "synced.log",
-                          env={"HISTOSPEC_DRAFT_SERVER": stack["draft_server"].address}, **kw)
-    with running(*alone, synced):
-        yield {"alone": alone, "synced": [stack["server"], synced]}
-
-
-def _per_step(samples: list[dict]) -> float:
-    info = [s["spec_info"] for s in samples]
-    return sum(x["completion_token_num"] for x in info) / sum(x["spec_verify_ct"] for x in info)
-
-
-def _probe(srv, tok, prompt: str) -> float:
-    """Tokens per verify step of one greedy request for ``prompt`` sent to ``srv`` itself, as slime's
-    next epoch reaches it. sglang-router 0.3.2 drops ``custom_params`` from the sampling params it
-    forwards, so behind it the engines group a request by its prompt ids, and so does this one."""
-    ids = tok.encode(prompt, add_special_tokens=False).ids
-    out = srv._post("/generate", {"input_ids": ids, "sampling_params": {
-        "temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}}, 300)
-    return out["meta_info"]["completion_tokens"] / verify_steps(out)
-
-
-def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang_py, stack, engines):
-    """sglang-router 0.3.2's command line has no ``consistent_hashing`` (slime's policy for routing
-    by key); ``manual`` routes by the same ``X-SMG-Routing-Key``, and our generate makes slime's send
-    it. Each prompt's 4 samples and its next epoch land on one engine, which alone holds its
-    history: a request for the prompt sent to that engine drafts whole responses, one sent to the
-    other does not; ``min_group`` spreads the groups over both engines."""
-    prompts = ["Roses are red, violets are", "for i in range(10):", "The mitochondria is the",
-               "Compute 12 * 13 step by step."]
-    with _router(sglang_py, [e.url for e in engines["alone"]], "manual", stack["tmp"] / "router-manual.log",
-                 "--assignment-mode", "min_group") as url:
-        epochs = _run(sglang_py, stack, "history", prompts, router=url, draft="", policy="manual",
-                      name="manual")["epochs"]
-    second = epochs[1]["samples"]
-    assert _per_step(second) > 4.0, [_per_step(e["samples"]) for e in epochs]
-    tok = _tokenizer(stack)
-    holders = []
-    for prompt in prompts:
-        rates = [_probe(e, tok, prompt) for e in engines["alone"]]
-        holder = max(range(2), key=rates.__getitem__)
-        assert rates[holder] > 4.0 and rates[1 - holder] < rates[holder] / 2, (prompt, rates)
-        holders.append(holder)
-    assert sorted(holders) == [0, 0, 1, 1], holders
-
-
-def test_two_engines_with_a_draft_server_draft_every_group(sglang_py, stack, engines):
-    """With a draft server, routing does not matter for drafting: round-robin sends a prompt's
-    samples to both engines, and either engine drafts the prompt's next epoch."""
-    prompts = ["Twinkle twinkle little star,", "SELECT name FROM users WHERE", "Water boils at a temperature of",
-               "Prove that the square root of 2 is"]
-    with _router(sglang_py, [e.url for e in engines["synced"]], "round_robin",
-                 stack["tmp"] / "router-synced.log") as url:
-        epochs = _run(sglang_py, stack, "history", prompts, router=url, policy="round_robin", name="synced")["epochs"]
-    assert _per_step(epochs[1]["samples"]) > 4.0, [_per_step(e["samples"]) for e in epochs]
-    tok = _tokenizer(stack)
-    for prompt in prompts:
-        rates = [_probe(e, tok, prompt) for e in engines["synced"]]
-        assert min(rates) > 4.0, (prompt, rates)
-
-
+@pytest.mark.memory(3)
 def test_slime_engine_code_starts_history_and_keeps_it_through_weight_updates(sglang_py, slime_src, greedy_model,
                                                                              tmp_path):
     """slime's ``SGLangEngine`` (tests/slime_engine_driver.py lists what it stands in, and why):
@@ -391,3 +325,77 @@ def test_specrl_hands_what_it_cannot_score_to_the_inner_generate(sglang_py, slim
     r = subprocess.run([str(sglang_py), "-c", GUARD, str(text_model)], capture_output=True, text=True, timeout=300,
                        env=env, cwd=DRIVER.parent)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-5000:]
+
+
+# -- two engines (last in the module: their servers stay up until it ends) --------------------------
+
+
+@pytest.fixture(scope="module")
+def engines(sglang_py, stack):
+    """Two HISTORY engines with per-engine history only (no draft server), and one more synced with
+    the shared engine's draft server."""
+    from histospec_sgl.bench.engine_server import EngineServer, running
+
+    tmp = stack["tmp"]
+    kw = dict(python=str(sglang_py), tokenizer=True, max_running=16, max_total_tokens=16384)
+    alone = [EngineServer(stack["model"], "history", log_path=tmp / f"alone-{i}.log", **kw) for i in range(2)]
+    synced = EngineServer(stack["model"], "history", log_path=tmp / "synced.log",
+                          env={"HISTOSPEC_DRAFT_SERVER": stack["draft_server"].address}, **kw)
+    with running(*alone, synced):
+        yield {"alone": alone, "synced": [stack["server"], synced]}
+
+
+def _per_step(samples: list[dict]) -> float:
+    info = [s["spec_info"] for s in samples]
+    return sum(x["completion_token_num"] for x in info) / sum(x["spec_verify_ct"] for x in info)
+
+
+def _probe(srv, tok, prompt: str) -> float:
+    """Tokens per verify step of one greedy request for ``prompt`` sent to ``srv`` itself, as slime's
+    next epoch reaches it. sglang-router 0.3.2 drops ``custom_params`` from the sampling params it
+    forwards, so behind it the engines group a request by its prompt ids, and so does this one."""
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    out = srv._post("/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0.0, "max_new_tokens": 24, "skip_special_tokens": False}}, 300)
+    return out["meta_info"]["completion_tokens"] / verify_steps(out)
+
+
+@pytest.mark.memory(10)
+def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang_py, stack, engines):
+    """sglang-router 0.3.2's command line has no ``consistent_hashing`` (slime's policy for routing
+    by key); ``manual`` routes by the same ``X-SMG-Routing-Key``, and our generate makes slime's send
+    it. Each prompt's 4 samples and its next epoch land on one engine, which alone holds its
+    history: a request for the prompt sent to that engine drafts whole responses, one sent to the
+    other does not; ``min_group`` spreads the groups over both engines."""
+    prompts = ["Roses are red, violets are", "for i in range(10):", "The mitochondria is the",
+               "Compute 12 * 13 step by step."]
+    with _router(sglang_py, [e.url for e in engines["alone"]], "manual", stack["tmp"] / "router-manual.log",
+                 "--assignment-mode", "min_group") as url:
+        epochs = _run(sglang_py, stack, "history", prompts, router=url, draft="", policy="manual",
+                      name="manual")["epochs"]
+    second = epochs[1]["samples"]
+    assert _per_step(second) > 4.0, [_per_step(e["samples"]) for e in epochs]
+    tok = _tokenizer(stack)
+    holders = []
+    for prompt in prompts:
+        rates = [_probe(e, tok, prompt) for e in engines["alone"]]
+        holder = max(range(2), key=rates.__getitem__)
+        assert rates[holder] > 4.0 and rates[1 - holder] < rates[holder] / 2, (prompt, rates)
+        holders.append(holder)
+    assert sorted(holders) == [0, 0, 1, 1], holders
+
+
+@pytest.mark.memory(10)
+def test_two_engines_with_a_draft_server_draft_every_group(sglang_py, stack, engines):
+    """With a draft server, routing does not matter for drafting: round-robin sends a prompt's
+    samples to both engines, and either engine drafts the prompt's next epoch."""
+    prompts = ["Twinkle twinkle little star,", "SELECT name FROM users WHERE", "Water boils at a temperature of",
+               "Prove that the square root of 2 is"]
+    with _router(sglang_py, [e.url for e in engines["synced"]], "round_robin",
+                 stack["tmp"] / "router-synced.log") as url:
+        epochs = _run(sglang_py, stack, "history", prompts, router=url, policy="round_robin", name="synced")["epochs"]
+    assert _per_step(epochs[1]["samples"]) > 4.0, [_per_step(e["samples"]) for e in epochs]
+    tok = _tokenizer(stack)
+    for prompt in prompts:
+        rates = [_probe(e, tok, prompt) for e in engines["synced"]]
+        assert min(rates) > 4.0, (prompt, rates)
