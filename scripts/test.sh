@@ -19,4 +19,6 @@ fi
 echo "[test] lint: ruff, mypy, stubtest"
 bash scripts/lint_python.sh
 echo "[test] Python"
-.venv/bin/python -m pytest tests "$@"
+# Two workers, a module (or class) whole on one, the longest modules first (tests/conftest.py); tests
+# that start servers wait for memory the other worker holds (tests/_lanes.py).
+.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from _lanes import MemoryGate
 
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
@@ -21,10 +23,40 @@ SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
 SGLANG_FIXTURES = frozenset({"sglang_py", "sglang_0523", "greedy_model", "text_model", "text_engine"})
 
 
+#: The longest modules first (minutes on two cores), so that two workers (``-n 2 --dist loadscope
+#: --no-loadscope-reorder``, as scripts/test.sh runs them) finish together; the rest keep their order.
+LONGEST_FIRST = ("test_engine_cpu.py", "test_slime.py", "test_engine_smollm2.py", "test_verl.py", "test_plugin.py",
+                 "test_openrlhf.py", "test_ray.py", "test_sglang_peers.py", "test_trainer_versions.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SGLANG_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sglang)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+_GATE = MemoryGate.for_this_worker()
+#: What ``text_engine`` (an SGLang server with the 151,936-token vocabulary) takes, measured.
+TEXT_ENGINE_GB = 3.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test marked ``memory(gb)`` waits, before its fixtures start servers, until its peak fits
+    beside what the other workers' tests hold (tests/_lanes.py)."""
+    mark = item.get_closest_marker("memory")
+    if _GATE is not None and mark is not None:
+        waited = _GATE.acquire(float(mark.args[0]))
+        item.user_properties.append(("memory_wait_s", round(waited, 1)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    if _GATE is not None and item.get_closest_marker("memory") is not None:
+        _GATE.release()
 
 
 def sglang_missing(fail: str, skip: str) -> NoReturn:
@@ -110,9 +142,12 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
                        env={"HISTOSPEC_DRAFT_SERVER": ds.address}, log_path=tmp / "sglang.log")
+    # It stays up for the rest of this worker's run: every later test's memory budget counts it.
+    standing = _GATE.standing(TEXT_ENGINE_GB) if _GATE is not None else contextlib.nullcontext()
     try:
-        srv.start()
-        yield {"server": srv, "draft_server": ds, "model": text_model}
+        with standing:
+            srv.start()
+            yield {"server": srv, "draft_server": ds, "model": text_model}
     finally:
         srv.stop()
         ds.kill()

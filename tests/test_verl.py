@@ -57,6 +57,7 @@ def test_entry_point_makes_the_history_override_resolve(verl_py, text_model, tmp
     assert "Unknown speculative algorithm name: HISTORY" in off["server_args"]["error"]
 
 
+@pytest.mark.memory(3)
 def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_abort(verl_py, text_model, tmp_path):
     """verl_driver.py ``launch`` lists what it stands in (no CUDA here), and why."""
     from histospec_sgl.bench.engine_server import cpu_engine_env
@@ -90,6 +91,7 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_a
     assert abort["kept"] == sp["previous"]
 
 
+@pytest.mark.memory(4.5)
 def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
     srv = text_engine["server"]
     out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, str(tmp_path / "draft"),

@@ -1,0 +1,112 @@
+"""Two pytest-xdist workers on a 24 GB machine: a memory budget the workers share.
+
+``scripts/test.sh`` runs the suite on two workers (``-n 2 --dist loadscope``: a module, or a class,
+runs whole on one worker, so its module-scoped servers start once). A CPU SGLang server takes about
+2 GB, and several tests start four or five side by side: two such tests at once would not fit. A test
+that starts servers says how much memory it needs at its peak (``@pytest.mark.memory(gb)``, measured
+as the drop in ``MemAvailable`` while it runs alone, servers of its module's fixtures included), and
+a worker waits before setting it up until the reservations of the tests running on the other workers
+and its own fit in :data:`BUDGET_GB`. A session-scoped server (``text_engine``) stands for the rest of
+a worker's run: it declares itself with :meth:`MemoryGate.standing`, and counts against the budget of
+every test after it. Waiting holds no test's reservation, and a test waits only while a test of
+another worker holds one, so two workers never wait on each other; a worker already waiting goes
+before a test that asks later. Without xdist (one process) nothing waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Reservations that may run at once: 24 GB less the servers that module fixtures keep between tests,
+#: the two pytest workers and the tests that reserve nothing (about 2 GB each way), and the system.
+BUDGET_GB = float(os.environ.get("HISTOSPEC_TEST_MEMORY_GB", "13"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class MemoryGate:
+    """Reservations in a JSON file shared by the workers of one run (under an ``flock``):
+    ``{worker: {"pid", "held", "standing", "waiting", "ticket"}}``; entries of dead workers are
+    dropped."""
+
+    def __init__(self, path: Path, worker: str, budget: float = BUDGET_GB, poll_s: float = 0.5):
+        self.path, self.worker, self.budget, self.poll_s = path, worker, budget, poll_s
+
+    @classmethod
+    def for_this_worker(cls) -> MemoryGate | None:
+        worker, run = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        if not worker or not run:
+            return None
+        return cls(Path(tempfile.gettempdir()) / f"histospec-pytest-memory-{run}.json", worker)
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[dict]:
+        with open(self.path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                state = json.loads(self.path.read_text()) if self.path.exists() else {}
+                state = {w: e for w, e in state.items() if w == self.worker or _alive(e["pid"])}
+                yield state
+                tmp = self.path.with_suffix(f".{self.worker}.tmp")
+                tmp.write_text(json.dumps(state))
+                os.replace(tmp, self.path)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _entry(self, state: dict) -> dict:
+        return state.setdefault(self.worker, {"pid": os.getpid(), "held": 0.0, "standing": 0.0, "waiting": 0.0,
+                                              "ticket": 0.0})
+
+    def _may_start(self, state: dict, gb: float) -> bool:
+        me = self._entry(state)
+        others = [e for w, e in state.items() if w != self.worker]
+        held = sum(e["held"] for e in others)
+        used = held + sum(e["standing"] for e in state.values())
+        for e in others:
+            if e["waiting"] and e["ticket"] < me["ticket"] and used + gb + e["waiting"] > self.budget:
+                return False  # it asked first and would not fit beside this one (it waits for no one now)
+        return held == 0 or used + gb <= self.budget  # alone, waiting would free nothing
+
+    def acquire(self, gb: float, timeout_s: float = 3600) -> float:
+        """Waits until ``gb`` fits beside what the other workers' tests and every standing server
+        hold, then holds it; returns the seconds waited."""
+        t0 = time.monotonic()
+        with self._state() as state:
+            self._entry(state).update(held=0.0, waiting=gb, ticket=time.time())
+        while True:
+            with self._state() as state:
+                if self._may_start(state, gb) or time.monotonic() - t0 > timeout_s:
+                    self._entry(state).update(held=gb, waiting=0.0)
+                    return time.monotonic() - t0
+            time.sleep(self.poll_s)
+
+    def release(self) -> None:
+        with self._state() as state:
+            self._entry(state).update(held=0.0, waiting=0.0)
+
+    @contextlib.contextmanager
+    def standing(self, gb: float) -> Iterator[None]:
+        """Counts ``gb`` against every later test's budget while the block runs (a server that a
+        session-scoped fixture keeps)."""
+        with self._state() as state:
+            self._entry(state)["standing"] += gb
+        try:
+            yield
+        finally:
+            with self._state() as state:
+                self._entry(state)["standing"] -= gb
