@@ -8,6 +8,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+# Byte-compiled at install, as pip does (uv does not by default): where PYTHONDONTWRITEBYTECODE is
+# set, nothing would cache the compiled modules and every SGLang process would compile torch's again.
+export UV_COMPILE_BYTECODE=1
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
   "$PY" -m venv .venv

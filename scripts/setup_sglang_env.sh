@@ -12,6 +12,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
+# Byte-compiled at install, as pip does (uv does not by default): where PYTHONDONTWRITEBYTECODE is
+# set, nothing would cache the compiled modules and every SGLang process would compile torch's again.
+export UV_COMPILE_BYTECODE=1
 VENV=.venv-sglang
 if [ ! -x .venv/bin/uv ] || [ ! -x .venv/bin/maturin ]; then
   echo "[setup-sglang] .venv has no uv or maturin: run scripts/setup_env.sh first" >&2
