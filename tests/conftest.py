@@ -12,6 +12,11 @@ from typing import NoReturn
 import pytest
 from _lanes import MemoryGate
 
+# Every process the tests start (SGLang servers, trainer drivers, Ray actors) computes on one thread:
+# tests run several servers side by side and scripts/test.sh runs two workers, on two cores, where
+# torch's default of one thread per core leaves threads spinning against the other processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 #: SGLang 0.5.23 unpacked beside 0.5.17 by scripts/setup_sglang_env.sh, laid over it on PYTHONPATH.
