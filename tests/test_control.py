@@ -13,6 +13,7 @@ import pytest
 
 from histospec_sgl.bench.length_bench import Response, evaluate, spearman
 from histospec_sgl.engine.costmodel import CostModel, EngineControl
+from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.engine.profile import H100_8B, Measured, resolve
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout, default_data_root
@@ -146,7 +147,7 @@ def test_two_request_step_makespan_by_hand():
     b = _req(2)
     # Width 4, both running: step 1 prefills both (A at 1, B at 1) in 2 s; step 2: A 1+2 -> 4, B -> 2
     # (done, t=4); step 3: A alone -> 5 (done, t=6).
-    spec = run_step([a, b], FLAT, max_running=2, length_first=False, width=4)
+    spec = run_step([a, b], FLAT, max_running=2, length_first=False, policy=Fixed(4))
     assert (spec.makespan_s, spec.steps, spec.finish_s) == (6.0, 3, [4.0, 6.0])
     assert spec.tokens_per_s == pytest.approx(7 / 6)
     # Plain decoding: A needs 5 steps of 1 s; B is done after its second.
@@ -266,6 +267,10 @@ def test_cost_model_policy_never_loses_to_plain_on_the_step():
     assert out["history_fixed"].makespan_s > 1.5 * base  # fixed width pays 2 s a step for nothing
     assert out["history_cost_model"].makespan_s <= base + 2 * 16  # at most the calibration steps
     assert out["history_cost_model"].widths.get(1, 0) > out["history_cost_model"].widths.get(4, 0)
+    # The switch-off rule, measuring acceptance it does not get, decodes plainly too, but for its
+    # measuring window and a probe every 64 steps.
+    assert out["history_switchoff"].makespan_s < out["history_fixed"].makespan_s
+    assert out["history_switchoff"].widths.get(1, 0) > out["history_switchoff"].widths.get(4, 0)
 
 
 def test_draft_traces_accept_along_the_history():
@@ -308,8 +313,8 @@ def test_simulate_command_writes_the_documented_json(tmp_path):
     res = json.loads(out.read_text())
     assert res["profile"] == "h100-8b-analytic" and res["analytic"] is True
     assert "ANALYTIC" in r.stdout
-    names = {"baseline", "history_fixed", "history_cost_model", "length_first", "full", "length_first_oracle",
-             "length_first_group_oracle"}
+    names = {"baseline", "history_fixed", "history_switchoff", "history_cost_model", "length_first", "full",
+             "length_first_oracle", "length_first_group_oracle"}
     assert set(res["policies"]) == names
     for v in res["policies"].values():
         assert {"makespan_s", "tail_s", "tokens_per_s", "ratio_vs_baseline", "ratio_vs_baseline_range"} <= set(v)
@@ -355,15 +360,15 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     t = 0.0
     for width, took in ((8, 2.0), (8, 2.0), (1, 1.0), (1, 1.0)):
         ec.begin(t)  # as the worker does: the step before is timed, then this one chosen
-        assert ec.choose(4, promised=0.0) == width
+        assert ec.choose({ec.d: 0.0}, 4) == width
         ec.decode_step(4, width, t)
         t += took
     ec.begin(t)
     # 4 requests: plain gives 4 tokens/s; wide (4 + promised) / 2.
-    assert ec.choose(4, promised=3.0) == 1  # 3.5 < 4
-    assert ec.choose(4, promised=5.0) == 8  # 4.5 > 4
-    assert ec.choose(3, promised=5.0) == 8  # 3 shares the bucket of 4: no new measurement
-    assert ec.choose(5, promised=0.0) == 8  # 5-8 is a new bucket: measured first
+    assert ec.choose({ec.d: 3.0}, 4) == 1  # 3.5 < 4
+    assert ec.choose({ec.d: 5.0}, 4) == 8  # 4.5 > 4
+    assert ec.choose({ec.d: 5.0}, 3) == 8  # 3 shares the bucket of 4: no new measurement
+    assert ec.choose({ec.d: 0.0}, 5) == 8  # 5-8 is a new bucket: measured first
     # An interval far beyond the bucket's estimate held an idle engine, not a step.
     ec.decode_step(4, 1, 10.0)
     ec.begin(100.0)
@@ -371,7 +376,7 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     # A width the engine never runs in a bucket is given up after a few tries; drafting goes on.
     ec2 = EngineControl(d=8, min_samples=2)
     _time_steps(ec2, 2, 8, 1.0)
-    assert [ec2.choose(2, 0.0) for _ in range(5)] == [1, 1, 1, 1, 8]
+    assert [ec2.choose({ec2.d: 0.0}, 2) for _ in range(5)] == [1, 1, 1, 1, 8]
 
 
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
@@ -381,15 +386,15 @@ def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
         ec.clock.record(1, 8, took)
     _time_steps(ec, 1, 1, 1.0)
     assert ec.clock.step_s(1, 8) == 2.0
-    assert ec.choose(1, promised=1.5) == 8  # 2.5 tokens / 2 s beat 1 / 1 s
+    assert ec.choose({ec.d: 1.5}, 1) == 8  # 2.5 tokens / 2 s beat 1 / 1 s
     # Plain decoding wins for a while; a width not timed for remeasure_after steps is tried again,
     # so a cost measured too high does not keep it unchosen for good.
     for _ in range(8):  # the wide timings are 3 to 10 steps old
-        assert ec.choose(1, promised=0.0) == 1
+        assert ec.choose({ec.d: 0.0}, 1) == 1
         ec.clock.record(1, 1, 1.0)
-    assert ec.choose(1, promised=0.0) == 8
+    assert ec.choose({ec.d: 0.0}, 1) == 8
     ec.clock.record(1, 8, 1.0)
-    assert ec.choose(1, promised=0.0) == 1
+    assert ec.choose({ec.d: 0.0}, 1) == 1
 
 
 def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
@@ -468,7 +473,7 @@ def test_calibration_forgets_and_the_engine_never_probes():
     _time_steps(ec, 2, 4, 1.0)
     _time_steps(ec, 2, 1, 1.0)
     assert ec.model.probe_every == 0
-    assert {ec.choose(2, 0.0) for _ in range(100)} == {1}
+    assert {ec.choose({ec.d: 0.0}, 2) for _ in range(100)} == {1}
 
 
 def test_drafter_measures_the_drafts_of_plain_steps():

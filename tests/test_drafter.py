@@ -16,7 +16,8 @@ from _contract import check_contract
 from _samples import humaneval
 
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.drafter import BatchDrafter, SwitchOff
+from histospec_sgl.engine.drafter import BatchDrafter
+from histospec_sgl.engine.policy import Fixed, StepPolicy, SwitchOff
 
 # -- the draft source ------------------------------------------------------------------------------
 
@@ -167,16 +168,32 @@ def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
 
 
 def test_switch_off_by_measured_acceptance():
-    sw = SwitchOff(min_accept=1.0, probe_every=4, window=8)
-    assert sw.should_draft(32)  # nothing measured yet
+    sw = SwitchOff(8, min_accept=1.0, probe_every=4, window=8)
+    assert sw.choose({}, 32) == 8  # nothing measured yet
     for _ in range(8):
-        sw.observe(accepted=2, request_steps=32)  # 0.06 accepted per request-step
-    decisions = [sw.should_draft(32) for _ in range(8)]
-    assert decisions.count(True) == 2  # probes only
+        sw.observe(0.0, accepted=2, requests=32)  # 0.06 accepted per request-step
+        sw.observe(0.0, accepted=64, requests=1, shadow=True)  # measures nothing: it only verifies
+    decisions = [sw.choose({}, 32) for _ in range(8)]
+    assert decisions.count(8) == 2 and decisions.count(1) == 6  # probes only
     # One probe that reaches the threshold switches drafting back on with a fresh window.
-    sw.observe(accepted=64, request_steps=32)
+    sw.observe(0.0, accepted=64, requests=32)
     assert sw.mean_accept == 2.0
-    assert all(sw.should_draft(32) for _ in range(8))
+    assert all(sw.choose({}, 32) == 8 for _ in range(8))
+    assert SwitchOff(8, max_batch=16).choose({}, 17) == 1 and SwitchOff(8, max_batch=16).choose({}, 16) == 8
+
+
+def test_every_step_policy_has_the_one_interface():
+    """The engine's policies and the simulator's are one kind of object."""
+    from histospec_sgl.engine.costmodel import CostModel, EngineControl
+    from histospec_sgl.engine.profile import ANALYTIC
+
+    policies = [Fixed(1), Fixed(8), SwitchOff(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
+    assert all(isinstance(p, StepPolicy) for p in policies)
+    assert [p.choose({8: 3.0}, 4) for p in policies[:3]] == [1, 8, 8]
+    assert BatchDrafter(8).policy.__class__ is SwitchOff
+    assert BatchDrafter(8, HistoryConfig(control="cost")).control is not None
+    with pytest.raises(ValueError, match="one step policy at a time"):
+        HistoryConfig(control="cost", min_accept=1.0)
 
 
 def test_steps_verified_without_drafts_do_not_count_as_rejections():
@@ -189,18 +206,18 @@ def test_steps_verified_without_drafts_do_not_count_as_rejections():
     for _ in range(8):  # measured: nothing accepted
         dr.draft(["r"])
         dr.observe_step([0])
-    assert dr.switch.mean_accept == 0.0
-    window = list(dr.switch._acc)
+    assert isinstance(dr.policy, SwitchOff) and dr.policy.mean_accept == 0.0
+    window = list(dr.policy._acc)
     for _ in range(3):  # switched off: these steps draft nothing and measure nothing
         dr.draft(["r"])
         assert not dr.drafting
         dr.observe_step([0])
-    assert dr.switch._acc == window
+    assert dr.policy._acc == window
     while not dr.drafting:  # until the probe
         dr.observe_step([0])
         dr.draft(["r"])
     dr.observe_step([7])
-    assert dr.switch.mean_accept == 7.0 and dr.switch.should_draft(1)
+    assert dr.policy.mean_accept == 7.0 and dr.policy.should_draft(1)
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

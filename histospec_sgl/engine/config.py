@@ -146,7 +146,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_CONTROL", "control", _choice("thresholds", "cost"), "thresholds",
             "cost: each decode step verifies the drafts or decodes plainly (one token per request), whichever gives "
             "more tokens per second by step costs the engine measures per batch size and the acceptance the "
-            "drafts promise (calibrated by what was accepted); thresholds: the switch-off settings below only"),
+            "drafts promise (calibrated by what was accepted); thresholds: every step drafts unless the "
+            "switch-off settings above hold it off (they apply to thresholds only)"),
     Setting("HISTOSPEC_NARROW_VERIFY", "narrow_verify", _int(0), 0,
             "decode a step in which no request has a draft plainly (the target's DECODE forward, one token "
             "per request, run outside CUDA graphs) instead of verifying d nodes, when the batch has at least "
@@ -206,6 +207,13 @@ class HistoryConfig:
     huge_pages: str = "0"
     log_every: int = 200
     lenience: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.control == "cost" and (self.max_batch or self.min_accept):
+            raise HistoryConfigError(
+                "HISTOSPEC_MAX_BATCH and HISTOSPEC_MIN_ACCEPT are the switch-off settings of HISTOSPEC_CONTROL="
+                "thresholds; under HISTOSPEC_CONTROL=cost the cost model chooses each step itself (one step "
+                "policy at a time): unset them or the other")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HistoryConfig:

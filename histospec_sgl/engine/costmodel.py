@@ -15,7 +15,7 @@ plain decoding by the model's own account, and it turns speculation on when the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from histospec_sgl.engine.profile import Profile
@@ -23,9 +23,11 @@ from histospec_sgl.engine.profile import Profile
 
 @dataclass
 class CostModel:
-    """Chooses the verify width per step. ``widths`` are the draft widths it may verify (root
-    included; 1, plain decoding, is always allowed)."""
+    """Chooses the verify width per step (a :class:`~histospec_sgl.engine.policy.StepPolicy`).
+    ``widths`` are the draft widths it may verify (root included; 1, plain decoding, is always
+    allowed)."""
 
+    reads_promises = True
     profile: Profile
     widths: Sequence[int]
     accepted: float = 0.0
@@ -56,7 +58,7 @@ class CostModel:
             return 1.0
         return self.accepted / self.promised
 
-    def choose(self, promised: dict[int, float], batch: int, context: float, prefill: int = 0,
+    def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
                decoding: int | None = None) -> int:
         """The width with the most expected tokens per second. ``promised[w]``: the batch's sum of
         promised accepted tokens at width ``w``; ``decoding``: requests that emit a token this step
@@ -78,13 +80,18 @@ class CostModel:
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
-    def observe(self, promised: float, accepted: float) -> None:
-        """What drafts promised and what was (or would have been) accepted of them."""
+    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False) -> None:
+        """What drafts promised and what was (or would have been, ``shadow``) accepted of them."""
         self.promised += promised
         self.accepted += accepted
         if self.forget_after is not None and self.promised >= self.forget_after:
             self.promised /= 2
             self.accepted /= 2
+
+    def shadow_width(self) -> int:
+        """With no probes, a plain step's drafts at the width that came closest to paying are
+        measured as shadow drafts."""
+        return self.candidate if not self.probe_every else 1
 
 
 @dataclass
@@ -183,6 +190,7 @@ class EngineControl:
     ``remeasure_after`` timed steps is tried once more, so that a cost measured too high (or too
     low) is not kept for good by never being chosen again."""
 
+    reads_promises = True
     d: int
     clock: StepClock = field(default_factory=StepClock)
     model: CostModel = field(init=False)
@@ -201,9 +209,11 @@ class EngineControl:
     def __post_init__(self) -> None:
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
         self.model = CostModel.measuring_shadows(self.clock, [self.d], self.forget_after)
+        self.widths: Sequence[int] = (self.d,)
 
-    def choose(self, batch: int, promised: float) -> int:
-        """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised``
+    def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
+               decoding: int | None = None) -> int:
+        """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised[d]``
         accepted tokens in all."""
         for w in (self.d, 1):
             if self.clock.count(batch, w) < self.min_samples:
@@ -216,7 +226,7 @@ class EngineControl:
         for w in (self.d, 1):
             if self.clock.age(batch, w) > self.remeasure_after:
                 return w
-        return self.model.choose({self.d: promised}, batch, 0.0)
+        return self.model.choose({self.d: promised.get(self.d, 0.0)}, batch)
 
     def begin(self, now: float) -> None:
         """The engine starts a forward pass (of any kind): the decode step before it, if any, took
@@ -230,13 +240,16 @@ class EngineControl:
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         self._current = (width, batch, started)
 
-    def observe(self, promised: float, accepted: float, *, shadow: bool = False) -> None:
+    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False) -> None:
         """A verified step's drafts (or, ``shadow``, a shadow draft's): what they promised and what
         was (or would have been) accepted."""
         if not shadow:
             self.verified[0] += self.model.calibration() * promised
             self.verified[1] += accepted
         self.model.observe(promised, accepted)
+
+    def shadow_width(self) -> int:
+        return self.d
 
     def summary(self) -> str:
         """One line for the engine's log: the calibration, each bucket's measured cost of a wide

@@ -15,7 +15,7 @@ consumes: ``tokens`` int64 ``[bs*d]`` and ``mask`` int64 ``[bs*d*d]``. The contr
 It keeps each in-flight request's context in the index in step with what SGLang has accepted (so
 siblings of a group draft from each other while they decode), turns finished requests into
 history of their group, measures acceptance from how far each request advanced between two steps,
-and applies the switch-off rule.
+and asks its step policy (:mod:`histospec_sgl.engine.policy`) whether each step drafts.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.engine.draft import tree_parents_batch, write_empty
+from histospec_sgl.engine.policy import StepPolicy, SwitchOff
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -81,52 +82,6 @@ class _Live:
     shadow: ShadowDraft | None = None  # an unverified draft being measured (the cost model)
 
 
-class SwitchOff:
-    """When to stop drafting: above ``max_batch`` requests, or while the mean accepted draft tokens
-    per request-step, measured over the last drafted steps, is below ``min_accept`` (then every
-    ``probe_every``-th step still drafts, to notice when acceptance comes back)."""
-
-    def __init__(self, max_batch: int = 0, min_accept: float = 0.0, probe_every: int = 64,
-                 window: int = 32):
-        self.max_batch = max_batch
-        self.min_accept = min_accept
-        self.probe_every = probe_every
-        self.window = window
-        self._acc: list[float] = []
-        self._off_steps = 0
-
-    @property
-    def mean_accept(self) -> float | None:
-        return sum(self._acc) / len(self._acc) if self._acc else None
-
-    def observe(self, accepted: int, request_steps: int) -> None:
-        """One drafted step's outcome: accepted draft tokens over its request-steps. A probe (a step
-        drafted while switched off) that reaches ``min_accept`` switches drafting back on at once and
-        starts a fresh window, so acceptance that came back is not averaged with the old."""
-        if not request_steps:
-            return
-        rate = accepted / request_steps
-        mean = self.mean_accept
-        if (self.min_accept > 0 and mean is not None and mean < self.min_accept and rate >= self.min_accept
-                and len(self._acc) >= min(8, self.window)):
-            self._acc = []
-            self._off_steps = 0
-        self._acc.append(rate)
-        del self._acc[: -self.window]
-
-    def should_draft(self, batch_size: int) -> bool:
-        if self.max_batch and batch_size > self.max_batch:
-            return False
-        mean = self.mean_accept
-        if self.min_accept <= 0 or mean is None or len(self._acc) < min(8, self.window):
-            return True
-        if mean >= self.min_accept:
-            self._off_steps = 0
-            return True
-        self._off_steps += 1
-        return self._off_steps % self.probe_every == 0
-
-
 class BatchDrafter:
     """History drafting for one engine (one per process; only TP rank 0 builds one).
 
@@ -148,11 +103,13 @@ class BatchDrafter:
                            "starts), or its C library has no such switch (glibc >= 2.35 on Linux); the "
                            "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
-        self.switch = SwitchOff(self.config.max_batch, self.config.min_accept, self.config.probe_every)
-        #: ``HISTOSPEC_CONTROL=cost``: each step verifies the drafts or decodes plainly, whichever the
-        #: measured step costs and the drafts' promised acceptance say gives more tokens per second.
-        self.control = EngineControl(draft_tokens) if self.config.control == "cost" else None
-        #: Whether the last :meth:`draft` drafted (False: the switch-off rule held it off).
+        #: Whether each step drafts: ``HISTOSPEC_CONTROL=cost``, the width the measured step costs and
+        #: the drafts' promised acceptance say gives more tokens per second (:class:`EngineControl`);
+        #: else d, held off by the switch-off settings (:class:`SwitchOff`; by default never).
+        self.policy: StepPolicy = (EngineControl(draft_tokens) if self.config.control == "cost" else
+                                   SwitchOff(draft_tokens, self.config.max_batch, self.config.min_accept,
+                                             self.config.probe_every))
+        #: Whether the last :meth:`draft` drafted (False: the policy chose plain decoding).
         self.drafting = True
         # Whether each drafted-for step not yet verified drafted (overlap scheduling verifies a step
         # after the next one is drafted).
@@ -250,8 +207,8 @@ class BatchDrafter:
     def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int]) -> None:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
-        if live.shadow is not None and self.control is not None and live.shadow.advance(new):
-            self.control.observe(live.shadow.promised, live.shadow.accepted, shadow=True)
+        if live.shadow is not None and live.shadow.advance(new):
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True)
             live.shadow = None
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
@@ -275,9 +232,9 @@ class BatchDrafter:
             new = response[live.known:]
             self.index.extend_request(live.iid, new)
             self._advanced(live, len(response), response[-1], new)
-        if live.shadow is not None and self.control is not None and response is not None:
+        if live.shadow is not None and response is not None:
             # Verifying it would have accepted up to the response's end, as the walk did.
-            self.control.observe(live.shadow.promised, live.shadow.accepted, shadow=True)
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
@@ -303,6 +260,12 @@ class BatchDrafter:
     def live(self) -> set[str]:
         return set(self._live)
 
+    @property
+    def control(self) -> EngineControl | None:
+        """The policy when it is the cost model, which times the engine's steps (the worker feeds
+        its clock); None under the switch-off settings."""
+        return self.policy if isinstance(self.policy, EngineControl) else None
+
     # -- drafting -------------------------------------------------------------------------------
 
     def draft(self, rids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -320,19 +283,20 @@ class BatchDrafter:
             self._probs = np.zeros(cap * d, dtype=np.float32)
         tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
         lives = [self._live[r] for r in rids]
-        drafting = self.switch.should_draft(bs)
         promised = 0.0
-        if drafting:
+        if self.policy.reads_promises:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
-            if self.control is None:
+            probs = self._probs[: bs * d]
+            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
+            promised = float(probs.reshape(bs, d)[:, 1:].sum())  # pads have probability 0
+            drafting = self.policy.choose({d: promised}, bs) > 1
+            if not drafting and nonempty and self.policy.shadow_width() > 1:
+                self._shadow(lives, tokens, mask, probs, counts)
+        else:
+            drafting = self.policy.choose({}, bs) > 1
+            if drafting:
+                iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
                 nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
-            else:
-                probs = self._probs[: bs * d]
-                nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
-                promised = float(probs.reshape(bs, d)[:, 1:].sum())  # pads have probability 0
-                drafting = self.control.choose(bs, promised) > 1
-                if not drafting and nonempty:
-                    self._shadow(lives, tokens, mask, probs, counts)
         self.drafting = drafting
         self._drafted_steps.append((drafting, promised))
         if not drafting:
@@ -375,14 +339,12 @@ class BatchDrafter:
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's
-        ``on_verify_complete_cpu``); feeds the switch-off rule."""
+        ``on_verify_complete_cpu``); feeds the step policy."""
         acc = list(accepted)
         # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
         drafted, promised = self._drafted_steps.popleft() if self._drafted_steps else (True, 0.0)
         if drafted:
-            self.switch.observe(sum(acc), len(acc))
-            if self.control is not None:
-                self.control.observe(promised, sum(acc))
+            self.policy.observe(promised, sum(acc), len(acc))
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

@@ -186,6 +186,7 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
     plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
     of earlier batches in the row added to its history, as the engine keeps them."""
     from histospec_sgl.engine.costmodel import CostModel
+    from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens = 0.0, 0, 0
     done: dict[int, list[list[int]]] = {}
@@ -197,8 +198,8 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
             mine = [g.samples[si][:cap] for gj, si in chunk if gj == gi]
             sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, [d])
             done.setdefault(gi, []).extend(mine)
-        model = CostModel.measuring_shadows(profile, [d]) if cost else None
-        o = simulate.run_step(sims, profile, batch, length_first=False, width=width, cost_model=model)
+        policy = CostModel.measuring_shadows(profile, [d]) if cost else Fixed(width or 1)
+        o = simulate.run_step(sims, profile, batch, length_first=False, policy=policy)
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)

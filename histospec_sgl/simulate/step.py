@@ -10,7 +10,8 @@ logged continuation. A group's samples draft from each other's tokens so far, as
 in-flight siblings do (``StepSpec.siblings``; off, each request sees its history only).
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
-``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
+``history_fixed`` (HISTORY at a fixed width), ``history_switchoff`` (that width, switched off while
+measured acceptance is low: :class:`~histospec_sgl.engine.policy.SwitchOff`), ``history_cost_model`` (the width chosen each step by
 :class:`~histospec_sgl.engine.costmodel.CostModel`, calibrated as the engine's is: by the verified
 steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
@@ -33,11 +34,15 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import CostModel
+from histospec_sgl.engine.policy import Fixed, StepPolicy, SwitchOff
 from histospec_sgl.engine.profile import Profile
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import accept_greedy
 
-POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
+POLICIES = ("baseline", "history_fixed", "history_switchoff", "history_cost_model", "length_first", "full")
+#: ``history_switchoff``'s threshold: ``bench engine``'s ``history_switchoff`` method
+#: (``HISTOSPEC_MIN_ACCEPT=1``; a switched-off step decodes plainly, as ``HISTOSPEC_NARROW_VERIFY=1`` does).
+SWITCH_OFF_MIN_ACCEPT = 1.0
 #: Not a policy but its ceiling: length first with every request's true length known.
 ORACLE = "length_first_oracle"
 #: The ceiling of ranking groups, as the trainer adapters do: every sample of a group predicted at
@@ -142,9 +147,9 @@ class Outcome:
 
 
 def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, length_first: bool,
-             width: int | None = None, cost_model: CostModel | None = None, siblings: bool = True) -> Outcome:
-    """Simulates one rollout step. ``width``: a fixed verify width (None or 1: plain decoding);
-    ``cost_model``: choose the width each step instead. New requests join when slots free up, in
+             policy: StepPolicy | None = None, siblings: bool = True) -> Outcome:
+    """Simulates one rollout step. ``policy`` chooses each step's verify width, as it does in the
+    engine (:mod:`histospec_sgl.engine.policy`; None: plain decoding). New requests join when slots free up, in
     submission order or, with ``length_first``, longest predicted first (ties: submission order).
     A group ends when its longest sample does, so a waiting request's prediction is the expected
     longest of its group's n samples (n: the group's requests in the step) drawn from the group's
@@ -154,6 +159,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     the step it joins."""
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
+    policy = policy or Fixed(1)
     queue = list(range(len(reqs)))
     queue.reverse()  # pop() from the end: submission order
     sizes = Counter(r.group for r in reqs)
@@ -188,12 +194,9 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         bs = len(running)
         context = sum(reqs[i].prompt_len + pos for i, pos in running) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
-        if cost_model is not None:
-            widths = [w for w in cost_model.widths if w > 1]
-            promised = {w: float(sum(reqs[i].promised[w][pos] for i, pos in decoding)) for w in widths}
-            w = cost_model.choose(promised, bs, context, prefill)
-        else:
-            w = width or 1
+        promised = ({w: float(sum(reqs[i].promised[w][pos] for i, pos in decoding)) for w in policy.widths if w > 1}
+                    if policy.reads_promises else {})
+        w = policy.choose(promised, bs, context, prefill)
         steps += 1
         t += profile.step_s(bs, w, context, prefill)
         used[w] = used.get(w, 0) + 1
@@ -211,15 +214,15 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             adv = min(adv, r.length - pos)
             entry[1] += adv
             emitted += adv
-        if cost_model is not None:
-            if w == 1 and decoding and not cost_model.probe_every and cost_model.candidate > 1:
-                # A plain step: the drafts it did not verify (at the width that came closest to
-                # paying) are measured as shadow drafts would be, against the logged tokens.
-                wide = cost_model.candidate
-                promised_now = float(sum(reqs[i].promised[wide][pos] for i, pos in decoding))
-                got = float(sum(int(reqs[i].accepted[wide][pos]) for i, pos in decoding))
-            if promised_now:
-                cost_model.observe(promised_now, got)
+        shadow = policy.shadow_width() if w == 1 and decoding else 1
+        if shadow > 1:
+            # A plain step: the drafts it did not verify (at the width the policy names) are
+            # measured as shadow drafts would be, against the logged tokens.
+            promised_now = float(sum(reqs[i].promised[shadow][pos] for i, pos in decoding))
+            got = float(sum(int(reqs[i].accepted[shadow][pos]) for i, pos in decoding))
+        # A policy that reads promises learns from the steps that promised something.
+        if (shadow > 1 or w > 1) and decoding and (promised_now or not policy.reads_promises):
+            policy.observe(promised_now, got, len(decoding), shadow=shadow > 1)
         timeline.append((t, bs, w, emitted / bs))
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
@@ -270,12 +273,14 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
     parts = [p for p in parts if p]
     runs = {
         "baseline": lambda rs: run_step(rs, profile, max_running, length_first=False),
-        "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, width=fixed_width),
+        "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, policy=Fixed(fixed_width)),
+        "history_switchoff": lambda rs: run_step(rs, profile, max_running, length_first=False,
+                                                 policy=SwitchOff(fixed_width, min_accept=SWITCH_OFF_MIN_ACCEPT)),
         "history_cost_model": lambda rs: run_step(rs, profile, max_running, length_first=False,
-                                                  cost_model=CostModel.measuring_shadows(profile, widths)),
+                                                  policy=CostModel.measuring_shadows(profile, widths)),
         "length_first": lambda rs: run_step(rs, profile, max_running, length_first=True),
         "full": lambda rs: run_step(rs, profile, max_running, length_first=True,
-                                    cost_model=CostModel.measuring_shadows(profile, widths)),
+                                    policy=CostModel.measuring_shadows(profile, widths)),
         ORACLE: lambda rs: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in rs], profile,
                                     max_running, length_first=True, siblings=False),
         GROUP_ORACLE: lambda rs: run_step(_group_longest(rs), profile, max_running, length_first=True, siblings=False),
