@@ -99,6 +99,15 @@ class MemoryGate:
         with self._state() as state:
             self._entry(state).update(held=0.0, waiting=0.0)
 
+    def leave(self) -> None:
+        """This worker is done: its entry goes, and the file with the last one."""
+        with self._state() as state:
+            state.pop(self.worker, None)
+            last = not state
+        if last:
+            self.path.unlink(missing_ok=True)
+            self.path.with_suffix(".lock").unlink(missing_ok=True)
+
     @contextlib.contextmanager
     def standing(self, gb: float) -> Iterator[None]:
         """Counts ``gb`` against every later test's budget while the block runs (a server that a

@@ -64,6 +64,11 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         _GATE.release()
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _GATE is not None:
+        _GATE.leave()
+
+
 def sglang_missing(fail: str, skip: str) -> NoReturn:
     """Where scripts/test.sh set up SGLang (HISTOSPEC_REQUIRE_SGLANG=1), a missing piece fails the
     test; elsewhere it skips it, saying why."""

@@ -80,6 +80,17 @@ def test_a_dead_workers_reservation_is_dropped(tmp_path):
     assert "gw1" not in json.loads(path.read_text())
 
 
+def test_the_last_worker_to_leave_removes_the_file(tmp_path):
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    a.acquire(1)
+    b.acquire(1)
+    a.leave()
+    assert list(json.loads(path.read_text())) == ["gw1"]
+    b.leave()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_outside_xdist_nothing_waits(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     assert MemoryGate.for_this_worker() is None
