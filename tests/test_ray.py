@@ -98,5 +98,30 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         gone = _run(ray_py, greedy_model, *stop_cli)
         assert gone.returncode == 1 and "no actor" in gone.stdout
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, timeout=120, env=_env(greedy_model))
+        _stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _stop_cluster(temp: str) -> None:
+    """Stops this test's Ray cluster, and no other: its processes name its temp dir on their command
+    lines (``ray stop`` would stop every Ray cluster on the machine, another test's included)."""
+    import psutil
+
+    ours = [p for p in psutil.process_iter(["cmdline"]) if any(temp in a for a in p.info["cmdline"] or ())]
+    procs = {p.pid: p for p in ours}
+    for p in ours:
+        try:
+            procs.update((c.pid, c) for c in p.children(recursive=True))  # its workers
+        except psutil.NoSuchProcess:
+            pass
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=30)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
