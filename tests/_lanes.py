@@ -24,19 +24,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 #: Reservations that may run at once: 24 GB less the servers that module fixtures keep between tests,
 #: the two pytest workers and the tests that reserve nothing (about 2 GB each way), and the system.
 BUDGET_GB = float(os.environ.get("HISTOSPEC_TEST_MEMORY_GB", "13"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 class MemoryGate:
@@ -60,7 +52,7 @@ class MemoryGate:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 state = json.loads(self.path.read_text()) if self.path.exists() else {}
-                state = {w: e for w, e in state.items() if w == self.worker or _alive(e["pid"])}
+                state = {w: e for w, e in state.items() if w == self.worker or psutil.pid_exists(e["pid"])}
                 yield state
                 tmp = self.path.with_suffix(f".{self.worker}.tmp")
                 tmp.write_text(json.dumps(state))

@@ -67,20 +67,15 @@ class Fixed:
         return 1
 
 
-class SwitchOff:
+class SwitchOff(Fixed):
     """A fixed ``width``, switched off (plain decoding) above ``max_batch`` requests, or while the
     mean accepted draft tokens per request-step, measured over the last ``window`` drafted steps, is
     below ``min_accept``; then every ``probe_every``-th step still drafts, to notice when acceptance
     comes back. With the defaults (no limit, ``min_accept`` 0) it is :class:`Fixed`."""
 
-    reads_promises = False
-
     def __init__(self, width: int, max_batch: int = 0, min_accept: float = 0.0, probe_every: int = 64,
                  window: int = 32):
-        if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
-        self.width = width
-        self.widths: Sequence[int] = (width,) if width > 1 else ()
+        super().__init__(width)
         self.max_batch = max_batch
         self.min_accept = min_accept
         self.probe_every = probe_every
@@ -122,6 +117,3 @@ class SwitchOff:
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
                decoding: int | None = None) -> int:
         return self.width if self.width > 1 and self.should_draft(batch) else 1
-
-    def shadow_width(self) -> int:
-        return 1
