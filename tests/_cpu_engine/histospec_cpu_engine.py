@@ -22,12 +22,12 @@ in plain torch:
    tree attention item 1 provides) this plugin lets the server start; every other combination still
    gets the product's check and its error.
 
-``CPU_ENGINE_BROKEN`` deliberately breaks one piece, to show that the tests would notice:
-``mask`` (a causal mask in place of the tree mask), ``greedy-verify`` (SGLang's stock CPU behaviour:
-sampled requests verified greedily) or ``padding`` (the last leaves of each HISTORY draft, its pads when
-it is short, are re-hung under the root carrying node 1's token: duplicate siblings, which sampling
-verification counts several times). ``CPU_ENGINE_BROKEN_FILE`` names a file holding one of those words
-(or nothing), read at every step, so that one server runs both the real and a broken verify.
+``CPU_ENGINE_BROKEN_FILE`` names a file that, while it holds one of these words, deliberately breaks one
+piece, to show that the tests would notice: ``mask`` (a causal mask in place of the tree mask),
+``greedy-verify`` (SGLang's stock CPU behaviour: sampled requests verified greedily) or ``padding`` (the
+last leaves of each HISTORY draft, its pads when it is short, are re-hung under the root carrying node
+1's token: duplicate siblings, which sampling verification counts several times). It is read at every
+step, so that one server runs both the real and a broken verify.
 """
 
 from __future__ import annotations
@@ -38,46 +38,43 @@ from typing import Any
 
 logger = logging.getLogger("histospec_cpu_engine")
 
-BROKEN = os.environ.get("CPU_ENGINE_BROKEN", "")
 BROKEN_FILE = os.environ.get("CPU_ENGINE_BROKEN_FILE", "")
 _KINDS = ("", "mask", "greedy-verify", "padding")
 _registered = False
 
 
-def _check(kind: str, where: str) -> str:
-    if kind not in _KINDS:
-        raise ValueError(f"{where}={kind!r}: expected one of {', '.join(k for k in _KINDS if k)}")
-    return kind
-
-
 def broken() -> str:
-    """The piece broken for this step: ``CPU_ENGINE_BROKEN``, else the word in ``CPU_ENGINE_BROKEN_FILE``."""
-    if BROKEN or not BROKEN_FILE:
-        return BROKEN
+    """The piece broken for this step: the word in ``CPU_ENGINE_BROKEN_FILE`` ("" for none)."""
+    if not BROKEN_FILE:
+        return ""
     try:
         with open(BROKEN_FILE) as f:
-            return _check(f.read().strip(), f"CPU_ENGINE_BROKEN_FILE ({BROKEN_FILE})")
+            kind = f.read().strip()
     except FileNotFoundError:
         return ""
+    if kind not in _KINDS:
+        raise ValueError(f"CPU_ENGINE_BROKEN_FILE ({BROKEN_FILE}) holds {kind!r}: expected one of "
+                         f"{', '.join(k for k in _KINDS if k)}")
+    return kind
 
 
 def register() -> None:
     global _registered
     if _registered:
         return
-    _check(BROKEN, "CPU_ENGINE_BROKEN")
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
                           _verify_attention, HookType.AROUND)
     HookRegistry.register("sglang.srt.speculative.eagle_utils.eagle_sample", _sampling_verify, HookType.AROUND)
-    if BROKEN == "padding" or BROKEN_FILE:
+    if BROKEN_FILE:
         HookRegistry.register("histospec_sgl.plugin.worker.HistoryWorker._prepare_draft_tokens",
                               _duplicate_pads, HookType.AFTER)
     _allow_torch_native_on_cpu()
     _registered = True
-    if BROKEN:
-        logger.warning("histospec_cpu_engine: CPU_ENGINE_BROKEN=%s (a deliberately broken verify)", BROKEN)
+    if BROKEN_FILE:
+        logger.warning("histospec_cpu_engine: CPU_ENGINE_BROKEN_FILE=%s (its verify can be broken on purpose)",
+                       BROKEN_FILE)
 
 
 # -- 1. tree attention ---------------------------------------------------------------------------
