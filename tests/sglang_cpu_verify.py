@@ -16,8 +16,8 @@ on the way. A wrong cache location, position, mask or compaction changes what it
 what it predicts: the test compares every response with plain greedy decoding of the same policy.
 
 Four engines run two epochs of 3 prompts x 2 samples each, with and without SGLang's overlap
-scheduling, with and without narrow verify (``HISTOSPEC_NARROW_VERIFY=1`` with
-``HISTOSPEC_MAX_BATCH=3``: larger batches draft nothing and are verified at width 1).
+scheduling, under each step policy: ``HISTOSPEC_CONTROL=fixed`` (every step verified at width d)
+and ``cost`` (each step verified at d or decoded plainly, the target's DECODE forward at width 1).
 
 ``sglang_cpu_verify.py MODEL RANK PORT`` runs one of two tensor-parallel ranks (gloo on loopback):
 rank 0 drafts and broadcasts its drafts (:mod:`histospec_sgl.plugin.tp`), rank 1 keeps no index.
@@ -211,17 +211,12 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
     return steps
 
 
-def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None, cost: bool = False) -> dict:
+def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None) -> dict:
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
     from histospec_sgl.plugin.worker import HistoryWorker
 
-    for k in ("HISTOSPEC_NARROW_VERIFY", "HISTOSPEC_MAX_BATCH", "HISTOSPEC_CONTROL"):
-        os.environ.pop(k, None)
-    if narrow:
-        os.environ.update(HISTOSPEC_NARROW_VERIFY="1", HISTOSPEC_MAX_BATCH="3")
-    if cost:
-        os.environ.update(HISTOSPEC_CONTROL="cost")
+    os.environ["HISTOSPEC_CONTROL"] = control
     args = ["--model-path", model_path, "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
             "--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(D),
             "--attention-backend", "flashinfer"]
@@ -262,7 +257,7 @@ def engine(model_path: str, overlap: bool, narrow: bool, tp: tuple | None = None
             steps=steps, tokens=sum(r.max_new for r in reqs),
             identical=all(r.output_ids == policy.greedy(r.origin_input_ids, r.max_new) for r in reqs),
             calls=sorted(set(target.calls)), modes=sorted(target.modes)))
-    out.update(narrow_steps=worker.narrow_steps, width_after=worker.draft_token_num,
+    out.update(plain_steps=worker.plain_steps, width_after=worker.draft_token_num,
                responses=worker.history_stats().get("responses"))
     control = worker.drafter.control if worker.drafter is not None else None
     out["measured_widths"] = sorted({w for w, _ in control.clock.table}) if control is not None else []
@@ -280,7 +275,5 @@ if __name__ == "__main__":
         rank, port = int(sys.argv[2]), sys.argv[3]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         tp = (dist.new_group([0, 1], backend="gloo"), rank)
-    results = {f"overlap={o},narrow={n}": engine(sys.argv[1], o, n, tp)
-               for o in (False, True) for n in (False, True)}
-    results.update({f"overlap={o},cost": engine(sys.argv[1], o, False, tp, cost=True) for o in (False, True)})
+    results = {f"overlap={o},{c}": engine(sys.argv[1], o, c, tp) for o in (False, True) for c in ("fixed", "cost")}
     print("RESULT " + json.dumps(results))

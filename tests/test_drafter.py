@@ -1,6 +1,7 @@
 """The draft source of the HISTORY worker (:class:`histospec_sgl.engine.drafter.BatchDrafter`, no SGLang
 needed) on real HumanEval completions: the draft contract, sibling drafting, batched syncing, the
-request lifecycle, switch-off, history in and out; and ``histospec-sgl bench worker``, which times it.
+request lifecycle, plain steps, the step policies, history in and out; and ``histospec-sgl bench
+worker``, which times it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from _samples import humaneval
 
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.drafter import BatchDrafter
-from histospec_sgl.engine.policy import Fixed, StepPolicy, SwitchOff
+from histospec_sgl.engine.policy import Fixed, StepPolicy
+
+#: Every step drafts at width d (the engine's default, the cost model, chooses by the step times its
+#: worker measures, which these tests do not feed).
+FIXED = HistoryConfig(control="fixed")
 
 # -- the draft source ------------------------------------------------------------------------------
 
@@ -27,7 +32,7 @@ def test_drafter_contract_and_sibling_drafting_on_real_completions():
     what greedy tree verification would accept; check the contract at every step, that siblings
     in flight draft from each other and that finished responses become history."""
     d = 12
-    dr = BatchDrafter(d)
+    dr = BatchDrafter(d, FIXED)
     tasks = humaneval(4)
     steps = accepted_total = 0
     for task, (prompt, samples) in enumerate(tasks):
@@ -77,7 +82,7 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
     the one-by-one side on one."""
     d = 10
     tasks = humaneval(8)
-    whole, parts = BatchDrafter(d, HistoryConfig(threads=1)), BatchDrafter(d, HistoryConfig(threads=3))
+    whole, parts = BatchDrafter(d, HistoryConfig(threads=1, control="fixed")), BatchDrafter(d, HistoryConfig(threads=3, control="fixed"))
     assert (whole.index.threads, parts.index.threads) == (1, 3)
     rng = np.random.default_rng(0)
     reqs = [(f"t{t}-{k}", prompt, samples[k]) for t, (prompt, samples) in enumerate(tasks) for k in range(5)]
@@ -121,9 +126,9 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
     assert 7 in parts.index.group_keys() and 12345 not in parts.index.group_keys()
 
 
-def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
+def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     d = 6
-    dr = BatchDrafter(d, HistoryConfig(max_batch=2))
+    dr = BatchDrafter(d, FIXED)
     prompt = [5, 6, 7]
     dr.add_finished(prompt, [1, 2, 3, 4, 5, 6])
     dr.sync("a", prompt, [1])
@@ -133,10 +138,12 @@ def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
     dr.sync("a", prompt, [1, 2, 3])
     dr.sync("a", prompt, [1])
     assert dr.draft(["a"])[0][:2].tolist() == [1, 2]
-    # Switch-off above max_batch: root only, padded as a chain.
+    # A step its policy decodes plainly (width 1): root only, padded as a chain.
     for r in ("b", "c"):
         dr.sync(r, prompt, [1])
+    dr.policy = Fixed(1)
     tokens, mask = dr.draft(["a", "b", "c"])
+    dr.policy = Fixed(d)
     assert tokens.reshape(3, d)[:, 0].tolist() == [1, 1, 1] and not tokens.reshape(3, d)[:, 1:].any()
     check_contract(tokens, mask, [1, 1, 1], d)
     assert dr.totals["drafted_steps"] == 2 and dr.totals["steps"] == 3
@@ -167,57 +174,18 @@ def test_drafter_lifecycle_retraction_switch_off_and_history_io(tmp_path):
         other.load(tmp_path / "bad.jsonl")
 
 
-def test_switch_off_by_measured_acceptance():
-    sw = SwitchOff(8, min_accept=1.0, probe_every=4, window=8)
-    assert sw.choose({}, 32) == 8  # nothing measured yet
-    for _ in range(8):
-        sw.observe(0.0, accepted=2, requests=32)  # 0.06 accepted per request-step
-        sw.observe(0.0, accepted=64, requests=1, shadow=True)  # measures nothing: it only verifies
-    decisions = [sw.choose({}, 32) for _ in range(8)]
-    assert decisions.count(8) == 2 and decisions.count(1) == 6  # probes only
-    # One probe that reaches the threshold switches drafting back on with a fresh window.
-    sw.observe(0.0, accepted=64, requests=32)
-    assert sw.mean_accept == 2.0
-    assert all(sw.choose({}, 32) == 8 for _ in range(8))
-    assert SwitchOff(8, max_batch=16).choose({}, 17) == 1 and SwitchOff(8, max_batch=16).choose({}, 16) == 8
-
-
 def test_every_step_policy_has_the_one_interface():
     """The engine's policies and the simulator's are one kind of object."""
     from histospec_sgl.engine.costmodel import CostModel, EngineControl
     from histospec_sgl.engine.profile import ANALYTIC
 
-    policies = [Fixed(1), Fixed(8), SwitchOff(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
+    policies = [Fixed(1), Fixed(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
     assert all(isinstance(p, StepPolicy) for p in policies)
-    assert [p.choose({8: 3.0}, 4) for p in policies[:3]] == [1, 8, 8]
-    assert BatchDrafter(8).policy.__class__ is SwitchOff
-    assert BatchDrafter(8, HistoryConfig(control="cost")).control is not None
-    with pytest.raises(ValueError, match="one step policy at a time"):
-        HistoryConfig(control="cost", min_accept=1.0)
-
-
-def test_steps_verified_without_drafts_do_not_count_as_rejections():
-    """While switched off, the verify steps that carried no drafts accept nothing; they must not enter
-    the acceptance window, or a probe could never bring drafting back."""
-    dr = BatchDrafter(8, HistoryConfig(min_accept=1.0, probe_every=4))
-    prompt, resp = list(range(10, 40)), list(range(100, 160))
-    dr.add_finished(prompt, resp, None)
-    dr.sync_batch([("r", prompt, [], (), None)])
-    for _ in range(8):  # measured: nothing accepted
-        dr.draft(["r"])
-        dr.observe_step([0])
-    assert isinstance(dr.policy, SwitchOff) and dr.policy.mean_accept == 0.0
-    window = list(dr.policy._acc)
-    for _ in range(3):  # switched off: these steps draft nothing and measure nothing
-        dr.draft(["r"])
-        assert not dr.drafting
-        dr.observe_step([0])
-    assert dr.policy._acc == window
-    while not dr.drafting:  # until the probe
-        dr.observe_step([0])
-        dr.draft(["r"])
-    dr.observe_step([7])
-    assert dr.policy.mean_accept == 7.0 and dr.policy.should_draft(1)
+    assert [p.choose({8: 3.0}, 4) for p in policies[:2]] == [1, 8]
+    # The engine's default is the cost model; HISTOSPEC_CONTROL=fixed verifies every step at d.
+    assert isinstance(BatchDrafter(8).policy, EngineControl) and BatchDrafter(8).control is not None
+    fixed = BatchDrafter(8, FIXED)
+    assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8 and fixed.control is None
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -499,12 +499,12 @@ def test_bench_engine_methods_and_their_ratios():
     overlap scheduler, and ``vs_plain_sync`` compares with it where a row has one."""
     from histospec_sgl.bench import engine_bench as eb
 
-    assert eb.server_spec("plain_sync", {}) == ("plain", {}, ["--sleep-on-idle", "--disable-overlap-schedule"])
-    assert eb.server_spec("plain", {}) == ("plain", {}, ["--sleep-on-idle"])
-    assert eb.server_spec("history_cost", {})[:2] == ("history", {"HISTOSPEC_CONTROL": "cost"})
-    assert eb.server_spec("history_switchoff", {"HISTOSPEC_MIN_ACCEPT": "1"})[1] == {"HISTOSPEC_MIN_ACCEPT": "1"}
+    assert eb.server_spec("plain_sync") == ("plain", {}, ["--sleep-on-idle", "--disable-overlap-schedule"])
+    assert eb.server_spec("plain") == ("plain", {}, ["--sleep-on-idle"])
+    assert eb.server_spec("history_cost")[:2] == ("history", {"HISTOSPEC_CONTROL": "cost"})
+    assert eb.server_spec("history")[:2] == ("history", {"HISTOSPEC_CONTROL": "fixed"})
     with pytest.raises(ValueError, match="unknown method"):
-        eb.server_spec("eagle", {})
+        eb.server_spec("eagle")
     point = {"pass": 1, "batch_size": 4, "temperature": 1.0, "siblings": 1}
     rows = [{"method": "plain", **point, "tokens_per_s": 100.0, "step_ms": 10.0},
             {"method": "plain_sync", **point, "tokens_per_s": 105.0, "step_ms": 9.5},

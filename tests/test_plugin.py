@@ -25,6 +25,7 @@ from sglang_subprocess import BASE, free_port, resolve, result, run_script, run_
 
 from conftest import SGLANG_0523
 from conftest import sglang_missing as _sglang_missing
+from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.drafter import BatchDrafter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +44,9 @@ CASES = {
                                {"HISTOSPEC_LENIENCE": "2"}),
     "triton": (["--speculative-algorithm", "HISTORY", "--attention-backend", "triton"], {}),
     "bad-setting": (["--speculative-algorithm", "HISTORY", "--attention-backend", "flashinfer"],
-                    {"HISTOSPEC_MAX_BATCH": "-3"}),
+                    {"HISTOSPEC_THREADS": "-3"}),
     "ngram-untouched": (["--speculative-algorithm", "NGRAM", "--attention-backend", "triton"],
-                        {"HISTOSPEC_MAX_BATCH": "-3"}),
+                        {"HISTOSPEC_THREADS": "-3"}),
 }
 
 
@@ -96,7 +97,7 @@ def test_lenience_sets_sglang_accept_threshold(resolved):
 
 def test_wrong_backend_and_bad_settings_are_clear_errors(resolved):
     assert "--attention-backend flashinfer" in _error(resolved["triton"])
-    assert "HISTOSPEC_MAX_BATCH" in _error(resolved["bad-setting"])
+    assert "HISTOSPEC_THREADS" in _error(resolved["bad-setting"])
     # Other algorithms are untouched by the plugin (and by a bad HISTOSPEC_ value).
     res = _ok(resolved["ngram-untouched"])
     assert res["alg"] == "NGRAM" and res["attn"] == "triton"
@@ -138,7 +139,7 @@ def test_draft_buffers_match_sglang_tree_reconstruction(sglang_py, tmp_path):
     first-child / next-sibling links from our masks must agree with our tree, and walking those
     links (as verify_tree_greedy does) must reach every real node exactly once."""
     d = 16
-    dr = BatchDrafter(d)
+    dr = BatchDrafter(d, HistoryConfig(control="fixed"))
     tasks = humaneval(6)
     rids, roots = [], []
     for t, (prompt, samples) in enumerate(tasks):
@@ -255,14 +256,14 @@ def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
         cwd=str(ROOT / "tests"), env=env)
 
 
-def test_sglang_verify_path_on_cpu_is_lossless_with_and_without_narrow_verify(sglang_py, tiny_model):
+def test_sglang_verify_path_on_cpu_is_lossless_under_each_step_policy(sglang_py, tiny_model):
     """SGLang's own NGRAM verify path (forward_batch_generation: tree reconstruction, the
     TARGET_VERIFY batch, greedy tree verification, KV compaction) driven by the HISTORY worker on
     CPU, against a fake model that emulates tree attention from the KV slots and the mask it is
     given (tests/sglang_cpu_verify.py). Every response must equal plain greedy decoding, with and
-    without overlap scheduling; history must be accepted; and with narrow verify, batches above
-    HISTOSPEC_MAX_BATCH (which draft nothing) must be decoded plainly (the model's DECODE forward,
-    one token per request), the rest verified at width d."""
+    without overlap scheduling; history must be accepted at a fixed width; and the cost model must
+    run both plain steps (the model's DECODE forward, one token per request) and verify steps at
+    width d."""
     cmd, kw = _cpu_verify(sglang_py, tiny_model)
     _check_cpu_verify(result(subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)), "0.5.17")
 
@@ -281,13 +282,12 @@ def test_sglang_0_5_23_verify_path_on_cpu_is_lossless(sglang_py, tiny_model):
 
 def _check_cpu_verify(res: dict, version: str) -> None:
     assert {run["sglang"] for run in res.values()} == {version}
-    assert len(res) == 6
+    assert sorted(res) == ["overlap=False,cost", "overlap=False,fixed", "overlap=True,cost", "overlap=True,fixed"]
     d = 8
     for name, run in res.items():
         first, second = run["epochs"]
         assert first["identical"] and second["identical"], name
         assert run["width_after"] == d and run["responses"] == 12, name
-        narrow = name.endswith("narrow=True")
         widths = {w for _, w in first["calls"] + second["calls"]}
         # Width 1 is a plain DECODE forward; a verify forward is always d wide.
         modes = set(first["modes"] + second["modes"])
@@ -295,23 +295,16 @@ def _check_cpu_verify(res: dict, version: str) -> None:
         if name.endswith("cost"):
             # The cost model measures both widths at each batch size before it chooses, and every
             # response stays what greedy decoding gives whichever it chooses.
-            assert widths == {1, d} and run["narrow_steps"] > 0 and run["measured_widths"] == [1, d], name
-        elif not narrow:
-            assert widths == {d} and run["narrow_steps"] == 0, name
+            assert widths == {1, d} and run["plain_steps"] > 0 and run["measured_widths"] == [1, d], name
+        else:
+            assert widths == {d} and run["plain_steps"] == 0 and run["measured_widths"] == [], name
             # Epoch 2 drafts each response whole from epoch 1's: about d tokens per verify step.
             assert second["steps"] * 4 < first["steps"], name
-        else:
-            assert run["narrow_steps"] > 0 and widths == {1, d}, name
-            # Above HISTOSPEC_MAX_BATCH=3 nothing is drafted and the step is decoded plainly;
-            # at 3 or fewer the second epoch drafts from history at width d.
-            assert all(w == 1 for bs, w in second["calls"] if bs > 3), name
-            assert all(w == d for bs, w in second["calls"] if bs <= 3), name
-            assert second["steps"] < first["steps"], name
 
 
 def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model, tmp_path):
     """The same verify path on two tensor-parallel ranks (real gloo over loopback): rank 0 drafts and
-    broadcasts, rank 1 keeps no index. Narrow verify decides the width from the broadcast drafts, so
+    broadcasts, rank 1 keeps no index. A plain step is chosen from the broadcast drafts, so
     both ranks take the same branch every step: neither waits on the other (a hang fails the
     timeout), and they run the same steps at the same widths with identical, lossless responses."""
     port = free_port()
@@ -332,10 +325,10 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
         text = (tmp_path / f"r{rank}.out").read_text()
         res.append(result(subprocess.CompletedProcess([], procs[rank].returncode, text, "")))
     r0, r1 = res
-    assert r0.keys() == r1.keys() and len(r0) == 6
+    assert r0.keys() == r1.keys() and len(r0) == 4
     for name in r0:
         assert r0[name]["responses"] == 12 and r1[name]["responses"] is None, "rank 1 keeps no history"
-        for k in ("epochs", "narrow_steps", "width_after"):
+        for k in ("epochs", "plain_steps", "width_after"):
             assert r0[name][k] == r1[name][k], (name, k)
         assert all(e["identical"] for e in r0[name]["epochs"]), name
-    assert r0["overlap=True,narrow=True"]["narrow_steps"] > 0
+    assert r0["overlap=True,cost"]["plain_steps"] > 0

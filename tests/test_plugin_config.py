@@ -21,10 +21,10 @@ def test_config_defaults_and_values():
     assert HistoryConfig.from_env({}) == HistoryConfig()
     cfg = HistoryConfig.from_env({
         "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
-        "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "0.5",
+        "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_CONTROL": "fixed",
     })
-    assert (cfg.max_responses, cfg.memory_budget, cfg.max_batch, cfg.min_accept) == (32, 512 << 20, 64, 0.5)
-    assert HistoryConfig.from_env({"HISTOSPEC_NARROW_VERIFY": "65"}).narrow_verify == 65
+    assert (cfg.max_responses, cfg.memory_budget, cfg.control) == (32, 512 << 20, "fixed")
+    assert HistoryConfig().control == "cost" and HistoryConfig.from_env({"HISTOSPEC_CONTROL": " Cost"}).control == "cost"
     assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
     assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
     assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)
@@ -56,7 +56,12 @@ def test_config_defaults_and_values():
     ({"HISTOSPEC_LENIENCE": "0.5"}, "HISTOSPEC_LENIENCE"),
     ({"HISTOSPEC_DRAFT_KNOBS": "follow=1"}, "HISTOSPEC_DRAFT_KNOBS.*follow"),
     ({"HISTOSPEC_FOLLOW": "0.2"}, "unknown setting HISTOSPEC_FOLLOW"),
-    ({"HISTOSPEC_NARROW_VERIFY": "wide"}, "HISTOSPEC_NARROW_VERIFY"),
+    ({"HISTOSPEC_CONTROL": "thresholds"}, "HISTOSPEC_CONTROL.*switch-off settings"),
+    ({"HISTOSPEC_CONTROL": "always"}, "HISTOSPEC_CONTROL.*not one of cost, fixed"),
+    # The retired switch-off settings are errors that say what replaced them, not unknown names.
+    ({"HISTOSPEC_NARROW_VERIFY": "1"}, "HISTOSPEC_NARROW_VERIFY: the switch-off settings were retired.*cost model"),
+    ({"HISTOSPEC_MAX_BATCH": "64", "HISTOSPEC_MIN_ACCEPT": "1"}, "HISTOSPEC_MAX_BATCH, HISTOSPEC_MIN_ACCEPT: .*retired"),
+    ({"HISTOSPEC_PROBE_EVERY": "8"}, "HISTOSPEC_PROBE_EVERY: .*retired"),
     ({"HISTOSPEC_THREADS": "65"}, "HISTOSPEC_THREADS"),
     ({"HISTOSPEC_MAX_REPSONSES": "3"}, "unknown setting HISTOSPEC_MAX_REPSONSES"),
     ({"HISTOSPEC_HISTORY_LOAD": "/nonexistent/h.jsonl"}, "no such file"),

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import torch.distributed as dist
 
+from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.drafter import BatchDrafter
 from histospec_sgl.plugin.tp import DraftBroadcast
 
@@ -15,7 +16,7 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank
 g = dist.new_group([0, 1], backend="gloo")
 bc = DraftBroadcast(g, src=0, rank_in_group=rank, world_size=2)
 d, bs = 8, 3
-dr = BatchDrafter(d) if bc.is_source else None
+dr = BatchDrafter(d, HistoryConfig(control="fixed")) if bc.is_source else None
 got = []
 for step in range(20):
     if dr is not None:

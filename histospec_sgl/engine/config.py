@@ -94,6 +94,13 @@ def _knobs(text: str) -> tuple[tuple[str, float], ...]:
     return tuple(pairs)
 
 
+def _control(text: str) -> str:
+    if text.strip().lower() == "thresholds":
+        raise ValueError("thresholds went with the switch-off settings: fixed verifies every step at width d "
+                         "as it did without them; cost, the default, chooses each step's width")
+    return _choice("cost", "fixed")(text)
+
+
 def _lenience(text: str) -> float:
     v = _float(1.0, 1e6)(text)
     return v
@@ -136,22 +143,11 @@ SETTINGS: tuple[Setting, ...] = (
             "histospec_save RPC"),
     Setting("HISTOSPEC_DRAFT_SERVER", "draft_server", str.strip, None,
             "host:port of a histospec draft server: subscribe to its history, publish finished responses"),
-    Setting("HISTOSPEC_MAX_BATCH", "max_batch", _int(0), 0,
-            "switch-off: draft nothing in decode batches larger than this (0: no limit)"),
-    Setting("HISTOSPEC_MIN_ACCEPT", "min_accept", _float(0.0, 1e9), 0.0,
-            "switch-off: stop drafting while the measured mean accepted draft tokens per request-step "
-            "is below this (0: never); re-measured by probe steps"),
-    Setting("HISTOSPEC_PROBE_EVERY", "probe_every", _int(1), 64,
-            "while switched off by HISTOSPEC_MIN_ACCEPT, draft every N-th step to re-measure"),
-    Setting("HISTOSPEC_CONTROL", "control", _choice("thresholds", "cost"), "thresholds",
-            "cost: each decode step verifies the drafts or decodes plainly (one token per request), whichever gives "
-            "more tokens per second by step costs the engine measures per batch size and the acceptance the "
-            "drafts promise (calibrated by what was accepted); thresholds: every step drafts unless the "
-            "switch-off settings above hold it off (they apply to thresholds only)"),
-    Setting("HISTOSPEC_NARROW_VERIFY", "narrow_verify", _int(0), 0,
-            "decode a step in which no request has a draft plainly (the target's DECODE forward, one token "
-            "per request, run outside CUDA graphs) instead of verifying d nodes, when the batch has at least "
-            "this many requests; pair it with the switch-off settings (0: never)"),
+    Setting("HISTOSPEC_CONTROL", "control", _control, "cost",
+            "the step policy. cost: each decode step verifies the drafts at width d or decodes plainly (the "
+            "target's own DECODE forward, one token per request), whichever gives more tokens per second by the "
+            "step costs the engine measures per batch size and the acceptance the drafts promise (calibrated by "
+            "what was accepted); fixed: every decode step verifies at width d, as SGLang's NGRAM does"),
     Setting("HISTOSPEC_THREADS", "threads", _int(0, 64), 0,
             "threads for the index's batch calls (drafting, appending accepted tokens), the scheduler's "
             "included; batches of 32+ requests are split, drafts are the same (0: min(4, cores available))"),
@@ -179,6 +175,15 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
 }
 
 
+#: Settings that were retired, with what to do instead: setting one is an error that says so.
+RETIRED: dict[str, str] = {
+    name: "the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost, the default) "
+          "decodes plainly the steps whose drafts do not pay, and measured at or above them in the same runs "
+          "(bench/RESULTS.md, 'Tried and not kept'); unset it"
+    for name in ("HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY")
+}
+
+
 def default_threads() -> int:
     """``HISTOSPEC_THREADS=0``: up to 4 threads, no more than the cores this process may run on."""
     try:
@@ -198,22 +203,11 @@ class HistoryConfig:
     history_load: str | None = None
     snapshot_path: str | None = None
     draft_server: str | None = None
-    max_batch: int = 0
-    min_accept: float = 0.0
-    probe_every: int = 64
-    control: str = "thresholds"
-    narrow_verify: int = 0
+    control: str = "cost"
     threads: int = 0
     huge_pages: str = "0"
     log_every: int = 200
     lenience: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.control == "cost" and (self.max_batch or self.min_accept):
-            raise HistoryConfigError(
-                "HISTOSPEC_MAX_BATCH and HISTOSPEC_MIN_ACCEPT are the switch-off settings of HISTOSPEC_CONTROL="
-                "thresholds; under HISTOSPEC_CONTROL=cost the cost model chooses each step itself (one step "
-                "policy at a time): unset them or the other")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> HistoryConfig:
@@ -224,6 +218,9 @@ class HistoryConfig:
                 ``HISTOSPEC_`` variable (most likely a typo), or a load path that does not exist.
         """
         env = os.environ if environ is None else environ
+        retired = sorted(k for k in env if k in RETIRED)
+        if retired:
+            raise HistoryConfigError(f"{', '.join(retired)}: {RETIRED[retired[0]]}")
         unknown = sorted(k for k in env if k.startswith("HISTOSPEC_") and k not in ENV_NAMES
                          and not k.startswith(("HISTOSPEC_LOG", "HISTOSPEC_TEST_", "HISTOSPEC_REQUIRE_")))
         if unknown:

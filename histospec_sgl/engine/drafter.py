@@ -37,7 +37,7 @@ from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.engine.draft import tree_parents_batch, write_empty
-from histospec_sgl.engine.policy import StepPolicy, SwitchOff
+from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -103,12 +103,11 @@ class BatchDrafter:
                            "starts), or its C library has no such switch (glibc >= 2.35 on Linux); the "
                            "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
-        #: Whether each step drafts: ``HISTOSPEC_CONTROL=cost``, the width the measured step costs and
-        #: the drafts' promised acceptance say gives more tokens per second (:class:`EngineControl`);
-        #: else d, held off by the switch-off settings (:class:`SwitchOff`; by default never).
+        #: Whether each step drafts: ``HISTOSPEC_CONTROL=cost`` (the default), the width the measured
+        #: step costs and the drafts' promised acceptance say gives more tokens per second
+        #: (:class:`EngineControl`, whose clock the engine's worker feeds); ``fixed``, always d.
         self.policy: StepPolicy = (EngineControl(draft_tokens) if self.config.control == "cost" else
-                                   SwitchOff(draft_tokens, self.config.max_batch, self.config.min_accept,
-                                             self.config.probe_every))
+                                   Fixed(draft_tokens))
         #: Whether the last :meth:`draft` drafted (False: the policy chose plain decoding).
         self.drafting = True
         # Whether each drafted-for step not yet verified drafted (overlap scheduling verifies a step
@@ -263,7 +262,7 @@ class BatchDrafter:
     @property
     def control(self) -> EngineControl | None:
         """The policy when it is the cost model, which times the engine's steps (the worker feeds
-        its clock); None under the switch-off settings."""
+        its clock); None at a fixed width."""
         return self.policy if isinstance(self.policy, EngineControl) else None
 
     # -- drafting -------------------------------------------------------------------------------
@@ -300,7 +299,7 @@ class BatchDrafter:
         self.drafting = drafting
         self._drafted_steps.append((drafting, promised))
         if not drafting:
-            # Switched off: the root alone, padded like an empty draft.
+            # A plain step: the root alone, padded like an empty draft.
             write_empty(tokens, mask, [lv.last for lv in lives], d)
             counts[:] = 0
             nonempty = 0

@@ -23,14 +23,14 @@ over ``rate(histospec:decode_steps_total)``):
 ``histospec:host_seconds_total``           host time the worker adds per step (context updates,
                                            draft, broadcast)
 ``histospec:plain_steps_total``            decode steps decoded plainly, no draft verified
-                                           (``HISTOSPEC_NARROW_VERIFY`` or the cost model)
+                                           (chosen by the cost model)
 ``histospec:draft_errors_total``           errors while drafting (that step is verified without
                                            drafts) or syncing with the draft server
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
 =========================================  =====================================================
 
-Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 while drafting, 0 while
-switched off), ``histospec:index_groups``, ``histospec:index_responses``, ``histospec:index_tokens``,
+Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step drafted,
+0 if the cost model decoded it plainly), ``histospec:index_groups``, ``histospec:index_responses``, ``histospec:index_tokens``,
 ``histospec:index_bytes`` and ``histospec:inflight_requests``.
 """
 
@@ -53,7 +53,7 @@ _COUNTERS = {
     "histospec:draft_seconds": ("Host seconds in the batch draft call.", "draft_seconds"),
 }
 _GAUGES = {
-    "histospec:drafting": "1 while the HISTORY worker drafts, 0 while its switch-off rule holds drafting off.",
+    "histospec:drafting": "1 if the HISTORY worker's last step drafted, 0 if its cost model decoded it plainly.",
     "histospec:index_groups": "Groups (prompts) in the history index.",
     "histospec:index_responses": "Finished responses held as history.",
     "histospec:index_tokens": "Response tokens held (history and in flight).",

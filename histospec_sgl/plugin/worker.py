@@ -18,13 +18,12 @@ overlap relay. What differs:
   (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
   steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``);
-- narrow verify (``HISTOSPEC_NARROW_VERIFY``): a decode step in which no request has a draft is
-  decoded plainly (the target's own DECODE forward and sampler, one token per request), instead of
-  verifying d nodes that cost d times the compute of plain decoding;
-- the cost model (``HISTOSPEC_CONTROL=cost``): each decode step verifies the drafts at width d or
-  decodes plainly, whichever the step costs it times per batch size and the acceptance the drafts
-  promise say gives more tokens per second
-  (:class:`~histospec_sgl.engine.costmodel.EngineControl`);
+- the cost model (``HISTOSPEC_CONTROL=cost``, the default): each decode step verifies the drafts at
+  width d or decodes plainly (the target's own DECODE forward and sampler, one token per request),
+  whichever the step costs it times per batch size and the acceptance the drafts promise say gives
+  more tokens per second (:class:`~histospec_sgl.engine.costmodel.EngineControl`); a step in which
+  no request has a draft is decoded plainly. ``HISTOSPEC_CONTROL=fixed`` verifies every decode
+  step at width d, as NGRAM does;
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
 
@@ -106,7 +105,7 @@ class HistoryWorker(NGRAMWorker):
         self._errors = 0
         # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
         self._staged: tuple[np.ndarray, np.ndarray] | None = None
-        self.narrow_steps = 0
+        self.plain_steps = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
             self.drafter = BatchDrafter(self.draft_token_num, self.config)
@@ -166,10 +165,10 @@ class HistoryWorker(NGRAMWorker):
         if req is not None:
             self._finalize(rid, req)
 
-    def _narrow_from(self) -> int:
-        """Decode batches of at least this many requests verify at width 1 when none has a draft
-        (0: never). The cost model decides per step, so with it every batch size may."""
-        return 1 if self.config.control == "cost" else self.config.narrow_verify
+    def _plain_when_undrafted(self) -> bool:
+        """Whether a decode step in which no request has a draft is decoded plainly: under the cost
+        model, which decides each step; at a fixed width every step is verified at d."""
+        return self.config.control == "cost"
 
     def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -182,9 +181,8 @@ class HistoryWorker(NGRAMWorker):
                 self._reqs.setdefault(req.rid, req)
                 current.add(req.rid)
             self._sweep(current)
-        narrow = self._narrow_from()
         decode = batch.forward_mode.is_decode()
-        if narrow and len(batch.reqs) >= narrow and decode and not getattr(batch, "has_grammar", False):
+        if self._plain_when_undrafted() and decode and not getattr(batch, "has_grammar", False):
             # Draft first (every TP rank gets rank 0's drafts here), then pick the width from what
             # all ranks share, so that every rank takes the same branch.
             tokens, mask = self._prepare_draft_tokens(batch)
@@ -232,7 +230,7 @@ class HistoryWorker(NGRAMWorker):
             if orig_seq_lens is not None:
                 batch.orig_seq_lens = orig_seq_lens
             batch.spec_info = spec_info
-        self.narrow_steps += 1
+        self.plain_steps += 1
         predict = result.next_token_ids
         accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
         new_seq_lens = seq_lens + 1
@@ -289,7 +287,7 @@ class HistoryWorker(NGRAMWorker):
         shared = self.broadcast.share(tokens, mask, bs, d)
         if self.metrics is not None and self.drafter is not None:
             try:
-                self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.narrow_steps,
+                self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.plain_steps,
                                      host_seconds=time.perf_counter() - t0)
             except Exception:
                 logger.exception("histospec: could not update the Prometheus metrics; they stay off")
@@ -401,7 +399,7 @@ class HistoryWorker(NGRAMWorker):
     def history_stats(self) -> dict[str, Any]:
         if self.drafter is None:
             return {}
-        return {**self.drafter.index.stats(), **self.drafter.totals, "narrow_steps": self.narrow_steps}
+        return {**self.drafter.index.stats(), **self.drafter.totals, "plain_steps": self.plain_steps}
 
     def _maybe_log(self) -> None:
         assert self.drafter is not None
@@ -415,7 +413,7 @@ class HistoryWorker(NGRAMWorker):
             "index %d groups / %d responses / %.1f MB%s",
             w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
             st["groups"], st["responses"], st["bytes"] / 1e6,
-            f", {self.narrow_steps} plain decode steps so far" if self._narrow_from() else "",
+            f", {self.plain_steps} plain decode steps so far" if self._plain_when_undrafted() else "",
         )
         if self.drafter.control is not None:
             logger.info("histospec: cost model: %s", self.drafter.control.summary())

@@ -69,7 +69,9 @@ class Ours:
     """histospec-sgl's drafting exactly as the SGLang worker runs it: one
     :class:`~histospec_sgl.engine.drafter.BatchDrafter` per case, whose requests are synced and
     drafted for a whole decode batch at once (:meth:`draft_batch`), with the worker's default
-    settings and any draft knobs given. ``chain=True`` drafts chains with the index's own
+    settings and any draft knobs given, at a fixed width (``HISTOSPEC_CONTROL=fixed``): the replay
+    measures what the drafts give at every step; which steps the cost model would verify depends on
+    an engine's step times (``histospec-sgl simulate``). ``chain=True`` drafts chains with the index's own
     ``draft(chain=True)`` instead (no worker mode does).
 
     ``finish``: ``keep`` finishes a request with ``keep=True`` (the worker without a draft
@@ -105,7 +107,7 @@ class Ours:
 
     def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         knobs = tuple(self.draft_config.items()) or None
-        self.drafter = BatchDrafter(num_nodes, HistoryConfig(draft_knobs=knobs))
+        self.drafter = BatchDrafter(num_nodes, HistoryConfig(draft_knobs=knobs, control="fixed"))
         self.timed = _TimedIndex(self.drafter.index)
         self.drafter.index = self.timed  # type: ignore[assignment]
         self.texts.clear()

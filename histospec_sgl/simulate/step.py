@@ -10,8 +10,7 @@ logged continuation. A group's samples draft from each other's tokens so far, as
 in-flight siblings do (``StepSpec.siblings``; off, each request sees its history only).
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
-``history_fixed`` (HISTORY at a fixed width), ``history_switchoff`` (that width, switched off while
-measured acceptance is low: :class:`~histospec_sgl.engine.policy.SwitchOff`), ``history_cost_model`` (the width chosen each step by
+``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
 :class:`~histospec_sgl.engine.costmodel.CostModel`, calibrated as the engine's is: by the verified
 steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
@@ -34,15 +33,12 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import CostModel
-from histospec_sgl.engine.policy import Fixed, StepPolicy, SwitchOff
+from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.engine.profile import Profile
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import accept_greedy
 
-POLICIES = ("baseline", "history_fixed", "history_switchoff", "history_cost_model", "length_first", "full")
-#: ``history_switchoff``'s threshold: ``bench engine``'s ``history_switchoff`` method
-#: (``HISTOSPEC_MIN_ACCEPT=1``; a switched-off step decodes plainly, as ``HISTOSPEC_NARROW_VERIFY=1`` does).
-SWITCH_OFF_MIN_ACCEPT = 1.0
+POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
 ORACLE = "length_first_oracle"
 #: The ceiling of ranking groups, as the trainer adapters do: every sample of a group predicted at
@@ -274,8 +270,6 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
     runs = {
         "baseline": lambda rs: run_step(rs, profile, max_running, length_first=False),
         "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, policy=Fixed(fixed_width)),
-        "history_switchoff": lambda rs: run_step(rs, profile, max_running, length_first=False,
-                                                 policy=SwitchOff(fixed_width, min_accept=SWITCH_OFF_MIN_ACCEPT)),
         "history_cost_model": lambda rs: run_step(rs, profile, max_running, length_first=False,
                                                   policy=CostModel.measuring_shadows(profile, widths)),
         "length_first": lambda rs: run_step(rs, profile, max_running, length_first=True),
