@@ -178,8 +178,8 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
 #: Settings that were retired, with what to do instead: setting one is an error that says so.
 RETIRED: dict[str, str] = {
     name: "the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost, the default) "
-          "decodes plainly the steps whose drafts do not pay, and measured at or above them in the same runs "
-          "(bench/RESULTS.md, 'Tried and not kept'); unset it"
+          "decodes plainly the steps whose drafts do not pay, with no threshold to tune (bench/RESULTS.md, "
+          "'Tried and not kept', compares them); unset it"
     for name in ("HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY")
 }
 
