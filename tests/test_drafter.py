@@ -20,8 +20,8 @@ from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.drafter import BatchDrafter
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 
-#: Every step drafts at width d (the engine's default, the cost model, chooses by the step times its
-#: worker measures, which these tests do not feed).
+#: Every step drafts at width d (the cost model chooses by the step times the engine's worker
+#: measures, which these tests do not feed).
 FIXED = HistoryConfig(control="fixed")
 
 # -- the draft source ------------------------------------------------------------------------------
@@ -182,10 +182,10 @@ def test_every_step_policy_has_the_one_interface():
     policies = [Fixed(1), Fixed(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
     assert all(isinstance(p, StepPolicy) for p in policies)
     assert [p.choose({8: 3.0}, 4) for p in policies[:2]] == [1, 8]
-    # The engine's default is the cost model; HISTOSPEC_CONTROL=fixed verifies every step at d.
-    assert isinstance(BatchDrafter(8).policy, EngineControl) and BatchDrafter(8).control is not None
-    fixed = BatchDrafter(8, FIXED)
+    # The engine's default verifies every step at d; HISTOSPEC_CONTROL=cost runs the cost model.
+    fixed = BatchDrafter(8)
     assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8 and fixed.control is None
+    assert isinstance(BatchDrafter(8, HistoryConfig(control="cost")).policy, EngineControl)
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -58,10 +58,19 @@ def broken_verify(switch: Path, kind: str) -> Iterator[None]:
         switch.write_text("")
 
 
+#: The step policy of these tests' HISTORY servers unless a test sets its own (the engine's default,
+#: named so that the checks that count d tokens per verify step say what they assume; the cost
+#: model, which decodes its first steps at each batch size plainly to time them, has its own checks).
+FIXED = {"HISTOSPEC_CONTROL": "fixed"}
+
+
 def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
     """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep
-    (``--sleep-on-idle``, which :func:`server_args` adds on a CPU)."""
+    (``--sleep-on-idle``, which :func:`server_args` adds on a CPU). HISTORY runs at :data:`FIXED`
+    unless ``env`` names a policy."""
     tag = kw.pop("tag", method)
+    if method == "history":
+        kw["env"] = {**FIXED, **(kw.get("env") or {})}
     return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
                         log_path=tmp_path / f"server-{tag}.log", extra_args=list(kw.pop("extra", ())),
                         **kw)
@@ -177,7 +186,7 @@ def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = 
     import os
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    base.update(extra_env or {})
+    base.update({**FIXED, **(extra_env or {})})
     r = subprocess.run([str(py), str(ROOT / "tests" / "cpu_engine_api.py"), json.dumps(spec)], capture_output=True,
                        text=True, timeout=900, env=cpu_engine_env(str(py), base=base), cwd=str(tmp_path))
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]

@@ -48,8 +48,10 @@ def math_prompts(sglang_py, smollm2, data_root) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def servers(sglang_py, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2")
+    # HISTORY at a fixed width: the checks below count its tokens per verify step.
     with running(*(EngineServer(smollm2, m, python=str(sglang_py), draft_tokens=D, max_running=64,
-                                max_total_tokens=16384, log_path=tmp / f"server-{m}.log")
+                                max_total_tokens=16384, log_path=tmp / f"server-{m}.log",
+                                env={"HISTOSPEC_CONTROL": "fixed"} if m == "history" else {})
                    for m in ("plain", "history"))) as (plain, history):
         yield plain, history
 

@@ -21,10 +21,10 @@ def test_config_defaults_and_values():
     assert HistoryConfig.from_env({}) == HistoryConfig()
     cfg = HistoryConfig.from_env({
         "HISTOSPEC_MAX_RESPONSES": "32", "HISTOSPEC_MEMORY_BUDGET": "512M",
-        "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_CONTROL": "fixed",
+        "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_CONTROL": "cost",
     })
-    assert (cfg.max_responses, cfg.memory_budget, cfg.control) == (32, 512 << 20, "fixed")
-    assert HistoryConfig().control == "cost" and HistoryConfig.from_env({"HISTOSPEC_CONTROL": " Cost"}).control == "cost"
+    assert (cfg.max_responses, cfg.memory_budget, cfg.control) == (32, 512 << 20, "cost")
+    assert HistoryConfig().control == "fixed" and HistoryConfig.from_env({"HISTOSPEC_CONTROL": " Cost"}).control == "cost"
     assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
     assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
     assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)

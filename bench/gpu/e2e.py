@@ -5,7 +5,7 @@
    - pass 1 over the same prompts: outputs must be token-identical to plain greedy decoding;
    - pass 2 (history now holds pass 1): accepted tokens per verify step > 1;
    - tokens/s at the same batch sizes.
-3. HISTORY under its default step policy, the cost model (plain steps run the target's DECODE forward
+3. HISTORY under the cost model (``HISTOSPEC_CONTROL=cost``; plain steps run the target's DECODE forward
    eagerly): pass 1 token-identical to plain decoding, tokens/s at the same batch sizes.
 Writes ``$OUT/e2e.json`` and prints a summary. Only the standard library: the box has no network.
 """

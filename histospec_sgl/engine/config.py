@@ -97,7 +97,7 @@ def _knobs(text: str) -> tuple[tuple[str, float], ...]:
 def _control(text: str) -> str:
     if text.strip().lower() == "thresholds":
         raise ValueError("thresholds went with the switch-off settings: fixed verifies every step at width d "
-                         "as it did without them; cost, the default, chooses each step's width")
+                         "as it did without them; cost chooses each step's width")
     return _choice("cost", "fixed")(text)
 
 
@@ -143,7 +143,7 @@ SETTINGS: tuple[Setting, ...] = (
             "histospec_save RPC"),
     Setting("HISTOSPEC_DRAFT_SERVER", "draft_server", str.strip, None,
             "host:port of a histospec draft server: subscribe to its history, publish finished responses"),
-    Setting("HISTOSPEC_CONTROL", "control", _control, "cost",
+    Setting("HISTOSPEC_CONTROL", "control", _control, "fixed",
             "the step policy. cost: each decode step verifies the drafts at width d or decodes plainly (the "
             "target's own DECODE forward, one token per request), whichever gives more tokens per second by the "
             "step costs the engine measures per batch size and the acceptance the drafts promise (calibrated by "
@@ -177,7 +177,7 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
 
 #: Settings that were retired, with what to do instead: setting one is an error that says so.
 RETIRED: dict[str, str] = {
-    name: "the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost, the default) "
+    name: "the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost) "
           "decodes plainly the steps whose drafts do not pay, with no threshold to tune (bench/RESULTS.md, "
           "'Tried and not kept', compares them); unset it"
     for name in ("HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY")
@@ -203,7 +203,7 @@ class HistoryConfig:
     history_load: str | None = None
     snapshot_path: str | None = None
     draft_server: str | None = None
-    control: str = "cost"
+    control: str = "fixed"
     threads: int = 0
     huge_pages: str = "0"
     log_every: int = 200

@@ -4,10 +4,10 @@
 (:func:`histospec_sgl.simulate.step.run_step` asks it every simulated step), so that a policy the
 simulator scores is the one the engine runs:
 
-- :class:`Fixed`: always the same width (plain decoding at 1; ``HISTOSPEC_CONTROL=fixed`` at d);
+- :class:`Fixed`: always the same width (plain decoding at 1; ``HISTOSPEC_CONTROL=fixed``, the default, at d);
 - :class:`~histospec_sgl.engine.costmodel.CostModel` (on a step-cost profile) and
   :class:`~histospec_sgl.engine.costmodel.EngineControl` (on the step costs the engine times
-  itself, ``HISTOSPEC_CONTROL=cost``, the default): the width that gives the most tokens per second.
+  itself, ``HISTOSPEC_CONTROL=cost``): the width that gives the most tokens per second.
 """
 
 from __future__ import annotations

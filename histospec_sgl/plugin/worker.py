@@ -18,12 +18,12 @@ overlap relay. What differs:
   (``Engine.collective_rpc("histospec_save", path=...)``), bulk-loaded at run time
   (``collective_rpc("histospec_load", path=...)``, which every rank runs at the same point between
   steps) and synced with a draft server (``HISTOSPEC_DRAFT_SERVER``);
-- the cost model (``HISTOSPEC_CONTROL=cost``, the default): each decode step verifies the drafts at
+- the cost model (``HISTOSPEC_CONTROL=cost``): each decode step verifies the drafts at
   width d or decodes plainly (the target's own DECODE forward and sampler, one token per request),
   whichever the step costs it times per batch size and the acceptance the drafts promise say gives
   more tokens per second (:class:`~histospec_sgl.engine.costmodel.EngineControl`); a step in which
-  no request has a draft is decoded plainly. ``HISTOSPEC_CONTROL=fixed`` verifies every decode
-  step at width d, as NGRAM does;
+  no request has a draft is decoded plainly. ``HISTOSPEC_CONTROL=fixed``, the default, verifies
+  every decode step at width d, as NGRAM does;
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
 
