@@ -22,8 +22,9 @@ of sequence, so that every method does the same work at the row's batch size thr
 for plain decoding); ``step_ms`` the row's wall time over the longest request's forward passes, so
 ``verify_cost`` (a speculative method's step time over plain decoding's in the same row) is the cost
 of one verify step relative to one decode step at that batch size: the profile a rollout simulator
-needs. ``history`` is HISTORY at a fixed width (``HISTOSPEC_CONTROL=fixed``: every decode step verified at
-width d); ``history_cost`` is HISTORY with the cost model choosing each step's width (``HISTOSPEC_CONTROL=cost``). :data:`SETTINGS` holds each method's ``HISTOSPEC_*`` settings.
+needs. ``history`` is HISTORY at a fixed width (``HISTOSPEC_CONTROL=fixed``: every decode step
+verified at width d); ``history_cost`` is HISTORY with the cost model choosing each step's width
+(``HISTOSPEC_CONTROL=cost``); :data:`SETTINGS` holds each method's ``HISTOSPEC_*`` settings.
 ``plain_sync`` is plain decoding without the overlap scheduler (:data:`SYNC_ARGS`), as SGLang runs
 speculative decoding on CPU; ``vs_plain_sync`` compares a row with it, so that a ratio says what the
 speculation does apart from the scheduler it runs under. ``ngram_corpus`` is SGLang 0.5.23's NGRAM

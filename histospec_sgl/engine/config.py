@@ -175,13 +175,11 @@ ENV_NAMES = frozenset(s.env for s in SETTINGS) | {
 }
 
 
-#: Settings that were retired, with what to do instead: setting one is an error that says so.
-RETIRED: dict[str, str] = {
-    name: "the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost) "
-          "decodes plainly the steps whose drafts do not pay, with no threshold to tune (bench/RESULTS.md, "
-          "'Tried and not kept', compares them); unset it"
-    for name in ("HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY")
-}
+#: The retired switch-off settings: setting one is an error that says what replaced them.
+RETIRED = frozenset({"HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY"})
+RETIRED_WHY = ("the switch-off settings were retired: the cost model (HISTOSPEC_CONTROL=cost) decodes plainly the "
+               "steps whose drafts do not pay, with no threshold to tune (bench/RESULTS.md, 'Tried and not kept', "
+               "compares them); unset it")
 
 
 def default_threads() -> int:
@@ -220,7 +218,7 @@ class HistoryConfig:
         env = os.environ if environ is None else environ
         retired = sorted(k for k in env if k in RETIRED)
         if retired:
-            raise HistoryConfigError(f"{', '.join(retired)}: {RETIRED[retired[0]]}")
+            raise HistoryConfigError(f"{', '.join(retired)}: {RETIRED_WHY}")
         unknown = sorted(k for k in env if k.startswith("HISTOSPEC_") and k not in ENV_NAMES
                          and not k.startswith(("HISTOSPEC_LOG", "HISTOSPEC_TEST_", "HISTOSPEC_REQUIRE_")))
         if unknown:

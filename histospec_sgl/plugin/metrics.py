@@ -29,9 +29,10 @@ over ``rate(histospec:decode_steps_total)``):
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
 =========================================  =====================================================
 
-Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step drafted,
-0 if the cost model decoded it plainly), ``histospec:index_groups``, ``histospec:index_responses``, ``histospec:index_tokens``,
-``histospec:index_bytes`` and ``histospec:inflight_requests``.
+Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step
+drafted, 0 if the cost model decoded it plainly), ``histospec:index_groups``,
+``histospec:index_responses``, ``histospec:index_tokens``, ``histospec:index_bytes`` and
+``histospec:inflight_requests``.
 """
 
 from __future__ import annotations

@@ -70,9 +70,9 @@ class Ours:
     :class:`~histospec_sgl.engine.drafter.BatchDrafter` per case, whose requests are synced and
     drafted for a whole decode batch at once (:meth:`draft_batch`), with the worker's default
     settings and any draft knobs given, at a fixed width (``HISTOSPEC_CONTROL=fixed``): the replay
-    measures what the drafts give at every step; which steps the cost model would verify depends on
-    an engine's step times (``histospec-sgl simulate``). ``chain=True`` drafts chains with the index's own
-    ``draft(chain=True)`` instead (no worker mode does).
+    measures what the drafts give at every step; which steps the cost model would verify depends
+    on an engine's step times (``histospec-sgl simulate``). ``chain=True`` drafts chains with the
+    index's own ``draft(chain=True)`` instead (no worker mode does).
 
     ``finish``: ``keep`` finishes a request with ``keep=True`` (the worker without a draft
     server). ``draft-server`` does what the worker does with one: the request leaves unkept
