@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import urllib.request
 from pathlib import Path
@@ -322,7 +323,9 @@ def cmd_launch(model: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
     from sglang.srt.utils import kill_process_tree
 
-    # SGLang's scheduler and detokenizer are this process's children (verl launched them here).
+    # SGLang's scheduler and detokenizer are this process's children (verl launched them here). Its
+    # subprocess watchdog would take their deaths for a crash and SIGQUIT this process before it exits.
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     kill_process_tree(os.getpid(), include_parent=False)
 
 
