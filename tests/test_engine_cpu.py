@@ -102,6 +102,24 @@ def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 
     return out
 
 
+def _sampled_logprobs_against_rescoring(srv: EngineServer, scorer: EngineServer, prompts: list[list[int]],
+                                        n_tokens: int = 32) -> float:
+    """Samples at temperature 1 through ``srv`` with each token's log-prob, as a trainer asks for them,
+    scores every prompt + response afresh on ``scorer`` (one prefill, its input log-probs) and returns
+    the largest difference."""
+    sp = {"temperature": 1.0, "max_new_tokens": n_tokens, "ignore_eos": True}
+    worst = 0.0
+    for o, p in zip(srv.generate(prompts, sp, return_logprob=True), prompts):
+        got = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+        scored = scorer.generate([p + o["output_ids"]], {"temperature": 0.0, "max_new_tokens": 1},
+                                 return_logprob=True, logprob_start_len=len(p) - 1)[0]
+        # From the prompt's last token on; the first entry, the log-prob of that token, is left None.
+        fresh = [x[0] for x in scored["meta_info"]["input_token_logprobs"][1:]]
+        assert len(got) == len(fresh) == n_tokens, (len(got), len(fresh))
+        worst = max(worst, float(np.abs(np.array(got) - np.array(fresh)).max()))
+    return worst
+
+
 def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
     plain = runs["plain"][0]["outputs"]
     assert all(len(o) == 48 for o in plain)
@@ -127,7 +145,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
     does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
-    too, and the plain steps are counted in ``histospec:plain_steps_total``."""
+    too, and the plain steps are counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
+    both return the log-probs a fresh scoring of the responses gives."""
     prompts, fresh = _prompts(8), _prompts(8, seed=7)
     methods = ("ngram", "history")
     cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
@@ -141,6 +160,12 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         runs["history_cost"] = _greedy_passes(cost, prompts)
         plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
                           if line.startswith("histospec:plain_steps_total"))
+        # At temperature 1 too, the log-probs returned are the current policy's, whether a step was
+        # verified or (under the cost model) decoded plainly: each equals a fresh scoring's.
+        sampled = {"history": _sampled_logprobs_against_rescoring(servers[1], plain_server, prompts),
+                   "history_cost": _sampled_logprobs_against_rescoring(cost, plain_server, prompts)}
+        cost_plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
+                               if line.startswith("histospec:plain_steps_total"))
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
@@ -149,6 +174,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
             broken = _greedy_passes(servers[1], fresh)
     _check_greedy(runs)
     assert plain_steps > 0
+    assert cost_plain_steps > plain_steps  # the sampled requests went through plain decode steps too
+    assert max(sampled.values()) < 1e-3, sampled
     assert any(p["outputs"] != plain_fresh for p in broken)
 
 

@@ -16,14 +16,10 @@ Differences handled here:
   reads the arguments by name.
 - Where the worker's settings come from: ``server_args`` up to 0.5.17, SGLang's resolved runtime
   context in 0.5.23 (:func:`ngram_settings`).
-- Log-probs of a speculative step's accepted tokens: ``compute_spec_v2_logprobs(..., accept_index,
-  width - 1)`` in 0.5.17, ``compute_spec_logprobs(..., accept_index=...)`` in 0.5.23
-  (:func:`spec_logprobs`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from importlib import metadata
 from typing import Any
@@ -118,21 +114,3 @@ def tp_rank_of(named: dict[str, Any]) -> int:
 def grammar_needs_sync(batch: Any) -> bool:
     fn = getattr(batch, "grammar_needs_sync", None)
     return bool(fn()) if callable(fn) else False
-
-
-def spec_logprobs(batch: Any, logits_output: Any, predict: Any, accept_index: Any) -> None:
-    """Fills ``logits_output``'s log-probs of the accepted tokens the way the version's spec-v2
-    result processing reads them: ``accept_index`` is ``(bs, width)`` rows into the logits."""
-    _spec_logprobs()(batch, logits_output, predict, accept_index)
-
-
-@functools.cache
-def _spec_logprobs() -> Any:
-    """The version's log-prob function, looked up once (it runs on the decode path)."""
-    from sglang.srt.layers import logprob_processor
-
-    new = getattr(logprob_processor, "compute_spec_logprobs", None)  # 0.5.23
-    if new is not None:
-        return lambda batch, out, predict, index: new(batch, out, predict, accept_index=index)
-    old = logprob_processor.compute_spec_v2_logprobs  # 0.5.17
-    return lambda batch, out, predict, index: old(batch, out, predict, index, int(index.shape[1]) - 1)

@@ -234,9 +234,13 @@ class HistoryWorker(NGRAMWorker):
         predict = result.next_token_ids
         accept_lens = torch.ones(bs, dtype=torch.int32, device=device)
         new_seq_lens = seq_lens + 1
-        if batch.return_logprob:
-            compat.spec_logprobs(batch, result.logits_output, predict,
-                                 torch.arange(bs, device=device).view(bs, 1))
+        out = result.logits_output
+        if batch.return_logprob and out.next_token_logprobs is not None:
+            # The sampler wrote each sampled token's log-prob (at its request's temperature), then
+            # turned the logits into probabilities in place: a log-prob computed again from
+            # ``next_token_logits`` would be wrong for every sampled request. Laid out as a verify
+            # step that accepted one token per request (its top-k rows are already one per request).
+            out.next_token_logprobs = out.next_token_logprobs.reshape(bs, 1)
         if on_publish is not None:
             on_publish(new_seq_lens)
         padded = torch.zeros((bs, d), dtype=torch.int32, device=device)
