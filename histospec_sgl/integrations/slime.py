@@ -93,16 +93,15 @@ MODES = ("history", "specrl")
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class Settings(Options):
+    """slime's ``histospec_*`` YAML keys: SPEC-RL's :class:`Options` (lenience, timeout, seed, draft
+    server: resolved as every trainer resolves them), and what only the slime adapter has."""
+
     mode: str = "history"
-    lenience: float = 1.0
-    draft_server: str | None = None
     inner_generate_path: str = DEFAULT_INNER
-    seed: int = 0
     length_first: bool = False
     length_first_window: float = 0.02
     publish_wait: float = 60.0
-    timeout: float = 600.0
 
     @classmethod
     def from_args(cls, args: Any) -> Settings:
@@ -114,7 +113,7 @@ class Settings:
                                seed=getattr(args, "histospec_seed", None),
                                draft_server=getattr(args, "histospec_draft_server", None))
         return cls(
-            mode=mode, lenience=opts.lenience, draft_server=opts.draft_server, seed=opts.seed, timeout=opts.timeout,
+            **dataclasses.asdict(opts), mode=mode,
             inner_generate_path=(getattr(args, "histospec_inner_generate_path", None)
                                  or os.environ.get("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
             length_first=_flag(getattr(args, "histospec_length_first", None)),
