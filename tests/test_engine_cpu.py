@@ -120,6 +120,12 @@ def _sampled_logprobs_against_rescoring(srv: EngineServer, scorer: EngineServer,
     return worst
 
 
+def _plain_steps(srv: EngineServer) -> float:
+    """The server's ``histospec:plain_steps_total`` (``--enable-metrics``)."""
+    return sum(float(line.split()[-1]) for line in srv.metrics().splitlines()
+               if line.startswith("histospec:plain_steps_total"))
+
+
 def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
     plain = runs["plain"][0]["outputs"]
     assert all(len(o) == 48 for o in plain)
@@ -158,14 +164,12 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         runs = {"plain": _greedy_passes(plain_server, prompts)}
         runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
         runs["history_cost"] = _greedy_passes(cost, prompts)
-        plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
-                          if line.startswith("histospec:plain_steps_total"))
+        plain_steps = _plain_steps(cost)
         # At temperature 1 too, the log-probs returned are the current policy's, whether a step was
         # verified or (under the cost model) decoded plainly: each equals a fresh scoring's.
         sampled = {"history": _sampled_logprobs_against_rescoring(servers[1], plain_server, prompts),
                    "history_cost": _sampled_logprobs_against_rescoring(cost, plain_server, prompts)}
-        cost_plain_steps = sum(float(line.split()[-1]) for line in cost.metrics().splitlines()
-                               if line.startswith("histospec:plain_steps_total"))
+        cost_plain_steps = _plain_steps(cost)
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
