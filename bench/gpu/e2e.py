@@ -53,6 +53,12 @@ def start(args: argparse.Namespace, spec: bool, log: Path, env: dict | None = No
            "--skip-tokenizer-init", "--max-running-requests", str(max(args.batch_sizes))]
     if args.no_cuda_graph:
         cmd += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    else:
+        # Decode graphs up to the largest batch used; prefill graphs (58 sizes, each a JIT compile on a
+        # cold box) only when asked for: they are not what speculation verifies in.
+        cmd += ["--cuda-graph-max-bs-decode", str(max(args.batch_sizes))]
+        if not args.prefill_cuda_graph:
+            cmd += ["--cuda-graph-backend-prefill", "disabled"]
     if spec:
         cmd += ["--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(args.draft_tokens),
                 "--enable-metrics"]
@@ -60,7 +66,9 @@ def start(args: argparse.Namespace, spec: bool, log: Path, env: dict | None = No
     f = open(log, "w")
     if env:
         print("+ env", env, flush=True)
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+    # cwd is the output folder: started from a checkout, ``python -m`` would put the checkout's
+    # histospec_sgl (no compiled core) ahead of the installed one.
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=args.out,
                             env={**os.environ, **(env or {})})
 
 
@@ -140,6 +148,7 @@ def main() -> int:
     ap.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--prefill-cuda-graph", action="store_true", help="also capture SGLang's prefill graphs")
     ap.add_argument("--health-timeout", type=float, default=240)
     args = ap.parse_args()
     out = Path(args.out)

