@@ -160,25 +160,31 @@ class Req:
 
 def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
     """Prefill (its token pending), then decode steps until every request has max_new tokens.
-    Overlap mode: a step's accepted tokens reach output_ids one step later, as in SGLang."""
+
+    Overlap mode: a step's accepted tokens reach output_ids one step later, as in SGLang, except
+    where another batch ran in between: the odd requests' prefill is followed by a second prefill
+    (SGLang processes the first one's result before it launches the second), and every third step
+    a prefill of other requests runs before it. Those steps find the last result processed while
+    ``spec_info`` still relays the same accepted tokens."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     for r in reqs:
         n = len(r.origin_input_ids)
         target.kv.store[target.req_to_token[r.slot, :n].long()] = torch.tensor(r.origin_input_ids)
         r.pending = [target.policy(list(r.origin_input_ids))]
+        r.relay = list(r.pending)
     live, steps = list(reqs), 0
     while live:
         bs = len(live)
-        if not overlap:
-            for r in live:
+        for i, r in enumerate(live):
+            if not overlap or steps % 3 == 2 or (steps == 0 and i % 2):
                 r.output_ids, r.pending = r.output_ids + r.pending, []
         seq = torch.tensor([len(r.origin_input_ids) + len(r.output_ids) + len(r.pending) - 1 for r in live])
         acc = torch.zeros(bs * D, dtype=torch.int32)
         lens = torch.zeros(bs, dtype=torch.int32)
         for i, r in enumerate(live):
             # the relay of the previous step's accepted tokens (only the last one in non-overlap mode)
-            prev = r.pending or r.output_ids[-1:]
+            prev = r.relay if overlap else r.output_ids[-1:]
             acc[i * D: i * D + len(prev)] = torch.tensor(prev)
             lens[i] = len(prev)
         batch = types.SimpleNamespace(
@@ -201,6 +207,7 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
             assert int(nxt.new_seq_lens[i]) == int(seq[i]) + n
             r.output_ids += r.pending  # result processing of the previous step
             r.pending = accepted[i, :n].tolist()
+            r.relay = list(r.pending)
         worker.on_verify_complete_cpu((res.accept_lens - 1).tolist())
         for r in list(live):
             if len(r.output_ids) + len(r.pending) >= r.max_new:
@@ -257,7 +264,8 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
             steps=steps, tokens=sum(r.max_new for r in reqs),
             identical=all(r.output_ids == policy.greedy(r.origin_input_ids, r.max_new) for r in reqs),
             calls=sorted(set(target.calls)), modes=sorted(target.modes)))
-    out.update(plain_steps=worker.plain_steps, width_after=worker.draft_token_num,
+    out.update(plain_steps=worker.plain_steps, context_mismatches=worker.context_mismatches,
+               width_after=worker.draft_token_num,
                responses=worker.history_stats().get("responses"))
     control = worker.drafter.control if worker.drafter is not None else None
     out["measured_widths"] = sorted({w for w, _ in control.clock.table}) if control is not None else []

@@ -42,8 +42,10 @@ def step(reqs, pending):
         p = pending.get(r.rid, [])
         acc[i * D: i * D + len(p)] = torch.tensor(p, dtype=torch.int64)
         lens[i] = len(p)
+    # SGLang's seq_lens: every accepted token but the root (the last one), whose KV the step computes.
+    seq = torch.tensor([len(r.origin_input_ids) + len(r.output_ids) + len(pending.get(r.rid, [])) - 1 for r in reqs])
     batch = types.SimpleNamespace(reqs=reqs, spec_info=types.SimpleNamespace(accept_tokens=acc, accept_lens=lens),
-                                  grammar_needs_sync=lambda: False)
+                                  seq_lens=seq, seq_lens_cpu=seq, grammar_needs_sync=lambda: False)
     for r in reqs:
         w._reqs.setdefault(r.rid, r)
     tokens, mask = w._prepare_draft_tokens(batch)

@@ -126,6 +126,23 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
     assert 7 in parts.index.group_keys() and 12345 not in parts.index.group_keys()
 
 
+def test_a_context_of_the_same_length_with_another_last_token_restarts_the_request():
+    """The root of a draft is the request's last token. A context handed in with as many tokens as
+    the index holds but another last token (what a double-counted overlap relay produced on a GPU:
+    the prefill token twice, then the next token never read) must not leave the old root in place:
+    the request's context is read again whole."""
+    d = 4
+    dr = BatchDrafter(d, FIXED)
+    prompt = [5, 6, 7]
+    dr.sync_batch([("a", prompt, [1], [1], None)])  # [1] counted twice: the index holds 2 tokens
+    assert dr.draft(["a"])[0][0] == 1
+    dr.sync_batch([("a", prompt, [1], [2], None)])  # the real context: 2 tokens, the last one 2
+    tokens, _ = dr.draft(["a"])
+    assert tokens[0] == 2
+    dr.sync_batch([("a", prompt, [1, 2], [3], None)])
+    assert dr.draft(["a"])[0][0] == 3
+
+
 def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     d = 6
     dr = BatchDrafter(d, FIXED)

@@ -288,6 +288,7 @@ def _check_cpu_verify(res: dict, version: str) -> None:
         first, second = run["epochs"]
         assert first["identical"] and second["identical"], name
         assert run["width_after"] == d and run["responses"] == 12, name
+        assert run["context_mismatches"] == 0, name
         widths = {w for _, w in first["calls"] + second["calls"]}
         # Width 1 is a plain DECODE forward; a verify forward is always d wide.
         modes = set(first["modes"] + second["modes"])

@@ -182,14 +182,17 @@ class BatchDrafter:
                 live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]), group=group)
             head = len(response)
             n = head + len(pending)
-            if n < live.known:
-                # SGLang rewound the request (retraction); start its context again. (Its old
-                # tokens leave the automaton when the group is next rebuilt: a retraction under
-                # memory pressure hits many requests at once, and rebuilding a group for each
-                # would stall the scheduler.)
+            last = pending[-1] if len(pending) else response[-1] if head else prompt_ids[-1]
+            if n < live.known or (n == live.known and int(last) != live.last):
+                # SGLang rewound the request (retraction), or the context handed in disagrees with
+                # what the index holds: start its context again, since the root of the next draft
+                # must be the request's real last token. (Its old tokens leave the automaton when
+                # the group is next rebuilt: a retraction under memory pressure hits many requests
+                # at once, and rebuilding a group for each would stall the scheduler.)
                 self.index.finish_request(live.iid, keep=False, defer_removal=True)
                 self.index.begin_request(live.iid, live.group, prompt_ids)
                 live.known = 0
+                live.last = int(prompt_ids[-1])
                 live.drafted = 0
                 live.shadow = None
             if n > live.known:

@@ -103,6 +103,7 @@ class HistoryWorker(NGRAMWorker):
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._no_keep: set[str] = set()
         self._errors = 0
+        self.context_mismatches = 0
         # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
         self._staged: tuple[np.ndarray, np.ndarray] | None = None
         self.plain_steps = 0
@@ -307,15 +308,13 @@ class HistoryWorker(NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        d = self.draft_token_num
         rids, items = [], []
         drafter = self.drafter
-        for i, req in enumerate(batch.reqs):
+        for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
             rid = req.rid
             if rid in self._done:  # came back after it was finalized: draft, but never keep it twice
                 self._done.pop(rid)
                 self._no_keep.add(rid)
-            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]] if use_prev else ()
             # The group is read only for a request the drafter does not know yet.
             group = None if drafter.is_live(rid) else self._group(req)
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
@@ -328,10 +327,9 @@ class HistoryWorker(NGRAMWorker):
     def _empty(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
         d, bs = self.draft_token_num, len(batch.reqs)
         roots = []
-        for i, req in enumerate(batch.reqs):
-            n = self.prev_accept_lens[i] if use_prev else 0
-            if n:
-                roots.append(self.prev_token_ids[i * d + n - 1])
+        for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
+            if prev:
+                roots.append(prev[-1])
             elif req.output_ids:
                 roots.append(req.output_ids[-1])
             else:
@@ -340,6 +338,39 @@ class HistoryWorker(NGRAMWorker):
         mask = np.empty(bs * d * d, dtype=np.int64)
         write_empty(tokens, mask, roots, d)
         return tokens, mask
+
+    def _unprocessed(self, batch: Any, use_prev: bool) -> list[list[int]]:
+        """Each request's accepted tokens that are not in its ``output_ids`` yet.
+
+        SGLang's overlap scheduler processes a batch's result after it has launched the next batch,
+        so a request that decoded in the step just before is one step behind: its last accepted
+        tokens (``spec_info.accept_tokens``) are missing from ``output_ids``. Not every request is: when
+        another batch ran in between (a prefill of new requests, two prefills in a row), its result
+        has been processed while ``spec_info`` still relays the same tokens. The root of a draft is
+        the request's last token, and a stale root makes the verify compute the wrong position, so
+        the count comes from SGLang's own ``seq_lens`` (every accepted token but the root, whose KV
+        this step computes), not from the overlap flag alone."""
+        d = self.draft_token_num
+        if not use_prev:
+            return [[] for _ in batch.reqs]
+        seq = getattr(batch, "seq_lens_cpu", None)
+        if seq is None:
+            seq = batch.seq_lens.cpu()
+        seq_lens = seq.tolist()
+        out = []
+        for i, req in enumerate(batch.reqs):
+            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]]
+            missing = seq_lens[i] + 1 - len(req.origin_input_ids) - len(req.output_ids)
+            if not 0 <= missing <= len(prev):
+                # Not what SGLang's overlap relay produces; NGRAM's rule (all of them) keeps drafting.
+                self.context_mismatches += 1
+                if self.context_mismatches <= 3:
+                    logger.error("histospec: request %s: seq_len %d, %d prompt + %d output tokens and %d "
+                                 "relayed do not add up", req.rid, seq_lens[i], len(req.origin_input_ids),
+                                 len(req.output_ids), len(prev))
+                missing = len(prev)
+            out.append(prev[len(prev) - missing:])
+        return out
 
     def _group(self, req: Any) -> int | None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
@@ -403,7 +434,8 @@ class HistoryWorker(NGRAMWorker):
     def history_stats(self) -> dict[str, Any]:
         if self.drafter is None:
             return {}
-        return {**self.drafter.index.stats(), **self.drafter.totals, "plain_steps": self.plain_steps}
+        return {**self.drafter.index.stats(), **self.drafter.totals, "plain_steps": self.plain_steps,
+                "context_mismatches": self.context_mismatches}
 
     def _maybe_log(self) -> None:
         assert self.drafter is not None
