@@ -120,10 +120,16 @@ def _sampled_logprobs_against_rescoring(srv: EngineServer, scorer: EngineServer,
     return worst
 
 
+def _counter(srv: EngineServer, name: str) -> float:
+    """The server's counter ``name`` (``--enable-metrics``), summed over its label sets; the
+    counter must be exported."""
+    values = [float(line.split()[-1]) for line in srv.metrics().splitlines() if line.startswith(name + "{")]
+    assert values, f"{name} is not exported"
+    return sum(values)
+
+
 def _plain_steps(srv: EngineServer) -> float:
-    """The server's ``histospec:plain_steps_total`` (``--enable-metrics``)."""
-    return sum(float(line.split()[-1]) for line in srv.metrics().splitlines()
-               if line.startswith("histospec:plain_steps_total"))
+    return _counter(srv, "histospec:plain_steps_total")
 
 
 def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
@@ -170,6 +176,7 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         sampled = {"history": _sampled_logprobs_against_rescoring(servers[1], plain_server, prompts),
                    "history_cost": _sampled_logprobs_against_rescoring(cost, plain_server, prompts)}
         cost_plain_steps = _plain_steps(cost)
+        mismatches = _counter(cost, "histospec:context_mismatches_total")
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
@@ -179,6 +186,9 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     _check_greedy(runs)
     assert plain_steps > 0
     assert cost_plain_steps > plain_steps  # the sampled requests went through plain decode steps too
+    # SGLang's seq_lens counts every accepted token but the root: what the worker reads to place the
+    # root under the overlap scheduler (a GPU's default) holds on this real scheduler too.
+    assert mismatches == 0
     assert max(sampled.values()) < 1e-3, sampled
     assert any(p["outputs"] != plain_fresh for p in broken)
 
@@ -203,10 +213,14 @@ def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, plai
     env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     prompts = _prompts(8, seed=1)
     methods = ("ngram", "history")
-    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env) for m in methods)) as servers:
+    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env,
+                           extra=["--enable-metrics"] if m == "history" else [])
+                   for m in methods)) as servers:
         runs = {"plain": _greedy_passes(plain_server, prompts, passes=1)}
         runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
+        mismatches = _counter(servers[1], "histospec:context_mismatches_total")
     _check_greedy(runs)
+    assert mismatches == 0  # 0.5.23's seq_lens too counts every accepted token but the root
     version = subprocess.run([str(sglang_py), "-c", "import sglang; print(sglang.__version__)"], text=True,
                              capture_output=True, env=cpu_engine_env(str(sglang_py), base={**env}), check=True)
     assert version.stdout.strip() == "0.5.23"

@@ -26,6 +26,10 @@ over ``rate(histospec:decode_steps_total)``):
                                            (chosen by the cost model)
 ``histospec:draft_errors_total``           errors while drafting (that step is verified without
                                            drafts) or syncing with the draft server
+``histospec:context_mismatches_total``     requests whose last accepted tokens, as SGLang relays
+                                           them, did not add up with its ``seq_lens`` (0 unless an
+                                           SGLang version changes what it relays; the worker then
+                                           falls back to NGRAM's rule and logs the first three)
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
 =========================================  =====================================================
 
@@ -52,6 +56,13 @@ _COUNTERS = {
     "histospec:draft_tokens_offered": ("Draft nodes offered (root and pads excluded).", "offered"),
     "histospec:draft_tokens_accepted": ("Draft tokens accepted by verification.", "accepted"),
     "histospec:draft_seconds": ("Host seconds in the batch draft call.", "draft_seconds"),
+}
+_WORKER_COUNTERS = {
+    # metric name: (documentation, the keyword of HistoryMetrics.observe giving the worker's count)
+    "histospec:plain_steps": ("Decode steps decoded plainly (no draft verified).", "plain_steps"),
+    "histospec:draft_errors": ("Errors while drafting or syncing with the draft server.", "errors"),
+    "histospec:context_mismatches": (
+        "Requests whose relayed tokens did not add up with SGLang's seq_lens.", "context_mismatches"),
 }
 _GAUGES = {
     "histospec:drafting": "1 if the HISTORY worker's last step drafted, 0 if its cost model decoded it plainly.",
@@ -80,12 +91,8 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
             fam["histospec:host_seconds"] = Counter(
                 "histospec:host_seconds", "Host seconds the HISTORY worker adds per decode step.",
                 labelnames, registry=registry)
-            fam["histospec:plain_steps"] = Counter(
-                "histospec:plain_steps", "Decode steps decoded plainly (no draft verified).",
-                labelnames, registry=registry)
-            fam["histospec:draft_errors"] = Counter(
-                "histospec:draft_errors", "Errors while drafting or syncing with the draft server.",
-                labelnames, registry=registry)
+            for name, (doc, _) in _WORKER_COUNTERS.items():
+                fam[name] = Counter(name, doc, labelnames, registry=registry)
             fam["histospec:finished_requests"] = Counter(
                 "histospec:finished_requests", "Finished requests (kept=1: kept as history).",
                 (*labelnames, "kept"), registry=registry)
@@ -116,8 +123,7 @@ class HistoryMetrics:
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._seen: dict[str, float] = {}
-        self._errors = 0
-        self._plain = 0
+        self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
         self._steps = 0
 
     @classmethod
@@ -132,9 +138,11 @@ class HistoryMetrics:
             labels.update(extra)
         return cls(labels)
 
-    def observe(self, drafter: Any, *, errors: int, host_seconds: float, plain_steps: int = 0) -> None:
-        """Records one decode step: ``drafter.totals`` since the last call, the worker's error count,
-        its count of plainly decoded steps and the host time it spent on the step."""
+    def observe(self, drafter: Any, *, host_seconds: float, errors: int = 0, plain_steps: int = 0,
+                context_mismatches: int = 0) -> None:
+        """Records one decode step: ``drafter.totals`` since the last call, the worker's counts (errors,
+        plainly decoded steps, requests whose context did not add up) and the host time it spent on
+        the step."""
         totals = drafter.totals
         for name, (_, key) in _COUNTERS.items():
             value = totals[key]
@@ -148,12 +156,11 @@ class HistoryMetrics:
             if delta > 0:
                 self._finished[label].inc(delta)
             self._seen[f"finished{label}"] = value
-        if errors > self._errors:
-            self._m["histospec:draft_errors"].inc(errors - self._errors)
-        self._errors = errors
-        if plain_steps > self._plain:
-            self._m["histospec:plain_steps"].inc(plain_steps - self._plain)
-        self._plain = plain_steps
+        counts = {"errors": errors, "plain_steps": plain_steps, "context_mismatches": context_mismatches}
+        for name, (_, key) in _WORKER_COUNTERS.items():
+            if counts[key] > self._counts[name]:
+                self._m[name].inc(counts[key] - self._counts[name])
+            self._counts[name] = counts[key]
         if host_seconds > 0:
             self._m["histospec:host_seconds"].inc(host_seconds)
         self._m["histospec:drafting"].set(float(drafter.drafting))

@@ -293,6 +293,7 @@ class HistoryWorker(NGRAMWorker):
         if self.metrics is not None and self.drafter is not None:
             try:
                 self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.plain_steps,
+                                     context_mismatches=self.context_mismatches,
                                      host_seconds=time.perf_counter() - t0)
             except Exception:
                 logger.exception("histospec: could not update the Prometheus metrics; they stay off")
@@ -351,18 +352,17 @@ class HistoryWorker(NGRAMWorker):
         the count comes from SGLang's own ``seq_lens`` (every accepted token but the root, whose KV
         this step computes), not from the overlap flag alone."""
         d = self.draft_token_num
-        if not use_prev:
-            return [[] for _ in batch.reqs]
         seq = getattr(batch, "seq_lens_cpu", None)
         if seq is None:
             seq = batch.seq_lens.cpu()
         seq_lens = seq.tolist()
         out = []
         for i, req in enumerate(batch.reqs):
-            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]]
+            # Without overlap SGLang has processed every result: nothing may be missing.
+            prev = self.prev_token_ids[i * d: i * d + self.prev_accept_lens[i]] if use_prev else []
             missing = seq_lens[i] + 1 - len(req.origin_input_ids) - len(req.output_ids)
             if not 0 <= missing <= len(prev):
-                # Not what SGLang's overlap relay produces; NGRAM's rule (all of them) keeps drafting.
+                # Not what SGLang's relay produces; NGRAM's rule (all of them) keeps drafting.
                 self.context_mismatches += 1
                 if self.context_mismatches <= 3:
                     logger.error("histospec: request %s: seq_len %d, %d prompt + %d output tokens and %d "
