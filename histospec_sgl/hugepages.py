@@ -17,6 +17,8 @@ import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
+from histospec_sgl import settings
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 #: glibc's first version with the ``glibc.malloc.hugetlb`` tunable.
 GLIBC_MIN = (2, 35)
@@ -41,7 +43,7 @@ def supported() -> bool:
 
 def requested(env: Mapping[str, str]) -> bool:
     """Whether ``env`` asks for huge pages (``HISTOSPEC_HUGE_PAGES=1``)."""
-    return env.get("HISTOSPEC_HUGE_PAGES", "").strip() == "1"
+    return settings.value("HISTOSPEC_HUGE_PAGES", env) == "1"
 
 
 def has_tunable(env: Mapping[str, str]) -> bool:

@@ -51,6 +51,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from histospec_sgl import settings
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 
 METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_cost")
@@ -143,7 +144,7 @@ def corpus_budget(draft_tokens: int) -> int:
 def sglang_0523(python: str) -> Path:
     """SGLang 0.5.23 unpacked beside the environment's SGLang (``scripts/setup_sglang_env.sh``), or
     ``$HISTOSPEC_SGLANG_0523``."""
-    env = os.environ.get("HISTOSPEC_SGLANG_0523")
+    env = settings.value("HISTOSPEC_SGLANG_0523")
     path = Path(env) if env else Path(os.path.abspath(python)).parents[1] / "sglang-0.5.23"
     if not (path / "sglang").is_dir():
         raise RuntimeError(f"ngram_corpus runs SGLang 0.5.23's NGRAM from {path}, which is missing "

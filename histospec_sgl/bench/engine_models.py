@@ -35,6 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from histospec_sgl import settings
+
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "humaneval_sample.jsonl.gz"
 #: Raised when a recipe changes, so that cached models are rebuilt.
 RECIPE_VERSION = 1
@@ -52,7 +54,7 @@ RHYME_EOS = 1
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HISTOSPEC_MODEL_CACHE", Path.home() / ".cache" / "histospec-sgl" / "models"))
+    return Path(settings.value("HISTOSPEC_MODEL_CACHE") or Path.home() / ".cache" / "histospec-sgl" / "models")
 
 
 def _key(kind: str, params: dict[str, Any]) -> str:

@@ -37,7 +37,6 @@ scores prompt positions without its sampling processors; a warning says so once)
 from __future__ import annotations
 
 import logging
-import os
 from copy import deepcopy
 from typing import Any
 
@@ -49,7 +48,7 @@ require("openrlhf")
 
 from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
 
-from histospec_sgl import prompt_key
+from histospec_sgl import prompt_key, settings
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.specrl.client import SpecRLRollout
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
@@ -171,7 +170,7 @@ def _inner_executor() -> Any:
     """The executor SPEC-RL wraps: ``HISTOSPEC_INNER_AGENT_FUNC_PATH`` (a file with an
     ``AgentExecutor`` class, as ``--train.agent_func_path`` takes) or OpenRLHF's single-turn executor
     with the reward from ``HISTOSPEC_REMOTE_RM_URL``."""
-    path = os.environ.get("HISTOSPEC_INNER_AGENT_FUNC_PATH", "").strip()
+    path = settings.value("HISTOSPEC_INNER_AGENT_FUNC_PATH")
     if path:
         from openrlhf.trainer.ray.vllm_engine import _load_agent_executor
 
@@ -179,19 +178,19 @@ def _inner_executor() -> Any:
         if isinstance(inner, AgentExecutor):
             raise ValueError("HISTOSPEC_INNER_AGENT_FUNC_PATH names histospec's own executor")
         return inner
-    urls = [u.strip() for u in os.environ.get("HISTOSPEC_REMOTE_RM_URL", "").split(",") if u.strip()]
-    return SingleTurnAgentExecutor(urls or None)
+    urls = settings.value("HISTOSPEC_REMOTE_RM_URL")
+    return SingleTurnAgentExecutor(list(urls) if urls else None)
 
 
 class AgentExecutor(AgentExecutorBase):
     def __init__(self) -> None:
-        n = os.environ.get("HISTOSPEC_N_SAMPLES", "").strip()
-        if not n.isdigit() or int(n) < 1:
+        n = settings.value("HISTOSPEC_N_SAMPLES")
+        if n is None:
             # Without it a group's samples would share one previous response and stop being
             # independent draws: refuse at engine start-up rather than train on them.
-            raise ValueError(f"HISTOSPEC_N_SAMPLES={n!r}: set it in the Ray job's runtime_env.env_vars to "
+            raise ValueError("HISTOSPEC_N_SAMPLES is not set: set it in the Ray job's runtime_env.env_vars to "
                              "OpenRLHF's --rollout.n_samples_per_prompt (the executor is not told the group size)")
-        self.n = int(n)
+        self.n = n
         self.options = Options.resolve()
         self.inner = _inner_executor()
 

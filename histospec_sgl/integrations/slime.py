@@ -74,13 +74,13 @@ import hashlib
 import inspect
 import json
 import logging
-import os
 import weakref
 from typing import Any
 
 import numpy as np
 
 from histospec_sgl.integrations.versions import require
+from histospec_sgl.settings import value as settings_value
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
 
@@ -115,7 +115,7 @@ class Settings(Options):
         return cls(
             **dataclasses.asdict(opts), mode=mode,
             inner_generate_path=(getattr(args, "histospec_inner_generate_path", None)
-                                 or os.environ.get("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
+                                 or settings_value("HISTOSPEC_SLIME_INNER_GENERATE") or DEFAULT_INNER),
             length_first=_flag(getattr(args, "histospec_length_first", None)),
             length_first_window=float(getattr(args, "histospec_length_first_window", None) or 0.02),
             publish_wait=float(getattr(args, "histospec_publish_wait", None) or 60.0),

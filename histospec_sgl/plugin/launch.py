@@ -14,25 +14,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from histospec_sgl import settings
 from histospec_sgl.engine.config import HistoryConfig, HistoryConfigError, settings_table
 from histospec_sgl.hugepages import prepare_children
 from histospec_sgl.plugin import flag_value
 
-#: --history-* option -> environment variable.
-OPTIONS: dict[str, tuple[str, str]] = {
-    "--history-load": ("HISTOSPEC_HISTORY_LOAD", "PATH"),
-    "--history-snapshot": ("HISTOSPEC_SNAPSHOT_PATH", "PATH"),
-    "--history-draft-server": ("HISTOSPEC_DRAFT_SERVER", "HOST:PORT"),
-    "--history-max-responses": ("HISTOSPEC_MAX_RESPONSES", "N"),
-    "--history-max-versions": ("HISTOSPEC_MAX_VERSIONS", "E"),
-    "--history-memory-budget": ("HISTOSPEC_MEMORY_BUDGET", "SIZE"),
-    "--history-version-decay": ("HISTOSPEC_VERSION_DECAY", "X"),
-    "--history-draft-knobs": ("HISTOSPEC_DRAFT_KNOBS", "NAME=X,..."),
-    "--history-control": ("HISTOSPEC_CONTROL", "cost|fixed"),
-    "--history-threads": ("HISTOSPEC_THREADS", "N"),
-    "--history-huge-pages": ("HISTOSPEC_HUGE_PAGES", "0|1"),
-    "--history-log-every": ("HISTOSPEC_LOG_EVERY", "N"),
-}
+#: --history-* option -> (environment variable, metavar), from the settings registry.
+OPTIONS: dict[str, tuple[str, str]] = {s.flag: (s.env, s.metavar) for s in settings.SETTINGS if s.flag}
 
 
 def _parser() -> argparse.ArgumentParser:

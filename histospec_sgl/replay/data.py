@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from histospec_sgl import settings
 from histospec_sgl.errors import HistospecError
 
 
@@ -101,7 +101,7 @@ class Rollout:
 
 def _candidates() -> list[Path]:
     out = []
-    env = os.environ.get("HISTOSPEC_DATA_DIR")
+    env = settings.value("HISTOSPEC_DATA_DIR")
     if env:
         out.append(Path(env))
     repo = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def default_data_root() -> Path | None:
 
 def default_tokenizer() -> Path | None:
     """``$HISTOSPEC_TOKENIZER``, else the Qwen3 tokenizer beside the data root."""
-    env = os.environ.get("HISTOSPEC_TOKENIZER")
+    env = settings.value("HISTOSPEC_TOKENIZER")
     if env:
         return Path(env)
     root = default_data_root()

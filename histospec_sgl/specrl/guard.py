@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from histospec_sgl import settings
 from histospec_sgl.specrl.acceptance import check_lenience
 
 log = logging.getLogger("histospec_sgl.specrl")
@@ -94,8 +94,9 @@ class Options:
     @classmethod
     def resolve(cls, *, lenience: Any = None, timeout: Any = None, seed: Any = None,
                 draft_server: str | None = None) -> Options:
-        lenience = lenience if lenience not in (None, "") else os.environ.get("HISTOSPEC_LENIENCE") or 1.0
-        timeout = timeout if timeout not in (None, "") else os.environ.get("HISTOSPEC_SPECRL_TIMEOUT") or DEFAULT_TIMEOUT
+        settings.resolve()  # e.g. the draft-server actor's address and token, inside a Ray job
+        lenience = lenience if lenience not in (None, "") else settings.value("HISTOSPEC_LENIENCE")
+        timeout = timeout if timeout not in (None, "") else settings.value("HISTOSPEC_SPECRL_TIMEOUT")
         try:
             timeout = float(timeout)
         except (TypeError, ValueError):
@@ -103,4 +104,4 @@ class Options:
         if not timeout > 0 or math.isinf(timeout):
             raise ValueError(f"the SPEC-RL timeout must be a positive number of seconds, not {timeout}")
         return cls(lenience=check_lenience(float(lenience)), timeout=timeout, seed=int(seed or 0),
-                   draft_server=draft_server or os.environ.get("HISTOSPEC_DRAFT_SERVER") or None)
+                   draft_server=draft_server or settings.value("HISTOSPEC_DRAFT_SERVER"))
