@@ -12,7 +12,9 @@ Prints one JSON line.
 only knows ``HISTOSPEC_DRAFT_SERVER_ACTOR`` builds ``ServerArgs`` (the plugin resolves the actor to an
 address there), starts the engine-side sync with an index and waits until a record published by this
 driver reaches it; then the server process is killed, the actor starts it again, and a new engine
-sync finds the record from before the kill and one published after. Prints one JSON line.
+sync finds the record from before the kill and one published after. The server requires the token
+the actor made (a publisher without it is refused); the engine actor and a trainer's SPEC-RL store
+get it through the actor. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ class EngineActor:
 
     def env(self, name: str) -> str | None:
         return os.environ.get(name)
+
+    def trainer_record(self, prompt: list[int]) -> dict:
+        """What a trainer's rollout worker does with SPEC-RL: find the draft server (the actor's
+        address and token, through the setup hook's lookup), record a response, read it back."""
+        from histospec_sgl.specrl.guard import Options
+        from histospec_sgl.specrl.store import shared
+
+        opts = Options.resolve()
+        st = shared()
+        st.record(opts.draft_server, prompt, [41, 42], [-0.1, -0.2], "stop", group=5, slot=0, version=1)
+        settled = st.settle(opts.draft_server, 30) if opts.draft_server else False
+        prev = st.get(opts.draft_server, 5, 0)
+        return {"draft_server": opts.draft_server, "settled": settled,
+                "previous": None if prev is None else list(prev.response_ids)}
 
     def receive(self, prompt: list[int], timeout: float, want: int = 1) -> dict:
         from histospec_sgl import HistoryIndex
@@ -93,22 +109,33 @@ def engine(address: str) -> None:
     ray.init(address=address, log_to_driver=False, runtime_env={"worker_process_setup_hook": HOOK})
     try:
         server = rds.lookup()
+        info = rds.client_settings()
+        creds = {"auth_token": info["token"]} if info else {}
         again, pid = None, None
         if server is not None:
             actor, again = rds.get_or_create(listen="127.0.0.1:0")  # the running one, not a second
             pid = ray.get(actor.pid.remote())
         prompt = [11, 12, 13, 14]
+        no_token = None
         if server is not None:
-            with HistoryPublisher(server) as pub:
+            with HistoryPublisher(server, **creds) as pub:
                 pub.publish(prompt, [21, 22, 23, 24, 25], version=3)
                 pub.flush()
+            try:  # secure by default: a client without the token is refused, with a clear reason
+                with HistoryPublisher(server, max_attempts=1) as pub:
+                    pub.publish(prompt, [26, 27], version=3)
+                    pub.flush()
+                no_token = "accepted"
+            except Exception as e:
+                no_token = str(e)
         env = {"HISTOSPEC_DRAFT_SERVER_ACTOR": f"{rds.NAMESPACE}/{rds.NAME}"}
         eng = EngineActor.options(runtime_env={"env_vars": env}).remote()
         args = ray.get(eng.server_args.remote(), timeout=120)
         resolved = ray.get(eng.env.remote("HISTOSPEC_DRAFT_SERVER"))
         got = ray.get(eng.receive.remote(prompt, 30.0), timeout=120)
         out = {"lookup": server, "again": again, "server_pid": pid, "server_args": args, "resolved": resolved,
-               "received": got}
+               "received": got, "token_required": bool(info and info["token"]), "no_token": no_token,
+               "engine_token_file": ray.get(eng.env.remote("HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"))}
         if server is not None:
             # The server child dies (as to the OOM killer): the actor starts it again on the same
             # address from its data dir; what it acknowledged is there, and publishing goes on.
@@ -119,10 +146,11 @@ def engine(address: str) -> None:
             out["restarts"] = ray.get(actor.restarts.remote())
             out["pid_after"] = ray.get(actor.pid.remote())
             out["address_after"] = ray.get(actor.address.remote())
-            with HistoryPublisher(server) as pub:
+            with HistoryPublisher(server, **creds) as pub:
                 pub.publish(prompt, [31, 32, 33], version=4)
                 pub.flush()
             out["received_after"] = ray.get(eng.receive.remote(prompt, 30.0, 2), timeout=120)
+            out["trainer"] = ray.get(eng.trainer_record.remote(prompt), timeout=120)
         print(json.dumps(out))
     finally:
         ray.shutdown()

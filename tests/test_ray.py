@@ -86,11 +86,17 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         assert out["lookup"] == address and out["again"] == address
         assert out["server_args"]["ok"] is True, out["server_args"]
         assert out["resolved"] == address  # set by the plugin inside the engine actor
+        # Secure by default: the actor made a token; a client without it is refused and told why; the
+        # engine actor got it from the actor (a private file), as did a trainer's SPEC-RL store below.
+        assert out["token_required"] and out["engine_token_file"], out
+        assert "UNAUTHENTICATED" in out["no_token"] and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in out["no_token"], out
+        assert (data / "ray-actor-token").stat().st_mode & 0o077 == 0
         assert out["received"]["responses"] == 1, out["received"]
         # The killed server was started again by the actor, on the same address, with its record.
         assert out["restarts"] == 1 and out["pid_after"] != out["server_pid"], out
         assert out["address_after"] == address
         assert out["received_after"]["responses"] == 2, out["received_after"]
+        assert out["trainer"] == {"draft_server": address, "settled": True, "previous": [41, 42]}, out["trainer"]
 
         stop_cli = ["-m", "histospec_sgl.cli", "ray", "draft-server", "--address", head, "--stop"]
         stop = _run(ray_py, greedy_model, *stop_cli)

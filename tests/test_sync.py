@@ -430,8 +430,11 @@ def test_cli_refuses_bad_flags(tmp_path):
     assert r.returncode == 2 and "is empty" in r.stderr
     r = run("--tls-cert", "x.pem")
     assert r.returncode == 2 and "go together" in r.stderr
-    r = run("--listen", "256.1.1.1:1")
+    r = run("--listen", "256.1.1.1:1", "--insecure")
     assert r.returncode == 1 and "cannot listen" in r.stderr
+    # Beyond loopback without a token: refused unless the user says so.
+    r = run("--listen", "0.0.0.0:0")
+    assert r.returncode == 2 and "--auth-token-file" in r.stderr and "--insecure" in r.stderr
     bad = tmp_path / "data"
     bad.mkdir()
     (bad / "snapshot.bin").write_bytes(b"not a snapshot at all, clearly")

@@ -12,22 +12,30 @@ an actor that owns the server process:
 - restarted by Ray if its process dies (``max_restarts=-1``), on the same port (a port chosen by
   ``:0`` is kept in ``data_dir``), and the server restarted by the actor if the server alone dies.
 
-Engines find it in one of two ways:
+It is **secure by default**: unless given a token (``--auth-token-file``) or told ``insecure``, the
+actor makes one (kept in ``data_dir``, so a restart keeps it) and the server requires it. Engines and
+trainers find the server, its token and (for TLS) its certificate through the actor:
 
-1. ``HISTOSPEC_DRAFT_SERVER=<head-ip>:<port>`` in the job's ``runtime_env.env_vars`` (printed by
-   ``histospec-sgl ray draft-server``; Ray merges job and actor environments, so it reaches slime's
-   and verl's engine actors and the SGLang processes they start);
-2. ``HISTOSPEC_DRAFT_SERVER_ACTOR=<namespace>/<name>``: the plugin resolves the actor's address
-   inside the engine actor, where SGLang's ``ServerArgs`` are built (:func:`resolve_env`), and
-   exports ``HISTOSPEC_DRAFT_SERVER`` to the SGLang processes started from there.
+- ``HISTOSPEC_DRAFT_SERVER_ACTOR=<namespace>/<name>`` in the job's ``runtime_env.env_vars``, with the
+  setup hook :func:`histospec_sgl.integrations.ray_setup.setup`: inside each Ray worker the lookup
+  (:func:`resolve_env`) sets ``HISTOSPEC_DRAFT_SERVER`` and writes the token (and CA) to private files
+  named by ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE`` (``..._CA``), which the SGLang processes started from
+  there inherit and SPEC-RL's store reads. No file is copied by hand.
+- or ``HISTOSPEC_DRAFT_SERVER=<head-ip>:<port>`` with ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE`` on every
+  node, set by hand.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import secrets
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from histospec_sgl import settings
 
 logger = logging.getLogger("histospec_sgl.integrations")
 
@@ -36,6 +44,27 @@ NAMESPACE = "histospec"
 DEFAULT_LISTEN = "0.0.0.0:50061"
 ACTOR_ENV = "HISTOSPEC_DRAFT_SERVER_ACTOR"
 ADDRESS_ENV = "HISTOSPEC_DRAFT_SERVER"
+TOKEN_ENV = "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"
+CA_ENV = "HISTOSPEC_DRAFT_SERVER_CA"
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether ``host:port`` binds loopback only."""
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _private_file(directory: Path, name: str, data: bytes) -> Path:
+    """``data`` in ``directory/name``, readable by this user only."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return path
 
 
 class DraftServerOwner:
@@ -45,10 +74,41 @@ class DraftServerOwner:
     acknowledged (each one is fsynced before it is acknowledged)."""
 
     def __init__(self, listen: str, data_dir: str | None, extra: list[str] | None = None,
-                 log: str | None = None, watch_every: float = 0.5):
+                 log: str | None = None, watch_every: float = 0.5, *, token_file: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None, insecure: bool = False):
         import threading
 
-        self._data_dir, self._extra, self._log = data_dir, extra, log
+        self._data_dir, self._log = data_dir, log
+        self._extra = list(extra or [])
+        # The token: the user's file, else the one this actor made before (a restart), else a new one.
+        self._token: str | None = None
+        if token_file:
+            self._token = Path(token_file).read_text().strip() or None
+            if self._token is None:
+                raise ValueError(f"--auth-token-file {token_file} is empty")
+        elif not insecure:
+            home = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="histospec-draft-"))
+            made = home / "ray-actor-token"
+            if made.exists():
+                self._token = made.read_text().strip()
+            else:
+                self._token = secrets.token_urlsafe(32)
+                _private_file(home, made.name, self._token.encode())
+            token_file = str(made)
+        elif not is_loopback(listen):
+            logger.warning("histospec: the draft server listens on %s with no token (insecure): anyone who can "
+                           "reach it can read every prompt and response of the job", listen)
+        if token_file:
+            self._extra += ["--auth-token-file", token_file]
+        if insecure:
+            self._extra += ["--insecure"]
+        self._ca: bytes | None = None
+        if tls_cert or tls_key:
+            if not (tls_cert and tls_key):
+                raise ValueError("--tls-cert and --tls-key go together")
+            self._extra += ["--tls-cert", tls_cert, "--tls-key", tls_key]
+            # Clients trust the server's own chain (a self-signed certificate is its own root).
+            self._ca = Path(tls_cert).read_bytes()
         bound = Path(data_dir) / "ray-actor-listen" if data_dir else None
         if bound is not None:
             bound.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +130,8 @@ class DraftServerOwner:
         self._watcher = threading.Thread(target=self._watch, args=(watch_every,), name="histospec-watch",
                                          daemon=True)
         self._watcher.start()
-        logger.info("histospec: draft server listening on %s (data dir %s)", self._address, data_dir)
+        logger.info("histospec: draft server listening on %s (data dir %s, %s)", self._address, data_dir,
+                    "token required" if self._token else "no token")
 
     def _start(self, listen: str) -> Any:
         from histospec_sgl.sync.process import DraftServerProcess
@@ -99,6 +160,11 @@ class DraftServerOwner:
 
     def address(self) -> str:
         return self._address
+
+    def client_settings(self) -> dict[str, Any]:
+        """What a client needs: ``address``, ``token`` (None: none required) and ``ca`` (PEM bytes for
+        TLS, else None). Ray hands actor results only to processes of the same cluster."""
+        return {"address": self._address, "token": self._token, "ca": self._ca}
 
     def alive(self) -> bool:
         return self._proc.alive()
@@ -129,12 +195,16 @@ def head_node_id() -> str:
 
 def get_or_create(*, name: str = NAME, namespace: str = NAMESPACE, listen: str = DEFAULT_LISTEN,
                   data_dir: str | os.PathLike[str] | None = None, extra: list[str] | None = None,
-                  log: str | os.PathLike[str] | None = None, timeout: float = 60.0) -> tuple[Any, str]:
+                  log: str | os.PathLike[str] | None = None, timeout: float = 60.0,
+                  token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                  insecure: bool = False) -> tuple[Any, str]:
     """The running draft-server actor ``namespace/name``, or a new one on the head node.
 
     Needs ``ray.init()`` first. Returns ``(actor handle, "host:port")``. A second call (from any
-    driver of the cluster) returns the running actor; ``listen`` and ``data_dir`` apply only when it
-    is created.
+    driver of the cluster) returns the running actor; the other arguments apply only when it is
+    created. The server requires a token unless ``insecure``: ``token_file`` (a path on the head node),
+    else one the actor makes and keeps in ``data_dir``. ``tls_cert``/``tls_key``: serve TLS (paths on
+    the head node).
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -146,20 +216,28 @@ def get_or_create(*, name: str = NAME, namespace: str = NAMESPACE, listen: str =
         name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
         max_restarts=-1, max_task_retries=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head_node_id(), soft=False),
-    ).remote(listen, str(data_dir) if data_dir else None, list(extra or []), str(log) if log else None)
+    ).remote(listen, str(data_dir) if data_dir else None, list(extra or []), str(log) if log else None,
+             token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, insecure=insecure)
     address = ray.get(actor.address.remote(), timeout=timeout)
     return actor, address
 
 
 def lookup(name: str = NAME, namespace: str = NAMESPACE, timeout: float = 60.0) -> str | None:
     """The address of the running draft-server actor, or None when there is none."""
+    info = client_settings(name, namespace, timeout)
+    return None if info is None else str(info["address"])
+
+
+def client_settings(name: str = NAME, namespace: str = NAMESPACE, timeout: float = 60.0) -> dict[str, Any] | None:
+    """The running draft-server actor's address, token and CA (:meth:`DraftServerOwner.client_settings`),
+    or None when there is none."""
     import ray
 
     try:
         actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
-    return str(ray.get(actor.address.remote(), timeout=timeout))
+    return dict(ray.get(actor.client_settings.remote(), timeout=timeout))
 
 
 def stop(name: str = NAME, namespace: str = NAMESPACE) -> bool:
@@ -177,16 +255,18 @@ def stop(name: str = NAME, namespace: str = NAMESPACE) -> bool:
     return True
 
 
-def resolve_env(environ: dict[str, str] | None = None) -> str | None:
-    """Inside an engine actor: with ``HISTOSPEC_DRAFT_SERVER_ACTOR=namespace/name`` set and
-    ``HISTOSPEC_DRAFT_SERVER`` not, looks the actor up and sets ``HISTOSPEC_DRAFT_SERVER`` (which the
-    SGLang processes started from here inherit). Returns the address in effect. Does nothing outside
-    a connected Ray worker; never raises for a missing actor (logs it: the engine then runs without
-    a draft server)."""
+def resolve_env(environ: Any = None) -> str | None:
+    """Inside a Ray worker (an engine actor, a trainer's rollout worker): with
+    ``HISTOSPEC_DRAFT_SERVER_ACTOR=namespace/name`` set, looks the actor up and fills what is unset of
+    ``HISTOSPEC_DRAFT_SERVER``, ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE`` and ``HISTOSPEC_DRAFT_SERVER_CA`` (the
+    token and certificate go to files only this user can read), which the SGLang processes started from
+    here inherit. Returns the address in effect. Does nothing outside a connected Ray worker; never
+    raises for a missing actor (logs it: engines then run without a draft server)."""
     env = os.environ if environ is None else environ
-    if env.get(ADDRESS_ENV) or not env.get(ACTOR_ENV):
-        return env.get(ADDRESS_ENV) or None
-    spec = env[ACTOR_ENV].strip()
+    spec = settings.value(ACTOR_ENV, env)
+    address = settings.value(ADDRESS_ENV, env)
+    if not spec or (address and settings.value(TOKEN_ENV, env)):
+        return address
     namespace, _, name = spec.rpartition("/")
     try:
         import ray
@@ -194,15 +274,21 @@ def resolve_env(environ: dict[str, str] | None = None) -> str | None:
         if not ray.is_initialized():
             logger.warning("histospec: %s=%s is set but this process is not a Ray worker; no draft server",
                            ACTOR_ENV, spec)
-            return None
-        address = lookup(name or NAME, namespace or NAMESPACE)
+            return address
+        info = client_settings(name or NAME, namespace or NAMESPACE)
     except Exception:
         logger.exception("histospec: could not look up the draft-server actor %s", spec)
-        return None
-    if address is None:
+        return address
+    if info is None:
         logger.warning("histospec: no draft-server actor %s is running; engines draft from their own history",
                        spec)
-        return None
-    env[ADDRESS_ENV] = address
+        return address
+    private = Path(tempfile.mkdtemp(prefix="histospec-client-"))
+    if info.get("token") and not settings.value(TOKEN_ENV, env):
+        env[TOKEN_ENV] = str(_private_file(private, "token", str(info["token"]).encode()))
+    if info.get("ca") and not settings.value(CA_ENV, env):
+        env[CA_ENV] = str(_private_file(private, "ca.pem", bytes(info["ca"])))
+    if not address:
+        address = env[ADDRESS_ENV] = str(info["address"])
     logger.info("histospec: draft server %s found through the Ray actor %s", address, spec)
     return address

@@ -10,9 +10,10 @@ actor method, so SGLang's plugins are loaded in time::
     ray job submit --runtime-env-json '{"worker_process_setup_hook":
         "histospec_sgl.integrations.ray_setup.setup", "env_vars": {...}}' -- python train.py ...
 
-It also hands the plugin the lookup of ``HISTOSPEC_DRAFT_SERVER_ACTOR``
-(:func:`~histospec_sgl.integrations.ray_draft_server.resolve_env`), which runs when HISTORY's server
-arguments are checked.
+It also installs the lookup of ``HISTOSPEC_DRAFT_SERVER_ACTOR``
+(:func:`~histospec_sgl.integrations.ray_draft_server.resolve_env`: the draft server's address, token
+and CA), which runs when HISTORY's server arguments are checked and when a trainer's SPEC-RL options
+are read, in processes without SGLang too.
 
 The hook never raises (Ray would turn an exception into a failed worker): without SGLang, or when
 its plugin loader fails, it logs why and returns. It does only local work; creating or calling Ray
@@ -31,6 +32,17 @@ def setup() -> bool:
     """Loads SGLang's plugins in this process (HISTORY among them). Returns whether HISTORY is
     registered afterwards; never raises."""
     try:
+        from histospec_sgl import settings
+        from histospec_sgl.integrations.ray_draft_server import resolve_env
+
+        if resolve_env not in settings.RESOLVERS:
+            # HISTOSPEC_DRAFT_SERVER_ACTOR (address, token, CA) is looked up when an engine's server
+            # args are checked or a trainer's SPEC-RL options are read, not here (calling an actor
+            # from a setup hook crashes the worker); trainer processes without SGLang need it too.
+            settings.RESOLVERS.append(resolve_env)
+    except Exception:
+        logger.exception("histospec: the draft-server actor lookup could not be installed in this worker")
+    try:
         if importlib.util.find_spec("sglang") is None:
             return False
     except (ImportError, ValueError):
@@ -45,13 +57,6 @@ def setup() -> bool:
         from histospec_sgl.plugin import register
 
         register()
-        from histospec_sgl.integrations.ray_draft_server import resolve_env
-        from histospec_sgl.plugin.registration import ENV_RESOLVERS
-
-        if resolve_env not in ENV_RESOLVERS:
-            # HISTOSPEC_DRAFT_SERVER_ACTOR is looked up when HISTORY's server args are checked, not
-            # here (calling an actor from a setup hook crashes the worker).
-            ENV_RESOLVERS.append(resolve_env)
         return True
     except BaseException:  # register() exits the process on a failed registration it was asked for
         logger.exception("histospec: --speculative-algorithm HISTORY could not be registered in this worker")

@@ -7,11 +7,10 @@ runs.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from histospec_sgl import settings
 from histospec_sgl.engine.config import NAME, SUPPORTED_SGLANG, HistoryConfig
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.compat import ATTENTION_FIELDS, handle_ngram, has_resolution_hooks, resolved
@@ -20,11 +19,10 @@ logger = logging.getLogger("histospec_sgl.plugin")
 
 FLASHINFER = "flashinfer"
 
-#: Called in order before HISTORY's server arguments are checked, to complete the environment from
-#: what the process runs in. The Ray integration adds the draft-server actor's lookup here when its
-#: setup hook runs (:func:`histospec_sgl.integrations.ray_setup.setup`), so the engine plugin needs
-#: nothing from the trainer side.
-ENV_RESOLVERS: list[Callable[[], object]] = []
+#: Run before HISTORY's server arguments are checked, to complete the environment from what the
+#: process runs in (the registry's resolvers: the Ray integration adds the draft-server actor's
+#: lookup when its setup hook runs), so the engine plugin needs nothing from the trainer side.
+ENV_RESOLVERS = settings.RESOLVERS
 
 
 def _is_history(server_args: Any) -> bool:
@@ -38,12 +36,11 @@ def validate_server_args(server_args: Any) -> None:
     Raises:
         ValueError: an attention backend other than FlashInfer, or a bad ``HISTOSPEC_*`` value.
     """
-    for resolve in ENV_RESOLVERS:
-        # E.g. in a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is
-        # connected: the draft server's address, which the SGLang processes started here inherit.
-        resolve()
-    if (not ENV_RESOLVERS and os.environ.get("HISTOSPEC_DRAFT_SERVER_ACTOR")
-            and not os.environ.get("HISTOSPEC_DRAFT_SERVER")):
+    # E.g. in a trainer's engine actor (slime, verl), where ServerArgs are built and Ray is connected:
+    # the draft server's address and token, which the SGLang processes started here inherit.
+    settings.resolve()
+    if (not ENV_RESOLVERS and settings.value("HISTOSPEC_DRAFT_SERVER_ACTOR")
+            and not settings.value("HISTOSPEC_DRAFT_SERVER")):
         # (With the hook's resolver registered, a failed lookup was already logged by it.)
         logger.warning("histospec: HISTOSPEC_DRAFT_SERVER_ACTOR is set but unresolved here (the Ray setup hook "
                        "histospec_sgl.integrations.ray_setup.setup did not run in this process); no draft server")
@@ -166,13 +163,18 @@ def register_history() -> None:
     lo, hi = SUPPORTED_SGLANG
     try:
         version = compat.sglang_version()
-        if not lo <= version[:3] <= hi:
-            logger.warning(
-                "histospec-sgl supports sglang %s to %s; found %s (continuing)",
-                ".".join(map(str, lo)), ".".join(map(str, hi)), ".".join(map(str, version)),
-            )
     except metadata.PackageNotFoundError:
-        pass
+        version = None
+    if version is not None:
+        found, span = ".".join(map(str, version)), f"{'.'.join(map(str, lo))} to {'.'.join(map(str, hi))}"
+        if version[:3] < lo:
+            # Untested below the floor (verl's own [sglang] extra pins 0.5.12): refuse rather than
+            # decode with a verify path nobody ran.
+            raise RuntimeError(f"histospec-sgl supports sglang {span}; found sglang {found}. Install a "
+                               "supported SGLang in this environment (e.g. pip install sglang==0.5.17; beside "
+                               "verl, after verl: docs/trainers.md)")
+        if version[:3] > hi:
+            logger.warning("histospec-sgl supports sglang %s; found %s (newer: continuing)", span, found)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register("sglang.srt.server_args.ServerArgs.__post_init__", pick_flashinfer,

@@ -138,6 +138,14 @@ class PreviousResponses:
         self._subscriber: Any = None
 
     def get(self, group: Any, sample_index: int = 0) -> Previous | None:
+        """The previous response, or None.
+
+        Raises:
+            DraftServerError: the followed draft server's subscription stopped for good (it refused
+                this client's token, say): without it every lookup would silently find nothing.
+        """
+        if self._subscriber is not None and self._subscriber.error is not None:
+            raise self._subscriber.error
         return self._by_key.get((group, sample_index))
 
     def put(self, group: Any, sample_index: int, previous: Previous) -> None:

@@ -1,6 +1,7 @@
 """The previous responses SPEC-RL reuses, as every trainer adapter reads and records them.
 
-With a draft server (``HISTOSPEC_DRAFT_SERVER``), the store is a live mirror of its records
+With a draft server (``HISTOSPEC_DRAFT_SERVER``; its token and CA from the same settings as the
+engines', :class:`~histospec_sgl.sync.client.Credentials`), the store is a live mirror of its records
 (:meth:`PreviousResponses.follow`), the same in every engine and process of the job, and a finished
 response is published to it with its log-probs, slot and policy version: next epoch's previous
 response is found whichever engine or worker the prompt lands on. Without one, each process keeps
@@ -36,7 +37,9 @@ class PreviousStore:
         with self._lock:
             store = self._followers.get(address)
             if store is None:
-                store = self._followers[address] = PreviousResponses.follow(address)
+                from histospec_sgl.sync.client import Credentials
+
+                store = self._followers[address] = PreviousResponses.follow(address, **Credentials.from_env().kwargs())
             return store
 
     def publisher(self, address: str) -> Any:
@@ -46,9 +49,9 @@ class PreviousStore:
         with self._lock:
             pub = self._publishers.get(address)
             if pub is None:
-                from histospec_sgl.sync.client import BackgroundPublisher
+                from histospec_sgl.sync.client import BackgroundPublisher, Credentials
 
-                pub = self._publishers[address] = BackgroundPublisher(address)
+                pub = self._publishers[address] = BackgroundPublisher(address, **Credentials.from_env().kwargs())
             return pub
 
     def close(self, timeout: float = 10.0) -> None:

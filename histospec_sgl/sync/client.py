@@ -8,6 +8,7 @@ subscriber applies records to a :class:`~histospec_sgl.HistoryIndex` without a P
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import random
@@ -19,10 +20,11 @@ from typing import Any
 
 import grpc
 
-from histospec_sgl import _core
+from histospec_sgl import _core, settings
 from histospec_sgl.errors import HistospecError
 
 __all__ = [
+    "Credentials",
     "DraftServerError",
     "PublishError",
     "HistoryPublisher",
@@ -39,6 +41,38 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """How a client proves itself to a draft server: the bearer token and, for TLS, the PEM roots.
+
+    Engines, trainer adapters and SPEC-RL all take theirs from :meth:`from_env`, so one setting
+    (``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE``, ``HISTOSPEC_DRAFT_SERVER_CA``) reaches every client of a job.
+    """
+
+    token: str | None = None
+    ca: bytes | None = None
+
+    @classmethod
+    def from_env(cls, environ: Any = None) -> Credentials:
+        token_file = settings.value("HISTOSPEC_DRAFT_SERVER_TOKEN_FILE", environ)
+        ca_file = settings.value("HISTOSPEC_DRAFT_SERVER_CA", environ)
+        token = None
+        if token_file:
+            with open(token_file) as f:
+                token = f.read().strip() or None
+            if token is None:
+                raise settings.SettingError(f"HISTOSPEC_DRAFT_SERVER_TOKEN_FILE={token_file!r}: the file is empty")
+        ca = None
+        if ca_file:
+            with open(ca_file, "rb") as fb:
+                ca = fb.read()
+        return cls(token, ca)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments every client class here takes."""
+        return {"auth_token": self.token, "tls_root_certificates": self.ca}
+
+
 class DraftServerError(HistospecError):
     """A draft-server call failed; ``code`` is the gRPC status code (or None)."""
 
@@ -51,10 +85,18 @@ class PublishError(DraftServerError):
     """A publish failed for good (refused, or still failing after every retry)."""
 
 
+#: Refusals of who the client is: a missing or wrong token, which no retry fixes.
+AUTH_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+AUTH_HINT = ("the draft server refused this client's credentials: give every engine and trainer process the "
+             "server's token file in HISTOSPEC_DRAFT_SERVER_TOKEN_FILE (on Ray, HISTOSPEC_DRAFT_SERVER_ACTOR "
+             "hands it over), and HISTOSPEC_DRAFT_SERVER_CA for a TLS server")
+
+
 def _describe(e: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
-    return code, f"{code.name if code else 'error'}: {details}"
+    hint = f" ({AUTH_HINT})" if code in AUTH_CODES else ""
+    return code, f"{code.name if code else 'error'}: {details}{hint}"
 
 
 class _Client:
@@ -319,6 +361,8 @@ class BackgroundPublisher:
         self.refused_records = 0
         #: Records dropped because the queue was full.
         self.dropped = 0
+        #: Set when the server refused this client's credentials: :meth:`publish` raises it from then on.
+        self.error: DraftServerError | None = None
         self._queue: collections.deque[tuple[tuple, dict]] = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -327,7 +371,14 @@ class BackgroundPublisher:
 
     def publish(self, prompt_ids: Sequence[int] | Any, response_ids: Sequence[int] | Any, **kw: Any) -> bool:
         """Queues one record (keywords as :meth:`HistoryPublisher.publish`). Never blocks, never raises
-        for the server; False when the queue was full and the record was dropped."""
+        for an unreachable server; False when the queue was full and the record was dropped.
+
+        Raises:
+            DraftServerError: the server refused this client's token (a setting to fix, not a
+                condition to wait out: the records would be lost).
+        """
+        if self.error is not None:
+            raise self.error
         with self._cond:
             if len(self._queue) + self.publisher.queued >= self.max_queue:
                 self.dropped += 1
@@ -386,6 +437,11 @@ class BackgroundPublisher:
                     # Retrying cannot fix a refusal (a bad record, a wrong token): say so and move on.
                     self.refused_records += self.publisher.discard()
                     log.error("histospec: %s; these records are dropped", e)
+                    if e.code in AUTH_CODES:
+                        self.error = e
+                        with self._cond:
+                            self._queue.clear()
+                            self._cond.notify_all()
                     continue
                 self.publish_failures += 1
                 if self.publish_failures <= 3 or self.publish_failures % 100 == 0:

@@ -17,18 +17,12 @@ Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVE
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import Any
 
-from histospec_sgl.sync.client import BackgroundPublisher, HistoryPublisher, HistorySubscriber
+from histospec_sgl import settings
+from histospec_sgl.sync.client import BackgroundPublisher, Credentials, HistoryPublisher, HistorySubscriber
 
 log = logging.getLogger("histospec_sgl.sync")
-
-ENV_ADDRESS = "HISTOSPEC_DRAFT_SERVER"
-ENV_TOKEN_FILE = "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"
-ENV_CA = "HISTOSPEC_DRAFT_SERVER_CA"
-
 
 class EngineSync:
     """Keeps one engine's index in the draft server's global order.
@@ -68,14 +62,10 @@ class EngineSync:
     @classmethod
     def from_env(cls, index: Any, **kw: Any) -> EngineSync | None:
         """An EngineSync configured from the environment, or None when no server is set."""
-        address = os.environ.get(ENV_ADDRESS, "").strip()
+        address = settings.value("HISTOSPEC_DRAFT_SERVER")
         if not address:
             return None
-        token_file = os.environ.get(ENV_TOKEN_FILE)
-        token = Path(token_file).read_text().strip() if token_file else None
-        ca_file = os.environ.get(ENV_CA)
-        ca = Path(ca_file).read_bytes() if ca_file else None
-        return cls(address, index, auth_token=token, tls_root_certificates=ca, **kw)
+        return cls(address, index, **Credentials.from_env().kwargs(), **kw)
 
     def finished(self, prompt_ids: Any, response_ids: Any, *, version: int, sample_index: int = 0,
                  group: int | None = None, logprobs: Any = None, reward: float | None = None) -> None:
