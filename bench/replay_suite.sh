@@ -17,7 +17,7 @@ fi
 run() {
   local name=$1; shift
   echo "== $name: histospec-sgl replay $*" >&2
-  "$PY" -m histospec_sgl.cli replay "$@" "${PEER_ARGS[@]}" --bounds bound_copy_after_1,bound_copy_any --no-progress --json "$OUT/$name.json" --plot-dir "$OUT/plots" >/dev/null
+  "$PY" -m histospec_sgl.cli replay "$@" "${PEER_ARGS[@]}" --bounds bound_copy_after_1,bound_copy_any --no-progress --json "$OUT/$name.json" --plot "$OUT/plots" >/dev/null
 }
 run grpo-cross-sample          --preset grpo --scenario cross-sample
 run grpo-cross-sample-inflight --preset grpo --scenario cross-sample-inflight

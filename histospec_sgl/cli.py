@@ -13,6 +13,7 @@ from typing import Any
 from histospec_sgl import hugepages
 from histospec_sgl.bench.commands import add_bench
 from histospec_sgl.cliutil import command, floats, kv, names, write_json
+from histospec_sgl.install import pip_line
 from histospec_sgl.simulate.cli import add_simulate
 
 
@@ -64,7 +65,7 @@ def _replay(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("error: --plot-dir needs matplotlib: pip install 'histospec-sgl[bench]'", file=sys.stderr)
+            print(f"error: --plot needs matplotlib: {pip_line('bench')}", file=sys.stderr)
             return 2
     try:
         result = run_replay(opts, command=command())
@@ -106,7 +107,9 @@ def _add_replay(sub: Any) -> None:
     src.add_argument("--token-ids", action="store_true", help="prompt and response fields hold token-id lists")
     sc = rp.add_argument_group("scenario")
     sc.add_argument("--scenario", choices=SCENARIOS, default="cross-sample")
-    sc.add_argument("--draft-tokens", type=int, default=16, help="tree nodes per verify step, root included")
+    sc.add_argument("--draft-tokens", type=int, default=16,
+                    help="tree nodes per verify step, root included (default 16: the width of the replay results "
+                    "in bench/RESULTS.md; an SGLang engine defaults to 12)")
     sc.add_argument("--chain", action="store_true", help="draft chains instead of trees (ours)")
     sc.add_argument(
         "--finish",
@@ -145,15 +148,14 @@ def _add_replay(sub: Any) -> None:
     cm.add_argument("--decode-step-ms", type=float, default=20.0, help="one plain decode step of the batch")
     out = rp.add_argument_group("output")
     out.add_argument("--json", metavar="PATH")
-    out.add_argument("--plot-dir", metavar="DIR")
+    out.add_argument("--plot", "--plot-dir", dest="plot_dir", metavar="DIR", help="write the plots into DIR")
     out.add_argument("--no-progress", action="store_true")
     rp.set_defaults(func=_replay)
 
 
 def _draft_server(args: argparse.Namespace) -> int:
-    import ipaddress
-
     from histospec_sgl import _core
+    from histospec_sgl.integrations.ray_draft_server import is_loopback
 
     token = None
     if args.auth_token_file:
@@ -168,14 +170,14 @@ def _draft_server(args: argparse.Namespace) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    host = args.listen.rsplit(":", 1)[0].strip("[]")
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback and token is None:
-        print(f"warning: listening on {args.listen} without --auth-token-file: anyone who can reach it can "
-              "publish history", file=sys.stderr)
+    if not is_loopback(args.listen) and token is None:
+        if not args.insecure:
+            print(f"error: --listen {args.listen} reaches beyond this machine and no --auth-token-file is given: "
+                  "anyone who can reach the port could read every prompt and response of the job and fill the "
+                  "server's memory. Give a token (clients: HISTOSPEC_DRAFT_SERVER_TOKEN_FILE), or pass --insecure "
+                  "on a network you trust", file=sys.stderr)
+            return 2
+        print(f"warning: listening on {args.listen} without a token (--insecure)", file=sys.stderr)
     try:
         _core.run_draft_server(
             args.listen,
@@ -196,26 +198,37 @@ def _draft_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_options(p: argparse.ArgumentParser, listen: str, where: str = "") -> None:
+    """The options ``draft-server`` and ``ray draft-server`` share: address, durability, security,
+    retention (``where``: which machine the paths are on)."""
+    p.add_argument("--listen", default=listen, help=f"host:port (default {listen}; port 0: any free)")
+    p.add_argument("--data-dir", metavar="D", help=f"persist the log and snapshots here{where} (fsync before ack)")
+    p.add_argument("--auth-token-file", metavar="F",
+                   help=f"require `authorization: Bearer <token in F>`{where}; clients read theirs from "
+                   "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE")
+    p.add_argument("--tls-cert", metavar="PEM", help=f"serve TLS with this certificate chain{where}")
+    p.add_argument("--tls-key", metavar="PEM", help="and this private key")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow listening beyond loopback without a token (a network you trust)")
+    p.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                   help="retain at most N prompt+response tokens, evicting the oldest records (0: no limit)")
+    p.add_argument("--max-records", type=int, default=0, metavar="N", help="retain at most N records (0: no limit)")
+
+
 def _add_draft_server(sub: Any) -> None:
     ds = sub.add_parser(
         "draft-server",
         help="serve history to index replicas over gRPC (histospec.v1)",
         description="The draft server: trainers and engines publish finished rollouts, index replicas "
-        "subscribe and converge to the same history. Stops gracefully on SIGTERM/SIGINT.",
+        "subscribe and converge to the same history. Stops gracefully on SIGTERM/SIGINT. Beyond loopback "
+        "it requires --auth-token-file (or --insecure).",
     )
-    ds.add_argument("--listen", default="127.0.0.1:50061", help="host:port (default loopback; port 0: any free)")
-    ds.add_argument("--auth-token-file", metavar="F", help="require `authorization: Bearer <token in F>`")
-    ds.add_argument("--data-dir", metavar="D", help="persist the log and snapshots here (fsync before ack)")
-    ds.add_argument("--max-tokens", type=int, default=0, metavar="N",
-                    help="retain at most N prompt+response tokens, evicting the oldest records (0: no limit)")
-    ds.add_argument("--max-records", type=int, default=0, metavar="N", help="retain at most N records (0: no limit)")
+    _server_options(ds, "127.0.0.1:50061")
     ds.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message (default 64 MiB)")
     ds.add_argument("--max-tokens-per-record", type=int, default=1 << 20)
     ds.add_argument("--snapshot-every-bytes", type=int, default=256 << 20,
                     help="compact the log into a snapshot after this much log (default 256 MiB)")
     ds.add_argument("--subscriber-buffer", type=int, default=8, help="messages buffered per subscriber")
-    ds.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain")
-    ds.add_argument("--tls-key", metavar="PEM", help="and this private key")
     ds.set_defaults(func=_draft_server)
 
 
@@ -227,28 +240,38 @@ def _ray_draft_server(args: argparse.Namespace) -> int:
         return 2
     from histospec_sgl.integrations import ray_draft_server as rds
 
+    if bool(args.tls_cert) != bool(args.tls_key):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     ray.init(address=args.address, namespace=args.namespace, log_to_driver=False,
              logging_level="WARNING")
     try:
+        if args.status:
+            running = rds.lookup(args.name, args.namespace)
+            print(running if running else f"no actor {args.namespace}/{args.name}")
+            return 0 if running else 1
         if args.stop:
             found = rds.stop(args.name, args.namespace)
             print(f"stopped {args.namespace}/{args.name}" if found else f"no actor {args.namespace}/{args.name}")
             return 0 if found else 1
         extra = []
-        if args.auth_token_file:
-            extra += ["--auth-token-file", args.auth_token_file]
         if args.max_tokens:
             extra += ["--max-tokens", str(args.max_tokens)]
+        if args.max_records:
+            extra += ["--max-records", str(args.max_records)]
         _, address = rds.get_or_create(name=args.name, namespace=args.namespace, listen=args.listen,
-                                       data_dir=args.data_dir, extra=extra, log=args.log)
+                                       data_dir=args.data_dir, extra=extra, log=args.log,
+                                       token_file=args.auth_token_file, tls_cert=args.tls_cert,
+                                       tls_key=args.tls_key, insecure=args.insecure)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         ray.shutdown()
     print(address)
-    print(f"# engines: HISTOSPEC_DRAFT_SERVER={address} (or HISTOSPEC_DRAFT_SERVER_ACTOR={args.namespace}/{args.name}) "
-          "in the job's runtime_env env_vars", file=sys.stderr)
+    print(f"# engines and trainers: HISTOSPEC_DRAFT_SERVER_ACTOR={args.namespace}/{args.name} and the setup hook "
+          "histospec_sgl.integrations.ray_setup.setup in the job's runtime env: they get the address and the "
+          "token from the actor", file=sys.stderr)
     return 0
 
 
@@ -258,17 +281,18 @@ def _add_ray(sub: Any) -> None:
     rd = rsub.add_parser(
         "draft-server", help="start (or find) the draft server as a detached, named actor on the head node",
         description="Starts the draft server as a detached Ray actor pinned to the head node (num_cpus=0) and "
-        "prints its address; a second call prints the running one's. Engines find it through "
-        "HISTOSPEC_DRAFT_SERVER=<address> in the job's runtime env, or HISTOSPEC_DRAFT_SERVER_ACTOR=ns/name.")
+        "prints its address; a second call prints the running one's. It requires a token unless --insecure: "
+        "the one in --auth-token-file, else one the actor makes (kept in --data-dir). Engines and trainers "
+        "get the address and token through HISTOSPEC_DRAFT_SERVER_ACTOR=ns/name with the setup hook "
+        "histospec_sgl.integrations.ray_setup.setup in the job's runtime env.")
     rd.add_argument("--address", default="auto", help="Ray cluster to connect to (default auto: the running one)")
     rd.add_argument("--name", default="histospec-draft-server")
     rd.add_argument("--namespace", default="histospec")
-    rd.add_argument("--listen", default="0.0.0.0:50061", help="host:port the server binds on the head node")
-    rd.add_argument("--data-dir", metavar="D", help="durable history on the head node (recommended)")
-    rd.add_argument("--auth-token-file", metavar="F", help="a token file on the head node")
-    rd.add_argument("--max-tokens", type=int, default=0, help="retention, as for draft-server")
+    _server_options(rd, "0.0.0.0:50061", " (on the head node)")
     rd.add_argument("--log", metavar="F", help="the server's stderr, on the head node")
     rd.add_argument("--stop", action="store_true", help="stop the running actor instead")
+    rd.add_argument("--status", action="store_true",
+                    help="print the running actor's address (exit 0), or that there is none (exit 1); start nothing")
     rd.set_defaults(func=_ray_draft_server)
 
 
@@ -283,6 +307,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start SGLang with --speculative-algorithm HISTORY (see launch-server --help)")
     add_bench(sub)
     return ap
+
+
+def reference() -> str:
+    """docs/cli.md's command reference: every command's ``--help``, as its parser prints it at 100
+    columns (tests/test_cli_doc.py keeps the page equal to it)."""
+    from histospec_sgl.plugin.launch import _parser as launch_parser
+
+    def walk(p: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(path, p)]
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    found += walk(child, f"{path} {name}")
+        return found
+
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        parts = []
+        for path, p in [*walk(build_parser(), "histospec-sgl"), ("histospec-sgl launch-server", launch_parser())]:
+            if path == "histospec-sgl launch-server" and not p.description:
+                continue  # the placeholder subcommand; its real parser comes last
+            p.prog = path
+            parts.append(f"## `{path}`\n\n```text\n{p.format_help().rstrip()}\n```\n")
+        return "\n".join(parts)
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
 
 
 def stale_install_note(installed: Path, checkout: Path) -> str | None:
@@ -348,7 +402,7 @@ def missing_module_hint(name: str | None) -> str | None:
     """One line naming what to install for a missing optional module (None: not an optional one)."""
     root = (name or "").split(".")[0]
     if root in BENCH_EXTRA:
-        return f"this command needs {root}: pip install 'histospec-sgl[bench]'"
+        return f"this command needs {root}: {pip_line('bench')}"
     if root in ENGINE:
         return (f"this command needs SGLang and torch ({root} is missing): pip install sglang, or on a machine "
                 "without a GPU bash scripts/setup_sglang_env.sh and run .venv-sglang/bin/histospec-sgl")

@@ -11,4 +11,4 @@ export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 if [ "$#" -eq 0 ]; then
   set -- --preset humaneval-sample --scenario cross-sample
 fi
-.venv/bin/histospec-sgl replay "$@" --json bench/out/quickstart.json --plot-dir bench/out/plots
+.venv/bin/histospec-sgl replay "$@" --json bench/out/quickstart.json --plot bench/out/plots

@@ -333,7 +333,7 @@ def test_simulate_command_writes_the_documented_json(tmp_path):
 @needs_logs
 def test_bench_lengths_on_the_logs(tmp_path):
     out = tmp_path / "len.json"
-    r = subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "bench", "lengths", "--presets", "humaneval",
+    r = subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "bench", "lengths", "--preset", "humaneval",
                         "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     sc = json.loads(out.read_text())["logs"]["humaneval"]["scenarios"]

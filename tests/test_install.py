@@ -50,7 +50,7 @@ def test_main_job_from_a_plain_install(plain_venv, tmp_path):
 
 
 @pytest.mark.parametrize("args, needs", [
-    (("replay", "--preset", "humaneval-sample", "--plot-dir", "plots"), "pip install 'histospec-sgl[bench]'"),
+    (("replay", "--preset", "humaneval-sample", "--plot", "plots"), "pip install './histospec-sgl[bench]'"),
     (("bench", "engine", "--batch-sizes", "1", "--repeats", "1"), "pip install sglang"),
     (("ray", "draft-server"), "pip install ray"),
 ])
@@ -59,3 +59,31 @@ def test_commands_that_need_an_extra_say_what_to_install(plain_venv, tmp_path, a
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-4000:]
     assert needs in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def test_every_install_line_can_run_today():
+    """histospec-sgl is not on PyPI: an install line names a checkout (``./histospec-sgl``, a local path)
+    or a built wheel, never the bare package name; every extra named anywhere exists in pyproject.toml."""
+    import re
+
+    pages = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").rglob("*.sh"),
+             *(p for p in (ROOT / "histospec_sgl").rglob("*.py") if p.name != "install.py")]
+    bare, unknown = [], []
+    for page in pages:
+        text = page.read_text()
+        bare += [f"{page.name}: {m}" for m in re.findall(r"pip install [^\n]*?(?<![./\w-])histospec-sgl\b[^\n]*", text)]
+        unknown += [f"{page.name}: [{e}]" for e in re.findall(r"histospec-sgl\[(\w+)\]", text) if e not in _extras()]
+    assert bare == [] and unknown == []
+    from histospec_sgl.install import pip_line
+    from histospec_sgl.integrations import versions
+
+    assert "./histospec-sgl[bench]" in pip_line("bench")
+    for dist in versions.SUPPORTED:
+        msg = versions.problem(dist, "0.0.1")
+        assert msg is not None and ("pip install -e" in msg if dist == "slime" else f"./histospec-sgl[{dist}]" in msg)

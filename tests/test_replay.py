@@ -303,7 +303,7 @@ def test_cli_quickstart_job_writes_json_and_plots(tmp_path):
     out = tmp_path / "r.json"
     plots = tmp_path / "plots"
     cmd = [sys.executable, "-m", "histospec_sgl.cli", "replay", "--preset", "humaneval-sample",
-           "--scenario", "cross-sample", "--json", str(out), "--plot-dir", str(plots),
+           "--scenario", "cross-sample", "--json", str(out), "--plot", str(plots),
            "--no-progress", "--max-groups", "6"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -333,10 +333,10 @@ def test_cli_plot_dir_without_matplotlib_is_refused_before_the_replay(tmp_path):
     # run to its end and then fail writing plots; it exits 2 at once with what to install.
     code = ("import sys; sys.modules['matplotlib'] = None; from histospec_sgl.cli import main; "
             "sys.argv = ['histospec-sgl', 'replay', '--preset', 'humaneval-sample', '--no-progress', "
-            f"'--json', {str(tmp_path / 'r.json')!r}, '--plot-dir', {str(tmp_path / 'plots')!r}]; sys.exit(main())")
+            f"'--json', {str(tmp_path / 'r.json')!r}, '--plot', {str(tmp_path / 'plots')!r}]; sys.exit(main())")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert "--plot-dir needs matplotlib" in res.stderr and "Traceback" not in res.stderr
+    assert "--plot needs matplotlib" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "r.json").exists()
 
 

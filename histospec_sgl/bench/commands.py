@@ -202,7 +202,7 @@ def add_bench(sub: Any) -> None:
     bsub = bench.add_subparsers(dest="bench", required=True)
     bp = bsub.add_parser("profile", help="a measured step-cost profile for simulate: plain and HISTORY step times "
                                          "per batch size on a real engine")
-    bp.add_argument("--out", required=True, metavar="PATH", help="where to write the profile JSON")
+    bp.add_argument("--json", "--out", dest="out", required=True, metavar="PATH", help="where to write the profile JSON")
     bp.add_argument("--engine-json", metavar="PATH",
                     help="make it from a bench engine result instead of running the engine")
     bp.add_argument("--name", help="the profile's name (default DEVICE-MODEL-measured)")
@@ -210,11 +210,14 @@ def add_bench(sub: Any) -> None:
     bp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bp.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
     bp.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
-    bp.add_argument("--draft-tokens", type=int, default=8, help="d, HISTORY's verify width")
+    bp.add_argument("--draft-tokens", type=int, default=8,
+                    help="d, HISTORY's verify width (default 8, as bench engine: on a CPU a verify step costs "
+                    "1.5-2.5 decode steps)")
     bp.add_argument("--repeats", type=int, default=1)
     bp.set_defaults(func=_bench_profile)
     bl = bsub.add_parser("lengths", help="response length predicted from history vs actual (Spearman) on the logs")
-    bl.add_argument("--presets", default="grpo,ei,humaneval", help="comma-separated logs (default all three)")
+    bl.add_argument("--preset", "--presets", dest="presets", default="grpo,ei,humaneval",
+                    help="a log, or a comma list of them (default all three)")
     bl.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
     bl.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
     bl.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -246,7 +249,8 @@ def add_bench(sub: Any) -> None:
     bw.add_argument("--json", metavar="PATH")
     bw.add_argument("--batch-sizes", type=counts, default=[32, 128, 256], help="comma list of decode batch sizes")
     bw.add_argument("--groups", type=int, default=64, help="prompts (groups); siblings per group = batch / groups")
-    bw.add_argument("--draft-tokens", type=int, default=12, help="d, the verify width (SGLang's default 12)")
+    bw.add_argument("--draft-tokens", type=int, default=12,
+                    help="d, the verify width (default 12: an SGLang engine's default for HISTORY)")
     bw.add_argument("--warm", type=int, default=1000, help="response tokens already decoded when timing starts")
     bw.add_argument("--steps", type=int, default=60)
     bw.add_argument("--threads", type=int, default=1,
@@ -288,7 +292,9 @@ def add_bench(sub: Any) -> None:
     be.add_argument("--temperatures", type=floats, default=[0.0, 1.0])
     be.add_argument("--siblings", type=int, default=8, help="samples per prompt in the sibling rows (sampled only)")
     be.add_argument("--max-new-tokens", type=int, default=128)
-    be.add_argument("--draft-tokens", type=int, default=8, help="d, the verify width of NGRAM and HISTORY")
+    be.add_argument("--draft-tokens", type=int, default=8,
+                    help="d, the verify width of NGRAM and HISTORY (default 8: on a CPU a verify step costs 1.5-2.5 "
+                    "decode steps, and the results in bench/RESULTS.md use 8)")
     be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu: SGLang's torch_native backend with the CPU stand-ins of a histospec-sgl checkout "
                     "(tests/_cpu_engine: a development tool, not in the wheel; run from the checkout); "

@@ -55,8 +55,13 @@ def problem(dist: str, version: str | None = None) -> str | None:
         ok = False
     if ok:
         return None
-    return (f"histospec-sgl supports {dist}{spec}, and {dist} {version} is installed "
-            f"(pip install 'histospec-sgl[{dist}]' installs a supported release)")
+    if dist == "slime":  # not on PyPI: installed from its source
+        how = "install a supported slime from its source (pip install -e <slime checkout>)"
+    else:
+        from histospec_sgl.install import pip_line
+
+        how = f"{pip_line(dist)} installs a supported release"
+    return f"histospec-sgl supports {dist}{spec}, and {dist} {version} is installed: {how}"
 
 
 def require(dist: str) -> None:
