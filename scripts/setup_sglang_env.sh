@@ -34,17 +34,20 @@ if [ ! -f "$STAMP" ]; then
   echo "$ROOT/tests/_shims" > "$SITE/histospec-test-shims.pth"
   touch "$STAMP"
 fi
-# SGLang 0.5.23 unpacked beside it (not installed): tests lay it over the 0.5.17 environment on
-# PYTHONPATH to run SGLang's verify path on CPU with the newer version (about 40 MB).
-OVERLAY="$VENV/sglang-0.5.23"
-if [ ! -f "$OVERLAY/.done" ]; then
-  echo "[setup-sglang] unpacking sglang 0.5.23 into $OVERLAY"
-  rm -rf "$OVERLAY"
-  "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: "sglang==0.5.23" -d "$OVERLAY.whl"
-  "$VENV/bin/python" -m zipfile -e "$OVERLAY.whl"/sglang-0.5.23-*.whl "$OVERLAY"
-  rm -rf "$OVERLAY.whl"
-  touch "$OVERLAY/.done"
-fi
+# SGLang 0.5.23 and 0.5.15 unpacked beside it (not installed): tests lay each over the 0.5.17
+# environment on PYTHONPATH to run SGLang's verify path on CPU with the newest supported version and
+# the oldest (slime's pin), about 40 MB each.
+for OV in 0.5.23 0.5.15; do
+  OVERLAY="$VENV/sglang-$OV"
+  if [ ! -f "$OVERLAY/.done" ]; then
+    echo "[setup-sglang] unpacking sglang $OV into $OVERLAY"
+    rm -rf "$OVERLAY"
+    "$VENV/bin/python" -m pip download -q --no-deps --only-binary=:all: "sglang==$OV" -d "$OVERLAY.whl"
+    "$VENV/bin/python" -m zipfile -e "$OVERLAY.whl"/sglang-"$OV"-*.whl "$OVERLAY"
+    rm -rf "$OVERLAY.whl"
+    touch "$OVERLAY/.done"
+  fi
+done
 # ArcticInference's SuffixDecoding (a peer of `bench index` and `replay`). PyPI has only its sdist,
 # whose setup.py imports torch: built here against the torch above, without build isolation (which
 # would pull another torch and ~2 GB of CUDA wheels). Only its C++ suffix-tree extension is built

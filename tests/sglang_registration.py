@@ -45,4 +45,17 @@ def no_worker() -> None:
         print("RESULT", e)
 
 
-{"idempotent": idempotent, "broken-install": broken_install, "no-worker": no_worker}[sys.argv[1]]()
+def old_sglang() -> None:
+    # verl's own [sglang] extra installs 0.5.12, below the supported floor: the launch stops and names
+    # the version found and the range.
+    from histospec_sgl.plugin import compat
+
+    compat.sglang_version = lambda: (0, 5, 12)
+    sys.argv = ["sglang.launch_server", "--speculative-algorithm", "HISTORY"]
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    print("NOT REACHED")
+
+
+{"idempotent": idempotent, "broken-install": broken_install, "no-worker": no_worker,
+ "old-sglang": old_sglang}[sys.argv[1]]()

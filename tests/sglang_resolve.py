@@ -32,7 +32,11 @@ def resolved(args: list) -> dict:
         acc=sa.speculative_accept_threshold_acc)
 
 
-if sys.argv[1:2] == ["--cases"]:
+if sys.argv[1:2] == ["--version"]:
+    import sglang
+
+    print("RESULT " + json.dumps(sglang.__version__))
+elif sys.argv[1:2] == ["--cases"]:
     out = []
     for case in json.loads(sys.argv[2]):
         for k in [k for k in os.environ if k.startswith("HISTOSPEC_")]:

@@ -4,6 +4,7 @@ tests/test_plugin.py):
 
     python sglang_worker_glue.py SNAPSHOT_PATH
 """
+import inspect
 import json
 import sys
 import types
@@ -19,9 +20,13 @@ sa = types.SimpleNamespace(disable_overlap_schedule=False, page_size=1, speculat
                            speculative_num_steps=1, device="cpu", tp_size=1, enable_metrics=True,
                            served_model_name="tiny-llama")
 target = types.SimpleNamespace(model_runner=types.SimpleNamespace())
-# SGLang 0.5.17's constructor: (server_args, gpu_id, ps, nccl_port, target_worker).
-w = HistoryWorker(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0,
-                  target_worker=target)
+# The constructor's arguments as the installed SGLang names them: 0.5.15 takes each rank, 0.5.17
+# (server_args, gpu_id, ps, nccl_port, target_worker).
+from sglang.srt.speculative.ngram_worker import NGRAMWorker  # noqa: E402
+
+kw = dict(server_args=sa, gpu_id=0, ps=types.SimpleNamespace(tp_rank=0), nccl_port=0, target_worker=target,
+          tp_rank=0, dp_rank=None, moe_ep_rank=0, attn_cp_rank=0, moe_dp_rank=0)
+w = HistoryWorker(**{k: v for k, v in kw.items() if k in inspect.signature(NGRAMWorker.__init__).parameters})
 
 class Req:
     def __init__(self, rid, prompt, full, group=None, abort=False):
@@ -118,7 +123,9 @@ totals = dict(w.drafter.totals)
 index = w.drafter.index.stats()
 w.clear_cache_pool()  # flush_cache after a weight update: history stays
 w.history_save(sys.argv[1])
-print("RESULT " + json.dumps(dict(
+import sglang  # noqa: E402
+
+print("RESULT " + json.dumps(dict(sglang=sglang.__version__,
     steps=len(accepted_steps), accepted=sum(accepted_steps), responses=stats["responses"],
     after_flush=w.drafter.index.stats()["responses"], first=first, finished=stats["finished"],
     live=sorted(w.drafter.live()), groups=w.drafter.index.group_keys(), key=prompt_key(prompt),

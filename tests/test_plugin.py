@@ -111,6 +111,10 @@ def test_registration_is_idempotent_cheap_and_fails_loudly(sglang_py):
     r = run_script(sglang_py, REGISTRATION.name, "broken-install")
     assert r.returncode != 0 and "NOT REACHED" not in r.stdout
     assert "simulated broken install" in r.stderr and "launch-server --check" in r.stderr
+    # An SGLang below the supported range (verl's [sglang] extra pins 0.5.12) stops the launch.
+    r = run_script(sglang_py, REGISTRATION.name, "old-sglang")
+    assert r.returncode != 0 and "NOT REACHED" not in r.stdout
+    assert "supports sglang 0.5.15 to 0.5.23; found sglang 0.5.12" in r.stderr, r.stderr[-3000:]
     # The worker needs SGLang's NGRAM worker (a CUDA sgl_kernel): without it the factory says so.
     r = run_script(sglang_py, REGISTRATION.name, "no-worker")
     assert "RESULT histospec-sgl: the HISTORY worker cannot be imported" in r.stdout, r.stdout + r.stderr[-2000:]
@@ -254,6 +258,33 @@ def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
                       SGLANG_USE_CPU_ENGINE="1")
     return [str(py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(model), *argv], dict(
         cwd=str(ROOT / "tests"), env=env)
+
+
+def test_sglang_0_5_15_registers_resolves_and_drafts(sglang_py, tiny_model, tmp_path):
+    """SGLang 0.5.15, the oldest release the plugin supports (slime's pin), laid over the 0.5.17
+    environment (the same torch pin): HISTORY registers and resolves as a GPU server would (0.5.15's
+    NGRAM defaults refuse any other device), and the real HistoryWorker, built through 0.5.15's own
+    NGRAMWorker constructor, drafts through overlap-mode steps. 0.5.15's verify path has no CPU
+    branches (its cache locations, tree verification and KV compaction are GPU kernels), so it runs
+    on a GPU only (bench/gpu/)."""
+    overlay = SGLANG_0523.parent / "sglang-0.5.15"
+    if not (overlay / ".done").exists():
+        _sglang_missing(f"{overlay} is missing: scripts/setup_sglang_env.sh did not finish",
+                        "needs SGLang 0.5.15 unpacked by scripts/setup_sglang_env.sh")
+    args = ["--model-path", str(tiny_model), "--device", "cuda", "--load-format", "dummy", "--skip-tokenizer-init",
+            "--speculative-algorithm", "HISTORY"]
+    r = resolve(sglang_py, args, env={"PYTHONPATH": str(overlay)})
+    res = result(r)
+    assert res["algo_type"] == "HistoryAlgo" and res["attn"] == "flashinfer" and res["d"] == 12, res
+    version = run_script(sglang_py, "sglang_resolve.py", "--version", env={"PYTHONPATH": str(overlay)})
+    assert "0.5.15" in version.stdout, version.stdout + version.stderr[-2000:]
+    prom = tmp_path / "prometheus"
+    prom.mkdir()
+    r = run_script(sglang_py, "sglang_worker_glue.py", str(tmp_path / "snap.bin"),
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "_stubs"), str(overlay)]),
+                        "PROMETHEUS_MULTIPROC_DIR": str(prom)})
+    glue = result(r)
+    assert glue["sglang"] == "0.5.15" and glue["responses"] == 3 and glue["accepted"] >= 26, glue
 
 
 def test_sglang_verify_path_on_cpu_is_lossless_under_each_step_policy(sglang_py, tiny_model):
