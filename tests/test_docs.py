@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from histospec_sgl.engine.config import ENV_NAMES, settings_table
+from histospec_sgl import settings
+from histospec_sgl.engine.config import settings_table
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -19,6 +20,38 @@ PAGES = [ROOT / "README.md", *DOCS, ROOT / "bench" / "RESULTS.md", ROOT / "bench
 def test_plugin_settings_table_is_the_codes():
     # Regenerate with: python -c "from histospec_sgl.engine.config import settings_table; print(settings_table())"
     assert settings_table() in (ROOT / "docs" / "plugin.md").read_text()
+
+
+def test_cli_reference_is_the_parsers():
+    # Regenerate: python -c "from histospec_sgl.cli import reference; print(reference())"
+    from histospec_sgl.cli import reference
+
+    assert reference() in (ROOT / "docs" / "cli.md").read_text()
+
+
+#: Messages SGLang prints itself, checked against its source where the SGLang environment exists.
+SGLANG_MESSAGES = {"Unknown speculative algorithm name: HISTORY": "Unknown speculative algorithm name: "}
+
+
+def test_troubleshooting_quotes_messages_the_code_prints():
+    """Each heading of docs/troubleshooting.md quotes a message; every piece between its ``...`` is in
+    the package's source (the message's own file), or in SGLang's for the messages SGLang prints."""
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    headings = re.findall(r"^### `(.+)`$", text, re.M)
+    assert len(headings) >= 15
+    sources = {p: p.read_text() for p in (ROOT / "histospec_sgl").rglob("*.py")}
+    missing = []
+    for h in headings:
+        if h in SGLANG_MESSAGES:
+            spec = ROOT / ".venv-sglang" / "lib" / "python3.11" / "site-packages" / "sglang" / "srt" / "speculative"
+            if spec.is_dir():
+                found = any(SGLANG_MESSAGES[h] in p.read_text() for p in spec.glob("*.py"))
+                assert found, h
+            continue
+        pieces = [x.strip() for x in re.split(r"\.\.\.|\(what the setting means\)", h) if x.strip()]
+        if not any(all(piece in src for piece in pieces) for src in sources.values()):
+            missing.append(h)
+    assert missing == []
 
 
 def test_draft_knob_table_is_the_indexs():
@@ -34,7 +67,7 @@ def test_draft_knob_table_is_the_indexs():
 
 def test_every_environment_variable_is_documented():
     text = "\n".join(p.read_text() for p in DOCS)
-    assert sorted(n for n in ENV_NAMES if n not in text) == []
+    assert sorted(s.env for s in settings.SETTINGS if s.env not in text) == []
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -2,23 +2,35 @@
 # GRPO with OpenRLHF 0.11 and SPEC-RL: each sample reuses its slot's response from the last epoch,
 # scored by OpenRLHF's own vLLM engines and cut at the first rejected token. (OpenRLHF drives vLLM
 # only, so HISTORY drafting is not available here; see docs/trainers.md.) On the head node of a Ray
-# cluster, with histospec-sgl installed next to OpenRLHF. MODEL, DATA and the GPU layout are
-# OpenRLHF's own settings (its examples/scripts/train_*_ray.sh).
-set -euo pipefail
+# cluster, with histospec-sgl installed next to OpenRLHF:
+#
+#   MODEL=/models/Qwen3-4B DATA=/data/math.jsonl bash examples/openrlhf/run_grpo.sh [OpenRLHF flags...]
+#
+# Every argument goes to openrlhf.cli.train_ppo_ray (the GPU layout below is a default for one node
+# of 8 GPUs: override it there). DRY_RUN=1 prints the commands and starts nothing.
 HERE="$(cd "$(dirname "$0")" && pwd)"
-N=8
+# shellcheck source=../common.sh
+source "$HERE/../common.sh"
+need MODEL "the model to train (a Hugging Face path or name)"
+need DATA "OpenRLHF's --data.prompt_dataset (question and answer fields)"
+# The SPEC-RL executor's file, as OpenRLHF's --train.agent_func_path takes it.
+AGENT=$(python3 -c 'import importlib.util as u; print(u.find_spec("histospec_sgl.integrations.openrlhf_agent").origin)' \
+        2>/dev/null) || AGENT=""
+need AGENT "histospec-sgl importable by python3 (pip install ./histospec-sgl next to OpenRLHF)"
+checked
+N="${N_SAMPLES:-8}"
 
 # 1. One draft server for the job, on the head node: the store of previous responses that every
-#    engine reads (OpenRLHF sends a prompt to a different engine each epoch). Durable under --data-dir.
-DRAFT=$(histospec-sgl ray draft-server --data-dir /ckpt/histospec --listen 0.0.0.0:50061)
-AGENT=$(python3 -c 'import histospec_sgl.integrations.openrlhf_agent as m; print(m.__file__)')
+#    engine reads (OpenRLHF sends a prompt to a different engine each epoch). Durable; its token
+#    reaches the executors through the actor.
+draft_server
 
-# 2. The job. OpenRLHF gives an agent executor neither the reward URL nor the group size, so they
-#    travel in the runtime env (HISTOSPEC_REMOTE_RM_URL takes what --reward.remote_url would).
-ray job submit --address="http://127.0.0.1:8265" \
-  --runtime-env-json="{\"working_dir\": \"$HERE\", \"env_vars\": {
-      \"HISTOSPEC_DRAFT_SERVER\": \"$DRAFT\", \"HISTOSPEC_N_SAMPLES\": \"$N\",
-      \"HISTOSPEC_REMOTE_RM_URL\": \"reward_func.py\", \"HISTOSPEC_LENIENCE\": \"1.0\"}}" \
+# 2. The job. OpenRLHF gives an agent executor neither the reward nor the group size, so they travel
+#    in the runtime env (HISTOSPEC_REMOTE_RM_URL takes what --reward.remote_url would).
+run ray job submit --address="$RAY_DASHBOARD" \
+  --runtime-env-json="$(runtime_env "{\"working_dir\": \"$HERE\", \"env_vars\": {
+      \"HISTOSPEC_DRAFT_SERVER_ACTOR\": \"$ACTOR\", \"HISTOSPEC_N_SAMPLES\": \"$N\",
+      \"HISTOSPEC_REMOTE_RM_URL\": \"reward_func.py\", \"HISTOSPEC_LENIENCE\": \"1.0\"}}")" \
   -- python3 -m openrlhf.cli.train_ppo_ray \
   --actor.num_nodes 1 --actor.num_gpus_per_node 8 \
   --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --train.colocate_all --vllm.enable_sleep \

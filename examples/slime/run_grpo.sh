@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# GRPO with slime, rollouts decoded with HISTORY (or SPEC-RL: histospec_mode in histospec.yaml).
-# On the head node of a Ray cluster that runs slime (its own README), with histospec-sgl installed
-# in the image next to SGLang. MODEL_ARGS, CKPT_ARGS, ... are slime's own settings for the model.
-set -euo pipefail
+# GRPO with slime, rollouts decoded with HISTORY (or SPEC-RL: histospec_mode in histospec.yaml), on
+# the head node of a Ray cluster that runs slime (its own README), with histospec-sgl installed in the
+# image next to SGLang (0.5.15, slime's pin, is supported):
+#
+#   SLIME_DIR=/root/slime bash examples/slime/run_grpo.sh --hf-checkpoint /models/Qwen3-4B [slime's flags...]
+#
+# Every argument goes to slime's train.py (the model, checkpoint, data and GPU flags of your job).
+# DRY_RUN=1 prints the commands and starts nothing; examples/common.sh lists the other settings.
 HERE="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=../common.sh
+source "$HERE/../common.sh"
+need SLIME_DIR "slime's checkout on the head node (the folder of its train.py)"
+need_flag --hf-checkpoint "the Hugging Face checkpoint slime's engines load" "$@"
+checked
 
-# 1. One draft server for the job, on the head node (durable; a second call prints the running one).
-DRAFT=$(histospec-sgl ray draft-server --data-dir /ckpt/histospec --listen 0.0.0.0:50061)
+# 1. One draft server for the job (durable; a second call prints the running one). It makes a token
+#    and hands it, with its address, to every engine and to the rollout manager through the actor.
+draft_server
 
-# 2. The job: the setup hook registers HISTORY in slime's engine actors; the draft server's address
-#    reaches every engine and the rollout manager.
-ray job submit --address="http://127.0.0.1:8265" \
-  --runtime-env-json="{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER\": \"$DRAFT\"},
-                       \"worker_process_setup_hook\": \"histospec_sgl.integrations.ray_setup.setup\"}" \
-  -- python3 train.py \
-  ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} ${CKPT_ARGS[@]+"${CKPT_ARGS[@]}"} \
+# 2. The job: the setup hook registers HISTORY in slime's engine actors and finds the draft server.
+run ray job submit --address="$RAY_DASHBOARD" \
+  --runtime-env-json="$(runtime_env "{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER_ACTOR\": \"$ACTOR\"}}")" \
+  -- python3 "$SLIME_DIR/train.py" \
   --advantage-estimator grpo --n-samples-per-prompt 8 --rollout-temperature 1.0 \
   --sglang-speculative-algorithm HISTORY --sglang-speculative-num-draft-tokens 12 \
   --custom-generate-function-path histospec_sgl.integrations.slime.generate \
   --rollout-all-samples-process-path histospec_sgl.integrations.slime.record \
-  --custom-config-path "$HERE/histospec.yaml"
+  --custom-config-path "$HERE/histospec.yaml" ${EXTRA_ARGS[@]+"${EXTRA_ARGS[@]}"} "$@"

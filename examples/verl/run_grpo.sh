@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# GRPO with verl 0.9 and SGLang rollouts decoded with HISTORY; SPEC_RL=1 adds the SPEC-RL agent loop.
-# On the head node of a Ray cluster, with histospec-sgl installed next to verl and SGLang. Data and
-# model settings are verl's own (its examples/grpo_trainer scripts).
-set -euo pipefail
+# GRPO with verl 0.9.1 and SGLang rollouts decoded with HISTORY; SPEC_RL=1 adds the SPEC-RL agent
+# loop. On the head node of a Ray cluster, with histospec-sgl installed next to verl and a supported
+# SGLang (verl's own [sglang] extra pins 0.5.12, below the range: docs/trainers.md, "Versions"):
+#
+#   MODEL=/models/Qwen3-4B DATA=/data/gsm8k bash examples/verl/run_grpo.sh [verl overrides...]
+#
+# DATA holds train.parquet and test.parquet (verl's examples/data_preprocess). Every argument is a
+# verl (Hydra) override appended to the command. DRY_RUN=1 prints the commands and starts nothing.
 HERE="$(cd "$(dirname "$0")" && pwd)"
-DRAFT=$(histospec-sgl ray draft-server --data-dir /ckpt/histospec --listen 0.0.0.0:50061)
+# shellcheck source=../common.sh
+source "$HERE/../common.sh"
+need MODEL "the model to train (a Hugging Face path or name)"
+need DATA "the folder with train.parquet and test.parquet"
+checked
 
 SPEC=()
 if [ "${SPEC_RL:-0}" = 1 ]; then
@@ -12,8 +20,11 @@ if [ "${SPEC_RL:-0}" = 1 ]; then
         actor_rollout_ref.rollout.agent.agent_loop_config_path="$HERE/agent_loops.yaml")
 fi
 
-ray job submit --address="http://127.0.0.1:8265" \
-  --runtime-env-json="{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER\": \"$DRAFT\"}}" \
+# One draft server for the job; engines and agent loops find it (and its token) through the actor.
+draft_server
+
+run ray job submit --address="$RAY_DASHBOARD" \
+  --runtime-env-json="$(runtime_env "{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER_ACTOR\": \"$ACTOR\"}}")" \
   -- python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \

@@ -1,0 +1,117 @@
+"""The examples (examples/*/run_grpo.sh) as a user runs them: ``DRY_RUN=1`` prints the commands with
+placeholders and starts nothing; without it a missing variable or flag stops the script before it
+starts anything; the trainer command it would run parses with the trainer's own argument code
+(slime's parser from its source, verl's Hydra config, OpenRLHF's argparse), the user's arguments
+reach the trainer, and the user's Ray runtime env is merged, not replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from sglang_subprocess import result, run_script
+
+from conftest import ROOT, shared_path
+
+EXAMPLES = {"slime": ["--hf-checkpoint", "/models/m", "--rollout-batch-size", "16"],
+            "verl": ["trainer.total_epochs=3"], "openrlhf": ["--rollout.temperature", "0.9"]}
+NEEDS = {"slime": ["SLIME_DIR", "--hf-checkpoint"], "verl": ["MODEL", "DATA"], "openrlhf": ["MODEL", "DATA"]}
+
+
+def _run(trainer: str, tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The example with fake ``ray`` and ``histospec-sgl`` first on PATH: each records that it ran."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("ray", "histospec-sgl"):
+        fake = bin_dir / name
+        fake.write_text(f"#!/bin/sh\necho {name} \"$@\" >> {log}\nexit 1\n")
+        fake.chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATA", "SLIME_DIR", "DRY_RUN",
+                                                             "RUNTIME_ENV_JSON")}
+    r = subprocess.run(["bash", str(ROOT / "examples" / trainer / "run_grpo.sh"), *args], capture_output=True,
+                       text=True, timeout=60,
+                       env={**base, "PATH": f"{bin_dir}:{ROOT / '.venv' / 'bin'}:{base['PATH']}", **env})
+    return r, log
+
+
+def _submitted(stdout: str) -> tuple[dict, list[str]]:
+    """The printed ``ray job submit`` command: its runtime env and the trainer's argv after ``--``."""
+    line = next(x for x in stdout.splitlines() if x.startswith("+ ray job submit"))
+    argv = shlex.split(line[2:])
+    env = json.loads(next(a.split("=", 1)[1] for a in argv if a.startswith("--runtime-env-json=")))
+    return env, argv[argv.index("--") + 1:]
+
+
+@pytest.mark.parametrize("trainer", sorted(EXAMPLES))
+def test_dry_run_prints_the_commands_and_starts_nothing(trainer, tmp_path):
+    r, log = _run(trainer, tmp_path, DRY_RUN="1")
+    assert r.returncode == 0, r.stderr
+    assert not log.exists(), log.read_text()
+    assert "+ histospec-sgl ray draft-server" in r.stdout
+    env, argv = _submitted(r.stdout)
+    for name in NEEDS[trainer]:
+        assert f"<{name.lstrip('-')}>" in " ".join(argv), (name, argv)  # the placeholder names it
+    assert env["worker_process_setup_hook"] == "histospec_sgl.integrations.ray_setup.setup"
+    assert env["env_vars"]["HISTOSPEC_DRAFT_SERVER_ACTOR"] == "histospec/histospec-draft-server"
+
+
+@pytest.mark.parametrize("trainer", sorted(EXAMPLES))
+def test_missing_settings_stop_the_script_before_it_starts_anything(trainer, tmp_path):
+    r, log = _run(trainer, tmp_path)
+    assert r.returncode == 2 and not log.exists()
+    for name in NEEDS[trainer]:
+        assert name in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("trainer", sorted(EXAMPLES))
+def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path, sglang_py):
+    user_env = {"env_vars": {"WANDB_API_KEY": "k", "HISTOSPEC_LENIENCE": "1.5"}, "pip": ["my-reward-lib"]}
+    r, _ = _run(trainer, tmp_path, *EXAMPLES[trainer], DRY_RUN="1", MODEL="/models/m", DATA="/data/d",
+                SLIME_DIR="/root/slime", RUNTIME_ENV_JSON=json.dumps(user_env))
+    assert r.returncode == 0, r.stderr
+    env, argv = _submitted(r.stdout)
+    # The user's runtime env is kept, with the example's variables and hook added (the user's win).
+    assert env["pip"] == ["my-reward-lib"] and env["env_vars"]["WANDB_API_KEY"] == "k"
+    assert env["env_vars"]["HISTOSPEC_LENIENCE"] == "1.5"
+    assert env["env_vars"]["HISTOSPEC_DRAFT_SERVER_ACTOR"] == "histospec/histospec-draft-server"
+    penv = {}
+    if trainer == "slime":
+        src = Path(os.environ["HISTOSPEC_SLIME_SRC"]) if os.environ.get("HISTOSPEC_SLIME_SRC") else shared_path(
+            "trainers", "slime")
+        assert src is not None and (src / "slime").is_dir(), "slime's source (../shared/trainers/slime)"
+        assert argv[:2] == ["python3", "/root/slime/train.py"]
+        argv, penv = argv[2:], {"PYTHONPATH": str(src)}
+    elif trainer == "verl":
+        assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+        argv = argv[3:]
+    else:
+        assert argv[:3] == ["python3", "-m", "openrlhf.cli.train_ppo_ray"]
+        argv = argv[3:]
+    got = result(run_script(sglang_py, "example_parse.py", trainer, json.dumps(argv), env=penv, timeout=300))
+    if trainer == "slime":
+        assert got["unknown"] == [] and got["algorithm"] == "HISTORY" and got["draft_tokens"] == 12
+        assert got["generate"] == "histospec_sgl.integrations.slime.generate"
+        assert got["record"] == "histospec_sgl.integrations.slime.record"
+        assert got["config"] == str(ROOT / "examples" / "slime" / "histospec.yaml")
+        assert got["hf_checkpoint"] == "/models/m" and got["n_samples"] == 8
+    elif trainer == "verl":
+        assert (got["name"], got["n"], got["algorithm"]) == ("sglang", 8, "HISTORY")
+        assert got["router"] == str(ROOT / "examples" / "verl" / "router.yaml")
+        assert got["model"] == "/models/m" and got["train_files"] == "/data/d/train.parquet"
+        assert got["epochs"] == 3  # the user's override reached verl
+    else:
+        assert got["agent"].endswith("histospec_sgl/integrations/openrlhf_agent.py")
+        assert (got["n"], got["model"], got["data"], got["correction"]) == (8, "/models/m", "/data/d", "token")
+        assert got["temperature"] == 0.9  # the user's flag, after the example's, wins
+
+
+def test_verl_spec_rl_switch_adds_the_agent_loop(tmp_path, sglang_py):
+    r, _ = _run("verl", tmp_path, DRY_RUN="1", SPEC_RL="1", MODEL="/models/m", DATA="/data/d")
+    _, argv = _submitted(r.stdout)
+    got = result(run_script(sglang_py, "example_parse.py", "verl", json.dumps(argv[3:]), timeout=300))
+    assert got["agent_loop"] == "histospec_specrl"
+    assert got["agent_config"] == str(ROOT / "examples" / "verl" / "agent_loops.yaml")
