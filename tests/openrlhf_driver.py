@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import types
 import urllib.request
@@ -94,15 +95,18 @@ def main(model: str, url: str, data_dir: str, out: str) -> None:
     import time
 
     import ray
-    from _draft import wait_records
+    from _draft import TOKEN_ENV, token_file, wait_records, wrong_token_error
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
     from transformers import AutoTokenizer
 
     from histospec_sgl.sync.process import DraftServerProcess
 
-    server = DraftServerProcess(data_dir=data_dir)
+    # It requires a token, as a job's does; the executors get it from the settings, as engines do.
+    token = token_file(Path(data_dir).resolve().parent)
+    os.environ[TOKEN_ENV] = token
+    server = DraftServerProcess(data_dir=data_dir, auth_token_file=token)
     address = server.address
-    env = {"HISTOSPEC_DRAFT_SERVER": address, "HISTOSPEC_N_SAMPLES": "4",
+    env = {"HISTOSPEC_DRAFT_SERVER": address, "HISTOSPEC_N_SAMPLES": "4", TOKEN_ENV: token,
            "HISTOSPEC_REMOTE_RM_URL": str(Path(__file__).with_name("openrlhf_reward.py"))}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
     durable: dict = {}
@@ -127,7 +131,7 @@ def main(model: str, url: str, data_dir: str, out: str) -> None:
                 time.sleep(0.5)  # and in the engines' mirrors
                 server.kill()
             if episode == 2:
-                server = DraftServerProcess(listen=address, data_dir=data_dir)
+                server = DraftServerProcess(listen=address, data_dir=data_dir, auth_token_file=token)
                 # The second episode's records, queued while the server was down, arrive after it.
                 durable["after_restart"] = wait_records(address, 1, 16)
                 time.sleep(1.0)  # and reach the engines' mirrors
@@ -146,10 +150,12 @@ def main(model: str, url: str, data_dir: str, out: str) -> None:
                              **{k: float(v[0]) for k, v in e.info.items() if k.startswith("histospec_")}})
             episodes.append(rows)
         calls = ray.get([e.calls.remote() for e in engines])
+        wrong = wrong_token_error(address, Path(data_dir).resolve().parent)
     finally:
         ray.shutdown()
         server.kill()
-    Path(out).write_text(json.dumps({"episodes": episodes, "engine_calls": calls, "durable": durable}))
+    Path(out).write_text(json.dumps({"episodes": episodes, "engine_calls": calls, "durable": durable,
+                                     "wrong_token": wrong}))
 
 
 if __name__ == "__main__":

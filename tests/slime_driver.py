@@ -14,6 +14,7 @@ Prints nothing useful; writes, per epoch, every sample's fields the test checks.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from argparse import Namespace
 from urllib.parse import urlsplit
@@ -62,6 +63,7 @@ def main() -> None:
     router_policy = sys.argv[7] if len(sys.argv) > 7 else "consistent_hashing"
     import time
 
+    from _draft import TOKEN_ENV, token_file, wrong_token_error
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.rollout.sglang_rollout import GenerateState, generate_rollout
     from slime.utils.http_utils import init_http_client
@@ -72,9 +74,12 @@ def main() -> None:
     servers: list[DraftServerProcess] = []
     data_dir = draft_server
     if mode == "specrl":
-        # SPEC-RL's store is this driver's own draft server (DRAFT_SERVER is its data dir): killed
-        # once the first rollout's records are acknowledged, restarted after the second.
-        servers.append(DraftServerProcess(data_dir=data_dir))
+        # SPEC-RL's store is this driver's own draft server (DRAFT_SERVER is its data dir), which
+        # requires a token, as a job's does: killed once the first rollout's records are acknowledged,
+        # restarted after the second.
+        token = token_file(os.path.dirname(os.path.abspath(data_dir)))
+        os.environ[TOKEN_ENV] = token
+        servers.append(DraftServerProcess(data_dir=data_dir, auth_token_file=token))
         draft_server = servers[0].address
     args = make_args(mode, router, model, prompts, draft_server, router_policy)
     args.histospec_publish_wait = 3.0
@@ -104,10 +109,11 @@ def main() -> None:
             out["epochs"].append({"rollout_id": rollout_id, "epoch_id": data_source.epoch_id, "samples": rows})
         if mode == "specrl":
             out["dead_rollout_seconds"] = time.monotonic() - start
-            servers.append(DraftServerProcess(listen=draft_server, data_dir=data_dir))
+            servers.append(DraftServerProcess(listen=draft_server, data_dir=data_dir, auth_token_file=token))
             # The second rollout's records, queued while the server was down, go out now.
             out["settled_after_restart"] = shared().settle(draft_server, 60)
             out["partial"] = partial_rollouts(args, data_source)
+            out["wrong_token"] = wrong_token_error(draft_server, os.path.dirname(os.path.abspath(data_dir)))
     finally:
         for server in servers:
             server.kill()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _scopes import other_scopes
 
 from conftest import ROOT, build_model
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, running, verify_steps
@@ -158,7 +159,9 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
     too, and the plain steps are counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
-    both return the log-probs a fresh scoring of the responses gives."""
+    both return the log-probs a fresh scoring of the responses gives. The fixed-width server starts
+    with every documented trainer, client, tool and test variable set, as a Ray runtime env hands
+    them to an engine (tests/_scopes.py)."""
     prompts, fresh = _prompts(8), _prompts(8, seed=7)
     methods = ("ngram", "history")
     cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
@@ -166,7 +169,7 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     switch = tmp_path / "broken"
     with running(_server(sglang_py, greedy_model, "ngram", tmp_path, max_running=8),
                  _server(sglang_py, greedy_model, "history", tmp_path, max_running=8,
-                         env={"CPU_ENGINE_BROKEN_FILE": str(switch)}), cost) as servers:
+                         env={"CPU_ENGINE_BROKEN_FILE": str(switch), **other_scopes(tmp_path)}), cost) as servers:
         runs = {"plain": _greedy_passes(plain_server, prompts)}
         runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
         runs["history_cost"] = _greedy_passes(cost, prompts)

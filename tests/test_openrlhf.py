@@ -46,6 +46,11 @@ def test_specrl_executor_three_episodes_and_a_dead_draft_server(openrlhf_py, tex
     # holds the acknowledged records and the ones queued while it was down.
     assert out["durable"]["before_kill"] == {"0": 16}
     assert out["durable"]["after_restart"] == {"0": 16, "1": 16}
+
+    # The draft server requires a token (as a job's does): every record above went through with it, and
+    # a lookup with a wrong token fails with a message naming the setting, not silently empty.
+    wrong = out["wrong_token"]
+    assert "UNAUTHENTICATED" in wrong and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in wrong, wrong
     # The third episode drafts from the second's responses, published while the server was down:
     # each is a second-episode response of its prompt, kept whole.
     for r_ in third:

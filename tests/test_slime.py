@@ -213,6 +213,11 @@ def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, 
     # The draft server was killed (SIGKILL) before the second rollout: it ran on the mirror, and
     # record() waited only histospec_publish_wait (3 s) for it. Restarted, it took the queued records.
     assert res["dead_rollout_seconds"] < 60 and res["settled_after_restart"] is True
+
+    # The draft server requires a token (as a job's does): every record above went through with it, and
+    # a lookup with a wrong token fails with a message naming the setting, not silently empty.
+    wrong = res["wrong_token"]
+    assert "UNAUTHENTICATED" in wrong and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in wrong, wrong
     # slime's abort path with --partial-rollout (slime_driver.partial_rollouts): the groups in flight
     # came back aborted, not as an error (a sample that had finished comes back finished, as slime
     # returns it), each sample whole: its tokens, log-probs and mask agree.

@@ -501,6 +501,30 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path, bytes]:
     return tmp_path / "cert.pem", tmp_path / "key.pem", pem
 
 
+def test_specrl_store_over_tls_with_a_token(tmp_path, monkeypatch):
+    """SPEC-RL's store as a trainer adapter opens it, against a TLS server that requires a token: the
+    token and the CA come from the same settings as an engine's, a record goes out and comes back as
+    the slot's previous response."""
+    from histospec_sgl.specrl.store import PreviousStore
+
+    cert, key, _ = _self_signed(tmp_path)
+    tok = tmp_path / "token"
+    tok.write_text("s3cret\n")
+    with DraftServerProcess(auth_token_file=tok, extra=["--tls-cert", str(cert), "--tls-key", str(key)],
+                            log=tmp_path / "s.log") as srv:
+        monkeypatch.setenv("HISTOSPEC_DRAFT_SERVER_TOKEN_FILE", str(tok))
+        monkeypatch.setenv("HISTOSPEC_DRAFT_SERVER_CA", str(cert))
+        store = PreviousStore()
+        try:
+            assert store.record(srv.address, [1, 2, 3], [7, 8, 9], [-0.1, -0.2, -0.3], "stop", group=42, slot=1,
+                                version=3)
+            assert store.settle(srv.address, 30)
+            prev = store.get(srv.address, 42, 1)
+            assert prev is not None and list(prev.response_ids) == [7, 8, 9] and prev.version == 3
+        finally:
+            store.close()
+
+
 def test_tls(tmp_path):
     cert, key, pem = _self_signed(tmp_path)
     with DraftServerProcess(extra=["--tls-cert", str(cert), "--tls-key", str(key)], log=tmp_path / "s.log") as srv:

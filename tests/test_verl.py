@@ -101,6 +101,11 @@ def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
     # restarted server, which kept step 1's from its data dir.
     assert out["durable"]["before_kill"] == {"1": 16}
     assert out["durable"]["settled"] is True and out["durable"]["after_restart"] == {"1": 16, "2": 16}
+
+    # The draft server requires a token (as a job's does): every record above went through with it, and
+    # a lookup with a wrong token fails with a message naming the setting, not silently empty.
+    wrong = out["wrong_token"]
+    assert "UNAUTHENTICATED" in wrong and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in wrong, wrong
     first, second, validation, again = out["epochs"]
     assert len(first) == len(second) == 16
     # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.

@@ -154,7 +154,8 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], dr
             time.sleep(0.5)
             draft["servers"][0].kill()
         if step == 2 and validate and len(draft["servers"]) == 1:
-            draft["servers"].append(DraftServerProcess(listen=draft["address"], data_dir=draft["data_dir"]))
+            draft["servers"].append(DraftServerProcess(listen=draft["address"], data_dir=draft["data_dir"],
+                                                       auth_token_file=draft["token"]))
             # The second step's records, queued while the server was down, go out now.
             draft["durable"]["settled"] = shared().settle(draft["address"], 60)
             draft["durable"]["after_restart"] = records_by_version(draft["address"])
@@ -199,17 +200,21 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], dr
 
 def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
     import ray
+    from _draft import TOKEN_ENV, token_file, wrong_token_error
 
     from histospec_sgl.sync.process import DraftServerProcess
 
     # SPEC-RL's store is this driver's own draft server: killed after the first step, restarted after
-    # the second.
-    first = DraftServerProcess(data_dir=data_dir)
-    draft = {"servers": [first], "address": first.address, "data_dir": data_dir, "durable": {}}
+    # the second. It requires a token, as a job's does; the agent loops get it as engines do, from
+    # the settings.
+    token = token_file(os.path.dirname(os.path.abspath(data_dir)))
+    first = DraftServerProcess(data_dir=data_dir, auth_token_file=token)
+    draft = {"servers": [first], "address": first.address, "data_dir": data_dir, "durable": {}, "token": token}
     draft_server = first.address
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server}})
+             runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server, TOKEN_ENV: token}})
     os.environ["HISTOSPEC_DRAFT_SERVER"] = draft_server
+    os.environ[TOKEN_ENV] = token
     try:
         overrides = [
             "actor_rollout_ref.rollout.agent.default_agent_loop=histospec_specrl",
@@ -221,6 +226,7 @@ def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
         prompts = ["Write a haiku about rivers.", "What is 17 * 23?", "Name three prime numbers.",
                    "Translate 'good morning' to French."]
         result = asyncio.run(two_epochs(cfg, cfg_longer, url, prompts, draft))
+        result["wrong_token"] = wrong_token_error(draft_server, os.path.dirname(os.path.abspath(data_dir)))
     finally:
         ray.shutdown()
         for server in draft["servers"]:
