@@ -258,8 +258,8 @@ SETTINGS: tuple[Setting, ...] = (
             "responses; SPEC-RL finds previous responses there",
             field="draft_server", flag="--history-draft-server", metavar="HOST:PORT"),
     Setting("HISTOSPEC_DRAFT_SERVER_TOKEN_FILE", _C, _existing_file, None,
-            "a file holding the draft server's bearer token (the server's --token-file); every client of "
-            "the server sends it", field="draft_server_token_file"),
+            "a file holding the draft server's bearer token (the server's --auth-token-file); every client "
+            "of the server sends it", field="draft_server_token_file"),
     Setting("HISTOSPEC_DRAFT_SERVER_CA", _C, _existing_file, None,
             "PEM root certificates: talk to the draft server over TLS (the server's --tls-cert)",
             field="draft_server_ca"),
