@@ -230,11 +230,12 @@ SETTINGS: tuple[Setting, ...] = (
             "where the index is saved at every weight update (flush_cache), at a clean exit and by the "
             "histospec_save RPC",
             field="snapshot_path", flag="--history-snapshot", metavar="PATH"),
-    Setting("HISTOSPEC_CONTROL", _E, _control, "fixed",
-            "the step policy. cost: each decode step verifies the drafts at width d or decodes plainly (the "
-            "target's own DECODE forward, one token per request), whichever gives more tokens per second by the "
-            "step costs the engine measures per batch size and the acceptance the drafts promise (calibrated by "
-            "what was accepted); fixed: every decode step verifies at width d, as SGLang's NGRAM does",
+    Setting("HISTOSPEC_CONTROL", _E, _control, "cost",
+            "the step policy. cost (the default): each decode step decodes plainly (the target's own DECODE "
+            "forward, one token per request) or verifies the drafts' most probable nodes at one of the widths "
+            "2, 4, ... up to d, whichever gives the most tokens per second by the step costs the engine measures "
+            "per width and batch size and the acceptance the drafts promise (calibrated apart for greedy and "
+            "sampled requests); fixed: every decode step verifies at width d, as SGLang's NGRAM does",
             field="control", flag="--history-control", metavar="cost|fixed"),
     Setting("HISTOSPEC_THREADS", _E, _int(0, 64), 0,
             "threads for the index's batch calls (drafting, appending accepted tokens), the scheduler's "

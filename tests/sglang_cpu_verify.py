@@ -199,15 +199,21 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
         res = worker.forward_batch_generation(batch)
         steps += 1
         nxt = res.next_draft_input
+        # The relay to the next step is at stride d whatever the step's width; the tokens the
+        # scheduler reads are at the step's own stride, which the result names (a narrower verify
+        # or a plain step: fewer than d).
         assert nxt.draft_token_num == D and nxt.accept_tokens.numel() == bs * D
-        assert res.next_token_ids.numel() == bs * D and res.speculative_num_draft_tokens == D
-        accepted = nxt.accept_tokens.reshape(bs, D)
+        stride = res.speculative_num_draft_tokens
+        assert 1 <= stride <= D and res.next_token_ids.numel() == bs * stride, (stride, res.next_token_ids.numel())
+        relayed = nxt.accept_tokens.reshape(bs, D)
+        emitted = res.next_token_ids.reshape(bs, stride)
         for i, r in enumerate(live):
             n = int(res.accept_lens[i])
             assert int(nxt.new_seq_lens[i]) == int(seq[i]) + n
+            assert emitted[i, :n].tolist() == relayed[i, :n].tolist()
             r.output_ids += r.pending  # result processing of the previous step
-            r.pending = accepted[i, :n].tolist()
-            r.relay = list(r.pending)
+            r.pending = emitted[i, :n].tolist()
+            r.relay = relayed[i, :n].tolist()
         worker.on_verify_complete_cpu((res.accept_lens - 1).tolist())
         for r in list(live):
             if len(r.output_ids) + len(r.pending) >= r.max_new:

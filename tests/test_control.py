@@ -351,7 +351,7 @@ def _time_steps(ec: EngineControl, batch: int, width: int, seconds: float, n: in
 
 
 def test_engine_control_measures_both_widths_then_chooses_by_cost():
-    ec = EngineControl(d=8, min_samples=2)
+    ec = EngineControl(d=8, min_samples=2, widths=(8,))  # d or plain decoding
     # A new batch-size bucket is measured first: two steps at width d, two at width 1.
     t = 0.0
     for width, took in ((8, 2.0), (8, 2.0), (1, 1.0), (1, 1.0)):
@@ -370,13 +370,13 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     ec.begin(100.0)
     assert ec.clock.step_s(4, 1) == 1.0
     # A width the engine never runs in a bucket is given up after a few tries; drafting goes on.
-    ec2 = EngineControl(d=8, min_samples=2)
+    ec2 = EngineControl(d=8, min_samples=2, widths=(8,))
     _time_steps(ec2, 2, 8, 1.0)
     assert [ec2.choose({ec2.d: 0.0}, 2) for _ in range(5)] == [1, 1, 1, 1, 8]
 
 
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
-    ec = EngineControl(d=8, remeasure_after=10)
+    ec = EngineControl(d=8, remeasure_after=10, widths=(8,))
     # The first wide step of a shape is slow (a warm-up): the median of three keeps it out.
     for took in (60.0, 2.0, 2.0):
         ec.clock.record(1, 8, took)
@@ -404,15 +404,20 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
     for r in ("a", "b"):
         dr.sync(r, [1, 2, 3], [10, 11])
     assert dr.control is not None
-    # Verifying wide costs 100x plain decoding here: the drafts cannot pay, the step is plain.
-    _time_steps(dr.control, 2, d, 100.0)
+    # Verifying at any width costs 100x plain decoding here: the drafts cannot pay, the step is
+    # plain (each request's root alone).
+    assert dr.control.widths == (2, 4, 8)
+    for w in dr.control.widths:
+        _time_steps(dr.control, 2, w, 100.0)
     _time_steps(dr.control, 2, 1, 1.0)
     tokens, _ = dr.draft(["a", "b"])
-    assert not tokens.reshape(2, d)[:, 1:].any() and not dr.drafting
+    assert tokens.tolist() == [11, 11] and not dr.drafting and dr.width == 1
     dr.observe_step([0, 0])
-    # At the same cost as plain decoding, any promised token pays: the history is drafted.
-    dr.control.clock.table[(d, 2)] = 1.0
+    # At the same cost as plain decoding, any promised token pays: the widest draft promises most.
+    for w in dr.control.widths:
+        dr.control.clock.table[(w, 2)] = 1.0
     tokens, _ = dr.draft(["a", "b"])
+    assert dr.width == d
     assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting
     dr.observe_step([7, 7])
     assert dr.control.model is not None and dr.control.model.accepted == 14 and dr.control.model.promised > 0
@@ -466,8 +471,8 @@ def test_calibration_forgets_and_the_engine_never_probes():
     probing = CostModel(FLAT, [4], probe_every=3)
     assert [probing.choose({4: 0.0}, batch=2, context=0) for _ in range(8)] == [1, 1, 1, 4, 1, 1, 1, 4]
     ec = EngineControl(d=4)
-    _time_steps(ec, 2, 4, 1.0)
-    _time_steps(ec, 2, 1, 1.0)
+    for w in (1, 2, 4):
+        _time_steps(ec, 2, w, 1.0)
     assert ec.model.probe_every == 0
     assert {ec.choose({ec.d: 0.0}, 2) for _ in range(100)} == {1}
 
@@ -483,7 +488,8 @@ def test_drafter_measures_the_drafts_of_plain_steps():
     dr.sync("a", [1, 2, 3], [10, 11])
     dr.sync("b", [1, 2, 3], [10, 11])
     assert dr.control is not None
-    _time_steps(dr.control, 2, d, 100.0)  # wide never pays: every step is plain
+    for w in dr.control.widths:
+        _time_steps(dr.control, 2, w, 100.0)  # verifying never pays: every step is plain
     _time_steps(dr.control, 2, 1, 1.0)
     dr.draft(["a", "b"])
     assert not dr.drafting
@@ -503,3 +509,102 @@ def test_drafter_measures_the_drafts_of_plain_steps():
     dr.finish("b", [10, 11, 12, 99])
     dr.finish("a", [10, 11, 12, 13, 14, 15])  # one of three drafted tokens, then the end
     assert model.accepted == 5 and model.promised > promised
+
+
+def test_narrow_drafts_keep_the_most_probable_subtree():
+    """A width-w draft is the d-node draft's root and its w - 1 most probable nodes: a subtree (every
+    kept node's parent kept), in BFS order, with the contract SGLang checks, the same tokens, and the
+    promise the cost model priced (the sum of the kept nodes' path probabilities)."""
+    from _contract import check_contract
+    from _samples import humaneval
+
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.draft import tree_parents_batch
+    from histospec_sgl.engine.drafter import BatchDrafter, narrow
+
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="fixed"))
+    tasks = humaneval(4)
+    for prompt, samples in tasks:
+        for s in samples[:6]:
+            dr.add_finished(prompt, s)
+    rids = []
+    for t, (prompt, samples) in enumerate(tasks):
+        rid = f"r{t}"
+        dr.sync(rid, prompt, samples[6][:5])
+        rids.append(rid)
+    bs = len(rids)
+    probs = np.zeros(bs * d, dtype=np.float32)
+    tokens = np.zeros(bs * d, dtype=np.int64)
+    mask = np.zeros(bs * d * d, dtype=np.int64)
+    counts = np.zeros(bs, dtype=np.int64)
+    iids = np.array([dr._live[r].iid for r in rids], dtype=np.int64)
+    dr.index.draft_batch(iids, d, tokens, mask, probs, counts)
+    assert counts.min() >= 3, counts  # real trees to cut
+    p = probs.reshape(bs, d)[:, 1:]
+    order = np.argsort(-p, axis=1, kind="stable")
+    parents = tree_parents_batch(mask, d)
+    roots = tokens.reshape(bs, d)[:, 0].tolist()
+    for w in (2, 3, 4, 8):
+        tw, mw = narrow(tokens, mask, order, bs, d, w)
+        check_contract(tw, mw, roots, w)
+        pw = tree_parents_batch(mw, w)
+        for b in range(bs):
+            keep = [0, *sorted(int(i) + 1 for i in order[b, : w - 1])]
+            assert tw.reshape(bs, w)[b].tolist() == tokens.reshape(bs, d)[b, keep].tolist()
+            # The kept nodes' parents, mapped back, are the original parents: a subtree.
+            assert [keep[int(x)] for x in pw[b, 1:]] == [int(parents[b, i]) for i in keep[1:]]
+            kept = sorted(p[b], reverse=True)[: w - 1]
+            assert abs(sum(kept) - sum(p[b, i - 1] for i in keep[1:])) < 1e-6
+
+
+def test_engine_control_picks_the_width_that_pays():
+    """Several widths, each priced at its own measured step cost and its own promise: the choice is
+    the most tokens per second, which moves to narrower widths as the wide step's cost grows."""
+    ec = EngineControl(d=8)
+    assert ec.widths == (2, 4, 8)
+    promised = {2: 3.6, 4: 6.0, 8: 7.0}  # 4 requests: the best node 0.9 each, the next two 0.6, ...
+    for costs, want in (({2: 1.1, 4: 1.3, 8: 1.2}, 8), ({2: 1.1, 4: 1.3, 8: 1.6}, 4),
+                        ({2: 1.1, 4: 1.6, 8: 3.0}, 2), ({2: 2.5, 4: 3.0, 8: 3.5}, 1)):
+        for w, c in ((1, 1.0), *costs.items()):
+            ec.clock.samples.pop((w, 4), None)
+            _time_steps(ec, 4, w, c)
+        rates = {1: 4 / 1.0, **{w: (4 + promised[w]) / c for w, c in costs.items()}}
+        assert max(rates, key=rates.get) == want
+        assert ec.choose(promised, 4) == want
+    # Drafts that promise nothing: plain decoding.
+    assert ec.choose({2: 0.0, 4: 0.0, 8: 0.0}, 4) == 1
+    assert "w2" in ec.summary() and "w8" in ec.summary()
+
+
+def test_greedy_and_sampled_requests_are_calibrated_apart():
+    """After sampled steps that accept a fifth of what the drafts promise, greedy requests whose drafts
+    are accepted whole still draft: each class has its own calibration, and the drafter weighs each
+    request's promise by its class's."""
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.drafter import BatchDrafter
+
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    ec = dr.control
+    assert ec is not None
+    for _ in range(20):
+        ec.observe(promised=10.0, accepted=2.0, klass="sampled")
+        ec.observe(promised=10.0, accepted=10.0, klass="greedy")
+    assert ec.calibration("sampled") == pytest.approx(0.2) and ec.calibration("greedy") == pytest.approx(1.0)
+    # A class with nothing measured takes the overall calibration.
+    assert ec.calibration("new") == pytest.approx(ec.model.calibration())
+    for _ in range(3):
+        dr.add_finished([1, 2, 3], list(range(10, 40)))
+    dr.sync("g", [1, 2, 3], [10, 11])
+    dr.sync("s", [1, 2, 3], [10, 11])
+    # A verify step costs 1.5 plain steps at every width: worth it for drafts that deliver half a
+    # token a request or more (this one promises about 1.4).
+    for w in (2, 4, 8):
+        _time_steps(ec, 1, w, 1.5)
+    _time_steps(ec, 1, 1, 1.0)
+    dr.draft(["g"], ["greedy"])
+    assert dr.width > 1, "greedy drafts are trusted"
+    dr.observe_step([dr.width - 1])
+    dr.draft(["s"], ["sampled"])
+    assert dr.width == 1, "sampled drafts, accepted at a fifth of their promise, do not pay"

@@ -155,15 +155,18 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     dr.sync("a", prompt, [1, 2, 3])
     dr.sync("a", prompt, [1])
     assert dr.draft(["a"])[0][:2].tolist() == [1, 2]
-    # A step its policy decodes plainly (width 1): root only, padded as a chain.
+    # A step its policy decodes plainly (width 1): each request's root alone.
     for r in ("b", "c"):
         dr.sync(r, prompt, [1])
     dr.policy = Fixed(1)
     tokens, mask = dr.draft(["a", "b", "c"])
+    assert tokens.tolist() == [1, 1, 1] and mask.tolist() == [1, 1, 1] and dr.width == 1
+    # A caller whose verify path runs only d (SGLang's grammar batches) gets d, whatever the policy.
+    tokens, mask = dr.draft(["a", "b", "c"], width=d)
     dr.policy = Fixed(d)
-    assert tokens.reshape(3, d)[:, 0].tolist() == [1, 1, 1] and not tokens.reshape(3, d)[:, 1:].any()
     check_contract(tokens, mask, [1, 1, 1], d)
-    assert dr.totals["drafted_steps"] == 2 and dr.totals["steps"] == 3
+    assert dr.totals["drafted_steps"] == 3 and dr.totals["steps"] == 4
+    assert dr.width_steps == {d: 3, 1: 1}
     # An abort leaves no history; an unknown rid is ignored.
     rebuilds = dr.index.stats()["rebuilds"]
     dr.finish("b", [1, 9], keep=False)
@@ -199,10 +202,13 @@ def test_every_step_policy_has_the_one_interface():
     policies = [Fixed(1), Fixed(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
     assert all(isinstance(p, StepPolicy) for p in policies)
     assert [p.choose({8: 3.0}, 4) for p in policies[:2]] == [1, 8]
-    # The engine's default verifies every step at d; HISTOSPEC_CONTROL=cost runs the cost model.
-    fixed = BatchDrafter(8)
+    # The engine's default is the cost model over the widths 2, 4, ..., d; HISTOSPEC_CONTROL=fixed
+    # verifies every step at d.
+    default = BatchDrafter(8)
+    assert isinstance(default.policy, EngineControl) and default.policy.widths == (2, 4, 8)
+    assert HistoryConfig().control == "cost"
+    fixed = BatchDrafter(8, HistoryConfig(control="fixed"))
     assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8 and fixed.control is None
-    assert isinstance(BatchDrafter(8, HistoryConfig(control="cost")).policy, EngineControl)
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -158,7 +158,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
     does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
-    too, and the plain steps are counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
+    too (it verifies at each of the widths 2, 4 and d, or decodes plainly), and the plain steps are
+    counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
     both return the log-probs a fresh scoring of the responses gives. The fixed-width server starts
     with every documented trainer, client, tool and test variable set, as a Ray runtime env hands
     them to an engine (tests/_scopes.py)."""
@@ -180,6 +181,9 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
                    "history_cost": _sampled_logprobs_against_rescoring(cost, plain_server, prompts)}
         cost_plain_steps = _plain_steps(cost)
         mismatches = _counter(cost, "histospec:context_mismatches_total")
+        from histospec_sgl.bench.engine_bench import width_steps
+
+        widths = width_steps(cost)
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
@@ -192,6 +196,9 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     # SGLang's seq_lens counts every accepted token but the root: what the worker reads to place the
     # root under the overlap scheduler (a GPU's default) holds on this real scheduler too.
     assert mismatches == 0
+    # The default policy ran every width: plain steps, the narrower verify widths (SGLang's verify
+    # path at 2 and 4 nodes a request) and d, with the outputs above identical all the same.
+    assert widths is not None and {k for k, n in widths.items() if n > 0} == {"1", "2", "4", str(D)}, widths
     assert max(sampled.values()) < 1e-3, sampled
     assert any(p["outputs"] != plain_fresh for p in broken)
 
@@ -319,8 +326,8 @@ def _same_distribution(a: list[tuple], b: list[tuple]) -> list[float]:
 
 @pytest.fixture(scope="class")
 def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
-    """Plain decoding, HISTORY (d=16, its verify breakable through ``switch``) and HISTORY with
-    ``HISTOSPEC_LENIENCE`` = 4 on the peaked model, started side by side, shared by the sampling tests
+    """Plain decoding, HISTORY (d=16, its verify breakable through ``switch``), HISTORY with
+    ``HISTOSPEC_LENIENCE`` = 4 and HISTORY under the default policy on the peaked model, started side by side, shared by the sampling tests
     (each puts its requests in history groups of its own) and stopped after them."""
     tmp = tmp_path_factory.mktemp("peaked")
     switch = tmp / "broken"
@@ -328,11 +335,14 @@ def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
                  _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16,
                          env={"CPU_ENGINE_BROKEN_FILE": str(switch)}),
                  _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="lenient",
-                         env={"HISTOSPEC_LENIENCE": "4"})) as (plain, history, lenient):
-        yield {"plain": plain, "history": history, "lenient": lenient, "switch": switch}
+                         env={"HISTOSPEC_LENIENCE": "4"}),
+                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="default",
+                         env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
+                 ) as (plain, history, lenient, default):
+        yield {"plain": plain, "history": history, "lenient": lenient, "default": default, "switch": switch}
 
 
-@pytest.mark.memory(7)
+@pytest.mark.memory(9)
 class TestSampling:
     """Sampled requests on the peaked model (a class: its servers stop after it, and on two pytest
     workers it may run beside the module's greedy tests)."""
@@ -354,6 +364,16 @@ class TestSampling:
         assert tps > 1.8 and tps_top_p > 1.8, (tps, tps_top_p)
         assert min(_same_distribution(plain["t1"], t1)) > 1e-4
         assert min(_same_distribution(plain["top_p"], top_p)) > 1e-4
+        # The engine's default policy (the cost model over widths 2, 4, 8 and 16, or plain steps)
+        # samples the same distributions, whichever width each step took.
+        from histospec_sgl.bench.engine_bench import width_steps
+
+        default = peaked_servers["default"]
+        for name, params in (("t1", SAMPLED), ("top_p", TOP_P)):
+            seqs, _ = _sample(default, params, group=f"default-{name}")
+            assert min(_same_distribution(plain[name], seqs)) > 1e-4, name
+        widths = width_steps(default)
+        assert widths is not None and len([w for w, n in widths.items() if n > 0 and w != "1"]) >= 2, widths
         for b, seqs in bad.items():
             assert min(_same_distribution(plain["t1"], seqs)) < 1e-10, b
 

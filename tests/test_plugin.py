@@ -325,9 +325,11 @@ def _check_cpu_verify(res: dict, version: str) -> None:
         modes = set(first["modes"] + second["modes"])
         assert modes == ({"decode", "verify"} if 1 in widths else {"verify"}), name
         if name.endswith("cost"):
-            # The cost model measures both widths at each batch size before it chooses, and every
-            # response stays what greedy decoding gives whichever it chooses.
-            assert widths == {1, d} and run["plain_steps"] > 0 and run["measured_widths"] == [1, d], name
+            # The cost model measures every width (plain decoding, 2, 4 and d, each verified at its
+            # own width: the fake model sees w nodes a request) at each batch size before it
+            # chooses, and every response stays what greedy decoding gives whichever it chooses.
+            assert widths == {1, 2, 4, d} and run["plain_steps"] > 0, name
+            assert run["measured_widths"] == [1, 2, 4, d], name
         else:
             assert widths == {d} and run["plain_steps"] == 0 and run["measured_widths"] == [], name
             # Epoch 2 drafts each response whole from epoch 1's: about d tokens per verify step.

@@ -172,6 +172,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     """Runs the requests in batches of ``batch`` (batch 1: one after the other), one batch after the
     other. ``expect``: each traced request's forced tokens, checked against what the engine emitted
     (a trace run whose outputs differ from the log's would measure something else)."""
+    widths_before = width_steps(srv)
     t0 = time.perf_counter()
     tokens, steps, passes = 0, [], 0
     for k in range(0, len(ids), batch):
@@ -189,9 +190,28 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
                                        f"differ from the logged ones (first 16: {list(o['output_ids'])[:16]} against "
                                        f"{expect[rid][:16]})")
     wall = time.perf_counter() - t0
-    return {"tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
-            "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
-            "step_ms": round(1000 * wall / max(1, passes), 3)}
+    out: dict[str, Any] = {
+        "tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
+        "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
+        "step_ms": round(1000 * wall / max(1, passes), 3)}
+    if widths_before is not None:
+        after = width_steps(srv) or {}
+        out["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
+                              if n - widths_before.get(w, 0) > 0}
+    return out
+
+
+def width_steps(srv: EngineServer) -> dict[str, int] | None:
+    """A HISTORY server's decode steps per verify width so far (``histospec:width_steps_total``, with
+    ``--enable-metrics``), or None for a server that does not export them."""
+    if srv.method != "history":
+        return None
+    out: dict[str, int] = {}
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:width_steps_total{"):
+            width = line.split('width="', 1)[1].split('"', 1)[0]
+            out[width] = out.get(width, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
 
 
 def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:
@@ -200,7 +220,9 @@ def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
     env = SETTINGS.get(method, {})
     algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else "ngram"
-    return algo, dict(env), ["--sleep-on-idle", *(SYNC_ARGS if method == "plain_sync" else [])]
+    # HISTORY servers export their steps per verify width (each row's ``width_steps``).
+    metrics = ["--enable-metrics"] if algo == "history" else []
+    return algo, dict(env), ["--sleep-on-idle", *metrics, *(SYNC_ARGS if method == "plain_sync" else [])]
 
 
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
@@ -383,6 +405,13 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from ``repeats`` timings of it: the median of each number, and every run's tokens/s."""
     out: dict[str, Any] = {}
     for k in runs[0]:
+        if k == "width_steps":  # summed over the runs
+            total: dict[str, int] = {}
+            for r in runs:
+                for w, n in r[k].items():
+                    total[w] = total.get(w, 0) + n
+            out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
+            continue
         vals = sorted(r[k] for r in runs)
         mid = len(vals) // 2
         out[k] = vals[mid] if len(vals) % 2 else round((vals[mid - 1] + vals[mid]) / 2, 4)

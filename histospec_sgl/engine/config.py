@@ -53,7 +53,7 @@ class HistoryConfig:
     draft_knobs: tuple[tuple[str, float], ...] | None = None
     history_load: str | None = None
     snapshot_path: str | None = None
-    control: str = "fixed"
+    control: str = "cost"
     threads: int = 0
     huge_pages: str = "0"
     log_every: int = 200

@@ -44,6 +44,9 @@ class CostModel:
     chosen: dict[int, int] = field(default_factory=dict)
     #: At the last choice, the width above 1 with the most expected tokens per second (1: none), chosen or not.
     candidate: int = 1
+    #: Calibrations by request class (e.g. greedy and sampled requests): class -> [promised, accepted].
+    #: A class with too little measured falls back to the overall calibration.
+    classes: dict[str, list[float]] = field(default_factory=dict)
     _since_wide: int = 0
 
     @classmethod
@@ -52,19 +55,25 @@ class CostModel:
         shadow drafts and passes them to :meth:`observe`), and a calibration that forgets."""
         return cls(profile, widths, probe_every=0, forget_after=forget_after)
 
-    def calibration(self) -> float:
-        """Accepted over promised draft tokens so far (1 until enough has been promised)."""
+    def calibration(self, klass: str | None = None) -> float:
+        """Accepted over promised draft tokens so far, for request class ``klass`` when it has enough
+        measured, else over every class (1 until enough has been promised)."""
+        if klass is not None:
+            promised, accepted = self.classes.get(klass, (0.0, 0.0))
+            if promised >= self.min_promised:
+                return accepted / promised
         if self.promised < self.min_promised:
             return 1.0
         return self.accepted / self.promised
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-               decoding: int | None = None) -> int:
+               decoding: int | None = None, calibrated: bool = False) -> int:
         """The width with the most expected tokens per second. ``promised[w]``: the batch's sum of
-        promised accepted tokens at width ``w``; ``decoding``: requests that emit a token this step
-        (default: the whole batch)."""
+        promised accepted tokens at width ``w`` (``calibrated``: already scaled by the caller, e.g.
+        per request class); ``decoding``: requests that emit a token this step (default: the whole
+        batch)."""
         n = batch if decoding is None else decoding
-        c = self.calibration()
+        c = 1.0 if calibrated else self.calibration()
         plain = n / self.profile.step_s(batch, 1, context, prefill)
         wide, wide_rate = 1, 0.0
         for w in self.widths:
@@ -80,13 +89,22 @@ class CostModel:
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
 
-    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False) -> None:
-        """What drafts promised and what was (or would have been, ``shadow``) accepted of them."""
+    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
+                klass: str | None = None) -> None:
+        """What drafts promised and what was (or would have been, ``shadow``) accepted of them, by
+        requests of class ``klass`` (counted in the class's calibration and the overall one)."""
         self.promised += promised
         self.accepted += accepted
         if self.forget_after is not None and self.promised >= self.forget_after:
             self.promised /= 2
             self.accepted /= 2
+        if klass is not None:
+            cls = self.classes.setdefault(klass, [0.0, 0.0])
+            cls[0] += promised
+            cls[1] += accepted
+            if self.forget_after is not None and cls[0] >= self.forget_after:
+                cls[0] /= 2
+                cls[1] /= 2
 
     def shadow_width(self) -> int:
         """With no probes, a plain step's drafts at the width that came closest to paying are
@@ -181,14 +199,27 @@ class StepClock:
         return self.table[(width, bucket(batch))]
 
 
+def verify_widths(d: int) -> tuple[int, ...]:
+    """The widths above 1 the engine may verify at for a configured width ``d``: the powers of two
+    below it, and ``d`` (2, 4, 8 for d = 8; 2, 4, 8, 12 for d = 12)."""
+    out, w = [], 2
+    while w < d:
+        out.append(w)
+        w *= 2
+    return (*out, d) if d > 1 else ()
+
+
 @dataclass
 class EngineControl:
-    """The engine's per-step choice between verifying the drafts at width ``d`` and plain decoding
-    (width 1: the target's DECODE forward), from step costs it measures itself (:class:`StepClock`)
-    and what the drafts promise. A batch-size bucket tries each width in its first steps until it
-    has ``min_samples`` timings of it, and a width the choices have not used in a bucket for
-    ``remeasure_after`` timed steps is tried once more, so that a cost measured too high (or too
-    low) is not kept for good by never being chosen again."""
+    """The engine's per-step choice of verify width: plain decoding (width 1, the target's DECODE
+    forward) or the drafts' most probable nodes at one of :func:`verify_widths` (``d`` the widest),
+    from step costs it measures itself (:class:`StepClock`) and what the drafts promise at each
+    width, calibrated per request class (greedy and sampled requests accept differently). A
+    batch-size bucket tries each width in its first steps until it has ``min_samples`` timings of
+    it, and a width the choices have not used in a bucket for ``remeasure_after`` timed steps is
+    tried once more, so that a cost measured too high (or too low) is not kept for good by never
+    being chosen again. ``widths`` restricts the set (e.g. to ``(d,)``: verify at d or decode
+    plainly)."""
 
     reads_promises = True
     d: int
@@ -203,30 +234,39 @@ class EngineControl:
     remeasure_after: int = 256
     #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
+    widths: Sequence[int] = ()
     #: (width, batch) of the step in flight and when it started.
     _current: tuple[int, int, float] | None = None
 
     def __post_init__(self) -> None:
+        self.widths = tuple(sorted(set(self.widths))) if self.widths else verify_widths(self.d)
+        if any(w < 2 or w > self.d for w in self.widths):
+            raise ValueError(f"verify widths must be in [2, {self.d}], got {self.widths}")
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
-        self.model = CostModel.measuring_shadows(self.clock, [self.d], self.forget_after)
-        self.widths: Sequence[int] = (self.d,)
+        self.model = CostModel.measuring_shadows(self.clock, list(self.widths), self.forget_after)
+
+    def calibration(self, klass: str | None = None) -> float:
+        """Accepted over promised draft tokens, for requests of class ``klass``."""
+        return self.model.calibration(klass)
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
                decoding: int | None = None) -> int:
-        """``d`` or 1 for a decode step of ``batch`` requests whose drafts promise ``promised[d]``
-        accepted tokens in all."""
-        for w in (self.d, 1):
+        """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
+        accepted tokens in all at width ``w`` (already calibrated per request class)."""
+        every = (*self.widths, 1)
+        for w in every:
             if self.clock.count(batch, w) < self.min_samples:
                 key = (w, bucket(batch))
                 if self.tries.get(key, 0) < self.min_samples + 2:
                     self.tries[key] = self.tries.get(key, 0) + 1
                     return w
-        if not (self.clock.known(batch, self.d) and self.clock.known(batch, 1)):
+        if not all(self.clock.known(batch, w) for w in every):
             return self.d  # a width that never ran here (tried and given up): drafting goes on
-        for w in (self.d, 1):
+        for w in every:
             if self.clock.age(batch, w) > self.remeasure_after:
                 return w
-        return self.model.choose({self.d: promised.get(self.d, 0.0)}, batch)
+        return self.model.choose(promised, batch, calibrated=True)
 
     def begin(self, now: float) -> None:
         """The engine starts a forward pass (of any kind): the decode step before it, if any, took
@@ -240,25 +280,37 @@ class EngineControl:
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         self._current = (width, batch, started)
 
-    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False) -> None:
-        """A verified step's drafts (or, ``shadow``, a shadow draft's): what they promised and what
-        was (or would have been) accepted."""
+    def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
+                klass: str | None = None) -> None:
+        """A verified step's drafts (or, ``shadow``, a shadow draft's) by requests of class
+        ``klass``: what they promised and what was (or would have been) accepted."""
         if not shadow:
-            self.verified[0] += self.model.calibration() * promised
+            self.verified[0] += self.model.calibration(klass) * promised
             self.verified[1] += accepted
-        self.model.observe(promised, accepted)
+        self.model.observe(promised, accepted, klass=klass)
 
     def shadow_width(self) -> int:
-        return self.d
+        """After a plain step, the width whose drafts are measured as shadow drafts: the one that
+        came closest to paying."""
+        return self.model.candidate if self.model.candidate > 1 else self.widths[-1]
+
+    def costs(self) -> dict[int, dict[int, float]]:
+        """Each width's measured step cost over plain decoding's, by batch-size bucket."""
+        out: dict[int, dict[int, float]] = {}
+        for (w, b), cost in sorted(self.clock.table.items()):
+            plain = self.clock.table.get((1, b))
+            if w > 1 and plain:
+                out.setdefault(w, {})[b] = cost / plain
+        return out
 
     def summary(self) -> str:
-        """One line for the engine's log: the calibration, each bucket's measured cost of a wide
-        step over a plain one, the steps chosen at each width so far, and the accepted tokens the
-        verified steps were expected to bring against what they brought."""
-        ratios = ", ".join(f"{b}: {self.clock.table[(self.d, b)] / self.clock.table[(1, b)]:.2f}"
-                           for b in sorted({b for _, b in self.clock.table})
-                           if (self.d, b) in self.clock.table and (1, b) in self.clock.table)
-        chosen = self.model.chosen
-        return (f"calibration {self.model.calibration():.2f}, wide/plain step cost by batch {{{ratios}}}, "
-                f"{chosen.get(self.d, 0)} wide / {chosen.get(1, 0)} plain steps chosen, verified steps "
-                f"expected {self.verified[0]:.0f} accepted tokens and got {self.verified[1]:.0f}")
+        """One line for the engine's log: the calibration per request class, each width's measured
+        step cost over a plain one per batch bucket, the steps chosen at each width so far, and the
+        accepted tokens the verified steps were expected to bring against what they brought."""
+        cal = ", ".join(f"{k} {self.model.calibration(k):.2f}" for k in sorted(self.model.classes)) or \
+            f"{self.model.calibration():.2f}"
+        costs = "; ".join(f"w{w}: " + ", ".join(f"{b}: {r:.2f}" for b, r in by.items())
+                          for w, by in self.costs().items())
+        chosen = ", ".join(f"w{w} {n}" for w, n in sorted(self.model.chosen.items()))
+        return (f"calibration {cal}, step cost over plain by batch {{{costs}}}, steps chosen {{{chosen}}}, "
+                f"verified steps expected {self.verified[0]:.0f} accepted tokens and got {self.verified[1]:.0f}")

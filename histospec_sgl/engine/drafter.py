@@ -36,7 +36,7 @@ import numpy as np
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
-from histospec_sgl.engine.draft import tree_parents_batch, write_empty
+from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
@@ -69,6 +69,19 @@ def group_of(custom_params: Any) -> int | None:
     raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {type(v).__name__}")
 
 
+def narrow(tokens: np.ndarray, mask: np.ndarray, order: np.ndarray, bs: int, d: int, width: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The width-``width`` drafts of a batch's d-node drafts: each request's root and its
+    ``width - 1`` most probable nodes (``order``: nodes 1..d-1 by path probability, most probable
+    first, as indices from 0). A node's path probability is at most its parent's, so the nodes kept
+    are a subtree; kept in their BFS order, with the mask restricted to them (pads, of probability 0,
+    are kept in order from the top of their chain)."""
+    keep = np.concatenate([np.zeros((bs, 1), dtype=np.int64), np.sort(order[:, : width - 1], axis=1) + 1], axis=1)
+    t = np.take_along_axis(tokens.reshape(bs, d), keep, axis=1)
+    m = mask.reshape(bs, d, d)[np.arange(bs)[:, None, None], keep[:, :, None], keep[:, None, :]]
+    return t.reshape(-1).copy(), m.reshape(-1).copy()
+
+
 @dataclasses.dataclass
 class _Live:
     iid: int  # the index's integer request id
@@ -80,6 +93,7 @@ class _Live:
     steps: int = 0  # verify steps it took part in
     group: int | None = None  # the group it was started in (None: its prompt's key)
     shadow: ShadowDraft | None = None  # an unverified draft being measured (the cost model)
+    klass: str | None = None  # its request class at its last draft (greedy, sampled)
 
 
 class BatchDrafter:
@@ -110,17 +124,23 @@ class BatchDrafter:
                                    Fixed(draft_tokens))
         #: Whether the last :meth:`draft` drafted (False: the policy chose plain decoding).
         self.drafting = True
-        # Whether each drafted-for step not yet verified drafted (overlap scheduling verifies a step
-        # after the next one is drafted).
-        self._drafted_steps: collections.deque[tuple[bool, float]] = collections.deque(maxlen=4)
+        #: The verify width of the last :meth:`draft` (1: plain decoding; d: the widest).
+        self.width = draft_tokens
+        # Each drafted-for step not yet verified: whether it drafted, and per request class what its
+        # drafts promised and which requests it held (overlap scheduling verifies a step after the
+        # next one is drafted).
+        self._drafted_steps: collections.deque[tuple[bool, dict[str, float], list[str | None]]] = \
+            collections.deque(maxlen=4)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
         self._tokens = np.zeros(0, dtype=np.int64)
         self._mask = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(0, dtype=np.int64)
         self._probs = np.zeros(0, dtype=np.float32)
-        self.totals = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
-                           offered=0, draft_seconds=0.0, finished=0, kept=0)
+        self.totals: dict[str, Any] = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
+                                           offered=0, draft_seconds=0.0, finished=0, kept=0)
+        #: Decode steps at each verify width (1: plain decoding).
+        self.width_steps: dict[int, int] = {}
         self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
 
     # -- history in and out -------------------------------------------------------------------
@@ -210,7 +230,7 @@ class BatchDrafter:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
         if live.shadow is not None and live.shadow.advance(new):
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True)
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass)
             live.shadow = None
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
@@ -236,7 +256,7 @@ class BatchDrafter:
             self._advanced(live, len(response), response[-1], new)
         if live.shadow is not None and response is not None:
             # Verifying it would have accepted up to the response's end, as the walk did.
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True)
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
@@ -270,11 +290,18 @@ class BatchDrafter:
 
     # -- drafting -------------------------------------------------------------------------------
 
-    def draft(self, rids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step.
+    def draft(self, rids: Sequence[str], classes: Sequence[str | None] | None = None,
+              width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step, at the width
+        the step policy chooses (:attr:`width`). ``classes``: each request's class (``"greedy"``,
+        ``"sampled"``), which the cost model calibrates apart.
 
-        Returns ``(tokens int64[bs*d], mask int64[bs*d*d])``, views into buffers that the next call
-        reuses (SGLang copies them to the device right away)."""
+        Returns ``(tokens int64[bs*w], mask int64[bs*w*w])`` for the chosen width w: at d, views into
+        buffers that the next call reuses (SGLang copies them to the device right away); at a
+        narrower width, each request's w - 1 most probable nodes (the index grows drafts best-first by
+        path probability, so they form a subtree, kept in BFS order); at 1 (plain decoding), each
+        request's root. ``width``: this width instead of the policy's choice (d where the caller's
+        verify path runs only d, e.g. SGLang's grammar batches)."""
         bs, d = len(rids), self.d
         t0 = time.perf_counter()
         if self._tokens.size < bs * d:
@@ -285,27 +312,54 @@ class BatchDrafter:
             self._probs = np.zeros(cap * d, dtype=np.float32)
         tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
         lives = [self._live[r] for r in rids]
-        promised = 0.0
+        klasses: list[str | None] = list(classes) if classes is not None else [None] * bs
+        for lv, k in zip(lives, klasses):
+            lv.klass = k
+        forced, width, order, nonempty = width, d, None, 0
+        per_request = np.zeros(bs, dtype=np.float64)  # each request's promise at the chosen width
         if self.policy.reads_promises:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             probs = self._probs[: bs * d]
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
-            promised = float(probs.reshape(bs, d)[:, 1:].sum())  # pads have probability 0
-            drafting = self.policy.choose({d: promised}, bs) > 1
-            if not drafting and nonempty and self.policy.shadow_width() > 1:
-                self._shadow(lives, tokens, mask, probs, counts)
+            # Each request's nodes by path probability, most probable first (pads have probability 0).
+            p = probs.reshape(bs, d)[:, 1:].astype(np.float64)
+            order = np.argsort(-p, axis=1, kind="stable")
+            cum = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)  # cum[:, w-2]: width w's promise
+            calibrate = getattr(self.policy, "calibration", None)
+            factor = (np.array([calibrate(k) for k in klasses]) if calibrate is not None and classes is not None
+                      else np.ones(bs))
+            promised = {w: float((factor * cum[:, w - 2]).sum()) for w in self.policy.widths if 1 < w <= d}
+            chosen = self.policy.choose(promised, bs)
+            width = chosen if forced is None else forced
+            if width > 1:
+                per_request = cum[:, width - 2]
+            elif nonempty and self.policy.shadow_width() > 1:
+                self._shadow(lives, tokens, mask, probs, counts, order, self.policy.shadow_width())
         else:
-            drafting = self.policy.choose({}, bs) > 1
-            if drafting:
+            chosen = self.policy.choose({}, bs)
+            width = chosen if forced is None else forced
+            if width > 1:
                 iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
                 nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+        drafting = width > 1
         self.drafting = drafting
-        self._drafted_steps.append((drafting, promised))
+        self.width = width
+        self.width_steps[width] = self.width_steps.get(width, 0) + 1
+        by_class: dict[str, float] = {}
+        for k, v in zip(klasses, per_request.tolist()):
+            by_class[k or ""] = by_class.get(k or "", 0.0) + v
+        self._drafted_steps.append((drafting, by_class, klasses))
         if not drafting:
-            # A plain step: the root alone, padded like an empty draft.
-            write_empty(tokens, mask, [lv.last for lv in lives], d)
+            # A plain step: each request's root alone.
+            roots = np.fromiter((lv.last for lv in lives), dtype=np.int64, count=bs)
+            tokens, mask = roots, np.ones(bs, dtype=np.int64)
             counts[:] = 0
             nonempty = 0
+        elif width < d:
+            assert order is not None
+            tokens, mask = narrow(tokens, mask, order, bs, d, width)
+            np.minimum(counts, width - 1, out=counts)
+            nonempty = int(np.count_nonzero(counts))
         for lv, c in zip(lives, counts.tolist()):
             lv.drafted = c
             lv.offered += c
@@ -326,27 +380,44 @@ class BatchDrafter:
         return tokens, mask
 
     def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, probs: np.ndarray,
-                counts: np.ndarray) -> None:
+                counts: np.ndarray, order: np.ndarray, width: int) -> None:
         """Drafts the cost model will not verify this step are followed as shadow drafts (one per
-        request at a time), which measure what verifying them would have accepted."""
+        request at a time), at the width that came closest to paying: they measure what verifying
+        them would have accepted."""
         d = self.d
+        bs = len(lives)
+        tw, mw = narrow(tokens, mask, order, bs, d, width) if width < d else (tokens, mask)
         parents = None
+        p = probs.reshape(bs, d)
         for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
             if lv.shadow is not None or not c:
                 continue
             if parents is None:
-                parents = tree_parents_batch(mask, d)  # the whole batch in one pass, once a step
-            row = slice(b * d, b * d + c + 1)
-            lv.shadow = ShadowDraft(tokens[row].tolist(), parents[b, : c + 1].tolist(), float(probs[row][1:].sum()))
+                parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
+            n = min(c, width - 1)
+            row = slice(b * width, b * width + n + 1)
+            promised = float(np.sort(p[b, 1:])[::-1][:n].sum())
+            lv.shadow = ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's
         ``on_verify_complete_cpu``); feeds the step policy."""
         acc = list(accepted)
         # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
-        drafted, promised = self._drafted_steps.popleft() if self._drafted_steps else (True, 0.0)
-        if drafted:
-            self.policy.observe(promised, sum(acc), len(acc))
+        drafted, promised, klasses = (self._drafted_steps.popleft() if self._drafted_steps
+                                      else (True, {"": 0.0}, [None] * len(acc)))
+        if not drafted:
+            return
+        if len(klasses) != len(acc):  # not the step drafted for: count it as one class
+            klasses = [None for _ in acc]
+            promised = {"": sum(promised.values())}
+        by_class: dict[str, list[float]] = {}
+        for k, a in zip(klasses, acc):
+            e = by_class.setdefault(k or "", [0.0, 0.0])
+            e[0] += 1
+            e[1] += a
+        for k, (n, got) in by_class.items():
+            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None)
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

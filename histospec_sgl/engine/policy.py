@@ -4,10 +4,10 @@
 (:func:`histospec_sgl.simulate.step.run_step` asks it every simulated step), so that a policy the
 simulator scores is the one the engine runs:
 
-- :class:`Fixed`: always the same width (plain decoding at 1; ``HISTOSPEC_CONTROL=fixed``, the default, at d);
+- :class:`Fixed`: always the same width (plain decoding at 1; ``HISTOSPEC_CONTROL=fixed`` at d);
 - :class:`~histospec_sgl.engine.costmodel.CostModel` (on a step-cost profile) and
   :class:`~histospec_sgl.engine.costmodel.EngineControl` (on the step costs the engine times
-  itself, ``HISTOSPEC_CONTROL=cost``): the width that gives the most tokens per second.
+  itself, ``HISTOSPEC_CONTROL=cost``, the default): the width that gives the most tokens per second.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ class StepPolicy(Protocol):
         (default: all), at mean ``context`` tokens with ``prefill`` prompt tokens joining."""
         ...
 
-    def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False) -> None:
+    def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
+                klass: str | None = None) -> None:
         """A verified step's drafts over ``requests`` request-steps: what they promised and what was
         accepted. ``shadow``: drafts of a plain step, followed along the tokens decoded instead
-        (what verifying them would have accepted)."""
+        (what verifying them would have accepted). ``klass``: the requests' class (greedy, sampled),
+        for a policy that calibrates classes apart."""
         ...
 
     def shadow_width(self) -> int:
@@ -58,7 +60,8 @@ class Fixed:
                decoding: int | None = None) -> int:
         return self.width
 
-    def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False) -> None:
+    def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
+                klass: str | None = None) -> None:
         pass
 
     def shadow_width(self) -> int:

@@ -31,6 +31,8 @@ over ``rate(histospec:decode_steps_total)``):
                                            SGLang version changes what it relays; the worker then
                                            falls back to NGRAM's rule and logs the first three)
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
+``histospec:width_steps_total``            decode steps at each verify width (label ``width``; 1 is
+                                           plain decoding), the step policy's choices
 =========================================  =====================================================
 
 Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step
@@ -96,6 +98,9 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
             fam["histospec:finished_requests"] = Counter(
                 "histospec:finished_requests", "Finished requests (kept=1: kept as history).",
                 (*labelnames, "kept"), registry=registry)
+            fam["histospec:width_steps"] = Counter(
+                "histospec:width_steps", "Decode steps at each verify width (1: plain decoding).",
+                (*labelnames, "width"), registry=registry)
             for name, doc in _GAUGES.items():
                 fam[name] = Gauge(name, doc, labelnames, registry=registry, multiprocess_mode="mostrecent")
             _families[id(registry)] = fam
@@ -119,9 +124,11 @@ class HistoryMetrics:
         self._labels = {k: str(v) for k, v in labels.items()}
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
-                   if name != "histospec:finished_requests"}
+                   if name not in ("histospec:finished_requests", "histospec:width_steps")}
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
+        self._widths_family = fam["histospec:width_steps"]
+        self._widths: dict[int, Any] = {}
         self._seen: dict[str, float] = {}
         self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
         self._steps = 0
@@ -161,6 +168,14 @@ class HistoryMetrics:
             if counts[key] > self._counts[name]:
                 self._m[name].inc(counts[key] - self._counts[name])
             self._counts[name] = counts[key]
+        for width, n in getattr(drafter, "width_steps", {}).items():
+            counter = self._widths.get(width)
+            if counter is None:
+                counter = self._widths[width] = self._widths_family.labels(**self._labels, width=str(width))
+            delta = n - self._seen.get(f"width{width}", 0)
+            if delta > 0:
+                counter.inc(delta)
+            self._seen[f"width{width}"] = n
         if host_seconds > 0:
             self._m["histospec:host_seconds"].inc(host_seconds)
         self._m["histospec:drafting"].set(float(drafter.drafting))

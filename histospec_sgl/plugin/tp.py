@@ -1,9 +1,9 @@
 """Identical drafts on every tensor-parallel rank: TP rank 0 drafts, the others receive.
 
 The history index is host state that only rank 0 builds and queries (the other ranks keep none,
-so they cannot drift from it). Each verify step rank 0 broadcasts the batch's draft tokens and tree
-masks over the TP group's CPU (gloo) process group: ``bs*d*(d+1)`` int64 values, about 100 KB at
-bs 48 and d 16. Every rank calls :meth:`DraftBroadcast.share` exactly once per verify step, and rank
+so they cannot drift from it). Each decode step rank 0 broadcasts the step's verify width and the
+batch's draft tokens and tree masks at that width over the TP group's CPU (gloo) process group:
+``1 + bs*d*(d+1)`` int64 values, about 100 KB at bs 48 and d 16, so every rank takes the same width. Every rank calls :meth:`DraftBroadcast.share` exactly once per verify step, and rank
 0 always sends (an empty draft if drafting failed), so a TP group never waits on a rank that is not
 coming.
 """
@@ -49,19 +49,23 @@ class DraftBroadcast:
 
     def share(self, tokens: np.ndarray | None, mask: np.ndarray | None, bs: int, d: int
               ) -> tuple[np.ndarray, np.ndarray]:
-        """On rank 0, sends ``tokens[bs*d]`` and ``mask[bs*d*d]``; elsewhere (pass None) returns
-        what rank 0 sent. With one rank, returns the arguments unchanged."""
+        """On rank 0, sends ``tokens[bs*w]`` and ``mask[bs*w*w]`` for the step's verify width w (at
+        most ``d``: the cost model may verify fewer nodes, 1 being plain decoding); elsewhere (pass
+        None) returns what rank 0 sent. With one rank, returns the arguments unchanged."""
         if self.world_size == 1:
             assert tokens is not None and mask is not None
             return tokens, mask
         import torch
         import torch.distributed as dist
 
-        buf = torch.empty(bs * d * (d + 1), dtype=torch.int64)
+        buf = torch.zeros(1 + bs * d * (d + 1), dtype=torch.int64)
         if self.is_source:
             assert tokens is not None and mask is not None
-            buf[: bs * d] = torch.from_numpy(tokens)
-            buf[bs * d:] = torch.from_numpy(mask)
+            w = tokens.size // bs
+            buf[0] = w
+            buf[1: 1 + bs * w] = torch.from_numpy(tokens)
+            buf[1 + bs * d: 1 + bs * d + bs * w * w] = torch.from_numpy(mask)
         dist.broadcast(buf, src=self.src, group=self.cpu_group)
         out = buf.numpy()
-        return out[: bs * d], out[bs * d:]
+        w = int(out[0])
+        return out[1: 1 + bs * w], out[1 + bs * d: 1 + bs * d + bs * w * w]

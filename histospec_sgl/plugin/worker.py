@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -104,6 +106,10 @@ class HistoryWorker(NGRAMWorker):
         self._no_keep: set[str] = set()
         self._errors = 0
         self.context_mismatches = 0
+        # The cost model may choose a narrower verify width for steps drafted in
+        # forward_batch_generation; NGRAM's own path (grammar batches, a fixed width) drafts at d.
+        self._free_width = False
+        self._width_state: dict[int, dict[str, Any]] = {}
         # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
         self._staged: tuple[np.ndarray, np.ndarray] | None = None
         self.plain_steps = 0
@@ -183,22 +189,82 @@ class HistoryWorker(NGRAMWorker):
                 current.add(req.rid)
             self._sweep(current)
         decode = batch.forward_mode.is_decode()
+        bs, d = len(batch.reqs), self.draft_token_num
         if self._plain_when_undrafted() and decode and not getattr(batch, "has_grammar", False):
-            # Draft first (every TP rank gets rank 0's drafts here), then pick the width from what
-            # all ranks share, so that every rank takes the same branch.
-            tokens, mask = self._prepare_draft_tokens(batch)
-            d = self.draft_token_num
-            if not tokens.reshape(-1, d)[:, 1:].any():
+            # Draft first, at the width the cost model picks (every TP rank gets rank 0's drafts and
+            # width here), then branch on what all ranks share, so that every rank takes the same one.
+            self._free_width = True
+            try:
+                tokens, mask = self._prepare_draft_tokens(batch)
+            finally:
+                self._free_width = False
+            w = tokens.size // bs
+            if w == 1 or not tokens.reshape(bs, w)[:, 1:].any():
                 if control is not None:
-                    control.decode_step(len(batch.reqs), 1, started)
-                return self._plain_decode(batch, tokens[::d].copy(), *args, **kwargs)
+                    control.decode_step(bs, 1, started)
+                return self._plain_decode(batch, tokens[::w].copy(), *args, **kwargs)
+            if control is not None:
+                control.decode_step(bs, w, started)
             self._staged = (tokens, mask)
+            try:
+                if w < d:
+                    return self._narrow_verify(batch, w, *args, **kwargs)
+                return super().forward_batch_generation(batch, *args, **kwargs)
+            finally:
+                self._staged = None
         if control is not None and decode:
-            control.decode_step(len(batch.reqs), self.draft_token_num, started)
+            control.decode_step(bs, d, started)
         try:
             return super().forward_batch_generation(batch, *args, **kwargs)
         finally:
             self._staged = None
+
+    def _narrow_verify(self, batch: Any, w: int, *args: Any, **kwargs: Any) -> Any:
+        """A verify step at width ``w`` < d: SGLang's own NGRAM verify path with its width and its
+        per-width buffers set to ``w`` for the call, so the target verifies w nodes per request (not
+        d with padding), and the result laid out as SGLang expects: the tokens of the step at stride
+        w (``speculative_num_draft_tokens`` = w tells the scheduler), the relay of accepted tokens to
+        the next step at stride d, as every other step's. Where CUDA graphs were captured at width d
+        only, SGLang runs a width-w verify eagerly (its graph runner checks the width); the step
+        clock times it as it runs."""
+        import torch
+
+        bs, d = len(batch.reqs), self.draft_token_num
+        with self._at_width(w):
+            result = super().forward_batch_generation(batch, *args, **kwargs)
+        nxt = result.next_draft_input
+        acc = nxt.accept_tokens.reshape(bs, w)
+        padded = torch.zeros((bs, d), dtype=acc.dtype, device=acc.device)
+        padded[:, :w] = acc
+        result.next_draft_input = NgramVerifyInput(draft_token_num=d, new_seq_lens=nxt.new_seq_lens,
+                                                   accept_tokens=padded.flatten(), accept_lens=nxt.accept_lens)
+        return result
+
+    @contextlib.contextmanager
+    def _at_width(self, w: int) -> Iterator[None]:
+        """NGRAM's width and its preallocated per-batch-size buffers set to width ``w`` for the block
+        (the buffers of each width are made once, by NGRAM's own allocator)."""
+        state = self._width_state.get(w)
+        if state is None:
+            before = dict(vars(self))
+            self.draft_token_num = w
+            self._init_preallocated_tensors()
+            state = {k: v for k, v in vars(self).items() if k not in before or before[k] is not v}
+            for k in state:
+                if k in before:
+                    setattr(self, k, before[k])
+                else:
+                    delattr(self, k)
+            self._width_state[w] = state
+        state = {**state, "draft_token_num": w, "speculative_num_draft_tokens": w}
+        saved = {k: getattr(self, k) for k in state}
+        for k, v in state.items():
+            setattr(self, k, v)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(self, k, v)
 
     def _plain_decode(self, batch: Any, roots: np.ndarray, on_publish: Any = None, **kwargs: Any) -> Any:
         """A plain decode step in the speculative batch: each request's root (its last accepted
@@ -309,7 +375,7 @@ class HistoryWorker(NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        rids, items = [], []
+        rids, items, classes = [], [], []
         drafter = self.drafter
         for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
             rid = req.rid
@@ -320,8 +386,12 @@ class HistoryWorker(NGRAMWorker):
             group = None if drafter.is_live(rid) else self._group(req)
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
+            classes.append(_request_class(req))
         drafter.sync_batch(items)
-        tokens, mask = drafter.draft(rids)
+        if self._free_width:
+            tokens, mask = drafter.draft(rids, classes)
+        else:
+            tokens, mask = drafter.draft(rids, classes, width=self.draft_token_num)
         self._maybe_log()
         return tokens, mask
 
@@ -449,10 +519,23 @@ class HistoryWorker(NGRAMWorker):
             "index %d groups / %d responses / %.1f MB%s",
             w["steps"], w["batch"], w["accept_len"], w["coverage"], w["draft_ms"],
             st["groups"], st["responses"], st["bytes"] / 1e6,
-            f", {self.plain_steps} plain decode steps so far" if self._plain_when_undrafted() else "",
+            ", steps per verify width so far {" + ", ".join(
+                f"{w}: {n}" for w, n in sorted(self.drafter.width_steps.items())) + "}"
+            if self._plain_when_undrafted() else "",
         )
         if self.drafter.control is not None:
             logger.info("histospec: cost model: %s", self.drafter.control.summary())
+
+
+def _request_class(req: Any) -> str:
+    """``"greedy"`` or ``"sampled"``: the classes the cost model calibrates apart (a greedy request
+    accepts a draft node exactly when it is the target's argmax, a sampled one with the node's
+    probability)."""
+    sp = getattr(req, "sampling_params", None)
+    temperature = getattr(sp, "temperature", 1.0)
+    top_k = getattr(sp, "top_k", -1)
+    greedy = (temperature is not None and temperature <= 1e-5) or top_k == 1
+    return "greedy" if greedy else "sampled"
 
 
 def _install_scheduler_rpcs() -> None:

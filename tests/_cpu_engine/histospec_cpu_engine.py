@@ -183,8 +183,10 @@ def _duplicate_pads(result: Any, worker: Any, batch: Any) -> Any:
     if broken() != "padding":
         return result
     tokens, mask = result
-    d = worker.draft_token_num
     bs = len(batch.reqs)
+    d = tokens.size // bs  # the step's verify width (the cost model may choose fewer than d)
+    if d == 1:
+        return result
     t = tokens.reshape(bs, d).copy()
     m = mask.reshape(bs, d, d).copy()
     for b in range(bs):

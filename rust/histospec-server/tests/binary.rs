@@ -173,7 +173,11 @@ fn bad_flags_and_bad_addresses_exit_with_their_status() {
     let (code, err) = run(&["--auth-token-file", empty.to_str().unwrap()]);
     assert_eq!(code, Some(2));
     assert!(err.contains("is empty"), "{err}");
-    let (code, err) = run(&["--listen", "not-an-address"]);
+    // Beyond loopback without a token: refused unless the user says so.
+    let (code, err) = run(&["--listen", "0.0.0.0:0"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--auth-token-file") && err.contains("--insecure"), "{err}");
+    let (code, err) = run(&["--listen", "not-an-address", "--insecure"]);
     assert_eq!(code, Some(1));
     let last = err.lines().last().unwrap_or_default();
     assert!(
@@ -194,6 +198,7 @@ fn bad_flags_and_bad_addresses_exit_with_their_status() {
         "--subscriber-buffer",
         "--tls-cert",
         "--tls-key",
+        "--insecure",
     ] {
         assert!(help.contains(flag), "{flag} missing from --help");
     }

@@ -52,6 +52,9 @@ struct Args {
     /// and this private key
     #[arg(long, value_name = "PEM", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// allow listening beyond loopback without a token (a network you trust)
+    #[arg(long)]
+    insecure: bool,
 }
 
 fn loopback(listen: &str) -> bool {
@@ -80,10 +83,17 @@ fn main() -> ExitCode {
         },
     };
     if !loopback(&args.listen) && token.is_none() {
-        eprintln!(
-            "warning: listening on {} without --auth-token-file: anyone who can reach it can publish history",
-            args.listen
-        );
+        if !args.insecure {
+            eprintln!(
+                "error: --listen {} reaches beyond this machine and no --auth-token-file is given: anyone who \
+                 can reach the port could read every prompt and response of the job and fill the server's \
+                 memory. Give a token (clients: HISTOSPEC_DRAFT_SERVER_TOKEN_FILE), or pass --insecure on a \
+                 network you trust",
+                args.listen
+            );
+            return ExitCode::from(2);
+        }
+        eprintln!("warning: listening on {} without a token (--insecure)", args.listen);
     }
     let mut cfg = ServerConfig {
         listen: args.listen,
