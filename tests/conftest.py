@@ -150,8 +150,10 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
     tmp = tmp_path_factory.mktemp("text-engine")
     ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
+    from _greedy import FIXED_WIDTH
+
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
-                       env={"HISTOSPEC_DRAFT_SERVER": ds.address}, log_path=tmp / "sglang.log")
+                       env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED_WIDTH}, log_path=tmp / "sglang.log")
     # It stays up for the rest of this worker's run: every later test's memory budget counts it.
     standing = _GATE.standing(TEXT_ENGINE_GB) if _GATE is not None else contextlib.nullcontext()
     try:

@@ -257,6 +257,10 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
     # resolved); a GPU server runs with it on. The worker reads the flag once, here.
     assert worker.enable_overlap is False
     worker.enable_overlap = overlap
+    if worker.drafter is not None and worker.drafter.control is not None:
+        # Every width measured up front (the engine measures d and plain decoding, and the others
+        # once chosen), so that each width's verify runs here whatever the costs say.
+        worker.drafter.control.explore = (*worker.drafter.control.widths, 1)
     import sglang
 
     out: dict = {"epochs": [], "sglang": sglang.__version__}

@@ -180,6 +180,10 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         sampled = {"history": _sampled_logprobs_against_rescoring(servers[1], plain_server, prompts),
                    "history_cost": _sampled_logprobs_against_rescoring(cost, plain_server, prompts)}
         cost_plain_steps = _plain_steps(cost)
+        # After those sampled (T = 1) requests, a repeated greedy pass (verl's validation after a
+        # training step) drafts as well as a fixed width: greedy and sampled requests are calibrated
+        # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
+        again = _greedy_passes(cost, prompts, passes=1)[0]
         mismatches = _counter(cost, "histospec:context_mismatches_total")
         from histospec_sgl.bench.engine_bench import width_steps
 
@@ -196,10 +200,13 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     # SGLang's seq_lens counts every accepted token but the root: what the worker reads to place the
     # root under the overlap scheduler (a GPU's default) holds on this real scheduler too.
     assert mismatches == 0
-    # The default policy ran every width: plain steps, the narrower verify widths (SGLang's verify
-    # path at 2 and 4 nodes a request) and d, with the outputs above identical all the same.
-    assert widths is not None and {k for k, n in widths.items() if n > 0} == {"1", "2", "4", str(D)}, widths
+    # The default policy ran plain steps, d, and a narrower verify width (SGLang's verify path at 2 or
+    # 4 nodes a request), with the outputs above identical all the same.
+    ran = {k for k, n in widths.items() if n > 0} if widths is not None else set()
+    assert {"1", str(D)} <= ran and ran & {"2", "4"}, widths
     assert max(sampled.values()) < 1e-3, sampled
+    assert again["outputs"] == runs["plain"][0]["outputs"]
+    assert again["tokens"] / again["steps"] >= D - 1, again
     assert any(p["outputs"] != plain_fresh for p in broken)
 
 
@@ -373,7 +380,7 @@ class TestSampling:
             seqs, _ = _sample(default, params, group=f"default-{name}")
             assert min(_same_distribution(plain[name], seqs)) > 1e-4, name
         widths = width_steps(default)
-        assert widths is not None and len([w for w, n in widths.items() if n > 0 and w != "1"]) >= 2, widths
+        assert widths is not None and any(n > 0 and w != "1" for w, n in widths.items()), widths
         for b, seqs in bad.items():
             assert min(_same_distribution(plain["t1"], seqs)) < 1e-10, b
 

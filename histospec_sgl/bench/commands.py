@@ -279,8 +279,8 @@ def add_bench(sub: Any) -> None:
     be.add_argument("--methods", default="plain,ngram,history,history_cost",
                     help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, ngram_corpus "
                     "(SGLang 0.5.23's NGRAM with an external corpus: the row's history in trace mode), history "
-                    "(HISTORY at a fixed width, HISTOSPEC_CONTROL=fixed, the engine's default), history_cost (HISTORY "
-                    "with the cost model)")
+                    "(HISTORY at the fixed width --draft-tokens, HISTOSPEC_CONTROL=fixed), history_cost (HISTORY under the "
+                    "engine's default policy, the cost model, its widest width --draft-tokens)")
     be.add_argument("--trace", choices=["grpo"],
                     help="TRACE MODE (a benchmark): decode a logged RL step's responses with every token forced to "
                     "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "

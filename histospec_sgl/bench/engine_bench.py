@@ -190,15 +190,15 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
                                        f"differ from the logged ones (first 16: {list(o['output_ids'])[:16]} against "
                                        f"{expect[rid][:16]})")
     wall = time.perf_counter() - t0
-    out: dict[str, Any] = {
+    row: dict[str, Any] = {
         "tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
         "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
         "step_ms": round(1000 * wall / max(1, passes), 3)}
     if widths_before is not None:
         after = width_steps(srv) or {}
-        out["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
+        row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
                               if n - widths_before.get(w, 0) > 0}
-    return out
+    return row
 
 
 def width_steps(srv: EngineServer) -> dict[str, int] | None:

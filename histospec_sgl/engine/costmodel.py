@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from histospec_sgl.engine.profile import Profile
 
@@ -44,9 +45,11 @@ class CostModel:
     chosen: dict[int, int] = field(default_factory=dict)
     #: At the last choice, the width above 1 with the most expected tokens per second (1: none), chosen or not.
     candidate: int = 1
-    #: Calibrations by request class (e.g. greedy and sampled requests): class -> [promised, accepted].
-    #: A class with too little measured falls back to the overall calibration.
-    classes: dict[str, list[float]] = field(default_factory=dict)
+    #: Calibrations by request class (e.g. greedy and sampled requests), and by class and verify width
+    #: (a node's path probability shrinks with its depth faster than its acceptance may): key ->
+    #: [promised, accepted], keys ``klass`` and ``(klass, width)``. One with too little measured falls
+    #: back to the coarser one.
+    classes: dict[Any, list[float]] = field(default_factory=dict)
     _since_wide: int = 0
 
     @classmethod
@@ -55,11 +58,14 @@ class CostModel:
         shadow drafts and passes them to :meth:`observe`), and a calibration that forgets."""
         return cls(profile, widths, probe_every=0, forget_after=forget_after)
 
-    def calibration(self, klass: str | None = None) -> float:
-        """Accepted over promised draft tokens so far, for request class ``klass`` when it has enough
-        measured, else over every class (1 until enough has been promised)."""
-        if klass is not None:
-            promised, accepted = self.classes.get(klass, (0.0, 0.0))
+    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+        """Accepted over promised draft tokens so far: for request class ``klass`` at verify width
+        ``width``, else for the class, else over every class, whichever first has enough measured (1
+        until enough has been promised)."""
+        keys: list[Any] = ([(klass, width)] if klass is not None and width is not None else []) + (
+            [klass] if klass is not None else [])
+        for key in keys:
+            promised, accepted = self.classes.get(key, (0.0, 0.0))
             if promised >= self.min_promised:
                 return accepted / promised
         if self.promised < self.min_promised:
@@ -90,16 +96,19 @@ class CostModel:
         return best
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None) -> None:
+                klass: str | None = None, width: int | None = None) -> None:
         """What drafts promised and what was (or would have been, ``shadow``) accepted of them, by
-        requests of class ``klass`` (counted in the class's calibration and the overall one)."""
+        requests of class ``klass`` at verify width ``width`` (counted in the calibrations of the class
+        at the width, of the class, and overall)."""
         self.promised += promised
         self.accepted += accepted
         if self.forget_after is not None and self.promised >= self.forget_after:
             self.promised /= 2
             self.accepted /= 2
-        if klass is not None:
-            cls = self.classes.setdefault(klass, [0.0, 0.0])
+        keys: list[Any] = ([klass] if klass is not None else []) + (
+            [(klass, width)] if klass is not None and width is not None else [])
+        for key in keys:
+            cls = self.classes.setdefault(key, [0.0, 0.0])
             cls[0] += promised
             cls[1] += accepted
             if self.forget_after is not None and cls[0] >= self.forget_after:
@@ -128,6 +137,7 @@ class ShadowDraft:
     promised: float
     node: int = 0
     accepted: int = 0
+    width: int | None = None  # the verify width it stands for
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """The request produced ``tokens`` after the draft's root (or after the last call's):
@@ -196,7 +206,22 @@ class StepClock:
         return (width, bucket(batch)) in self.table
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
-        return self.table[(width, bucket(batch))]
+        """The bucket's measured cost at ``width``; a width not measured there yet is interpolated
+        linearly in the width between the nearest measured ones (a verify step's cost grows with
+        the nodes it verifies), and measured once it is chosen."""
+        b = bucket(batch)
+        cost = self.table.get((width, b))
+        if cost is not None:
+            return cost
+        measured = sorted((w, c) for (w, bb), c in self.table.items() if bb == b)
+        below = [(w, c) for w, c in measured if w < width]
+        above = [(w, c) for w, c in measured if w > width]
+        if below and above:
+            (w0, c0), (w1, c1) = below[-1], above[0]
+            return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        if below or above:
+            return (below or above)[-1 if below else 0][1]
+        raise KeyError((width, b))
 
 
 def verify_widths(d: int) -> tuple[int, ...]:
@@ -214,19 +239,19 @@ class EngineControl:
     """The engine's per-step choice of verify width: plain decoding (width 1, the target's DECODE
     forward) or the drafts' most probable nodes at one of :func:`verify_widths` (``d`` the widest),
     from step costs it measures itself (:class:`StepClock`) and what the drafts promise at each
-    width, calibrated per request class (greedy and sampled requests accept differently). A
-    batch-size bucket tries each width in its first steps until it has ``min_samples`` timings of
-    it, and a width the choices have not used in a bucket for ``remeasure_after`` timed steps is
-    tried once more, so that a cost measured too high (or too low) is not kept for good by never
-    being chosen again. ``widths`` restricts the set (e.g. to ``(d,)``: verify at d or decode
+    width, calibrated per request class and width (greedy and sampled requests accept differently,
+    and a deep node's path probability understates a repeated response's). A batch-size bucket runs
+    d and plain decoding in its first steps until it has ``min_samples`` timings of each (the other
+    widths are priced between them until chosen, then measured as they run), and a measured width
+    the choices have not used in a bucket for ``remeasure_after`` timed steps is run once more, so
+    that a cost measured too high (or too low) is not kept for good by never being chosen again. ``widths`` restricts the set (e.g. to ``(d,)``: verify at d or decode
     plainly)."""
 
     reads_promises = True
     d: int
     clock: StepClock = field(default_factory=StepClock)
     model: CostModel = field(init=False)
-    #: Steps that tried a width in a bucket to measure it (a width the engine cannot run there,
-    #: e.g. plain decoding with a grammar, is given up after a few tries).
+    #: Steps chosen at a width in a bucket to measure it.
     tries: dict[tuple[int, int], int] = field(default_factory=dict)
     #: The calibration's memory, in promised tokens (:attr:`CostModel.forget_after`).
     forget_after: float = 2048.0
@@ -236,6 +261,9 @@ class EngineControl:
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
     widths: Sequence[int] = ()
+    #: The widths each batch-size bucket measures in its first steps (default d and plain decoding);
+    #: the others are priced between them (:meth:`StepClock.step_s`) until they are chosen.
+    explore: Sequence[int] = ()
     #: (width, batch) of the step in flight and when it started.
     _current: tuple[int, int, float] | None = None
 
@@ -243,28 +271,28 @@ class EngineControl:
         self.widths = tuple(sorted(set(self.widths))) if self.widths else verify_widths(self.d)
         if any(w < 2 or w > self.d for w in self.widths):
             raise ValueError(f"verify widths must be in [2, {self.d}], got {self.widths}")
+        self.explore = tuple(self.explore) if self.explore else (self.widths[-1], 1)
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
         self.model = CostModel.measuring_shadows(self.clock, list(self.widths), self.forget_after)
 
-    def calibration(self, klass: str | None = None) -> float:
-        """Accepted over promised draft tokens, for requests of class ``klass``."""
-        return self.model.calibration(klass)
+    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+        """Accepted over promised draft tokens, for requests of class ``klass`` at ``width``."""
+        return self.model.calibration(klass, width)
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
                decoding: int | None = None) -> int:
         """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
         accepted tokens in all at width ``w`` (already calibrated per request class)."""
-        every = (*self.widths, 1)
-        for w in every:
+        for w in self.explore:
+            # Until it has run often enough here: a step chosen at a width but run at another (no
+            # request had a draft, so it ran plainly) times the width it ran at, and this one is
+            # chosen again, until drafts come.
             if self.clock.count(batch, w) < self.min_samples:
                 key = (w, bucket(batch))
-                if self.tries.get(key, 0) < self.min_samples + 2:
-                    self.tries[key] = self.tries.get(key, 0) + 1
-                    return w
-        if not all(self.clock.known(batch, w) for w in every):
-            return self.d  # a width that never ran here (tried and given up): drafting goes on
-        for w in every:
-            if self.clock.age(batch, w) > self.remeasure_after:
+                self.tries[key] = self.tries.get(key, 0) + 1
+                return w
+        for w in (*self.widths, 1):
+            if self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
                 return w
         return self.model.choose(promised, batch, calibrated=True)
 
@@ -281,13 +309,13 @@ class EngineControl:
         self._current = (width, batch, started)
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None) -> None:
+                klass: str | None = None, width: int | None = None) -> None:
         """A verified step's drafts (or, ``shadow``, a shadow draft's) by requests of class
-        ``klass``: what they promised and what was (or would have been) accepted."""
+        ``klass`` at ``width``: what they promised and what was (or would have been) accepted."""
         if not shadow:
-            self.verified[0] += self.model.calibration(klass) * promised
+            self.verified[0] += self.model.calibration(klass, width) * promised
             self.verified[1] += accepted
-        self.model.observe(promised, accepted, klass=klass)
+        self.model.observe(promised, accepted, klass=klass, width=width)
 
     def shadow_width(self) -> int:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that
@@ -307,7 +335,8 @@ class EngineControl:
         """One line for the engine's log: the calibration per request class, each width's measured
         step cost over a plain one per batch bucket, the steps chosen at each width so far, and the
         accepted tokens the verified steps were expected to bring against what they brought."""
-        cal = ", ".join(f"{k} {self.model.calibration(k):.2f}" for k in sorted(self.model.classes)) or \
+        cal = ", ".join(f"{k} {self.model.calibration(k):.2f}"
+                        for k in sorted(k for k in self.model.classes if isinstance(k, str))) or \
             f"{self.model.calibration():.2f}"
         costs = "; ".join(f"w{w}: " + ", ".join(f"{b}: {r:.2f}" for b, r in by.items())
                           for w, by in self.costs().items())

@@ -126,10 +126,10 @@ class BatchDrafter:
         self.drafting = True
         #: The verify width of the last :meth:`draft` (1: plain decoding; d: the widest).
         self.width = draft_tokens
-        # Each drafted-for step not yet verified: whether it drafted, and per request class what its
+        # Each drafted-for step not yet verified: its width (1: plain), and per request class what its
         # drafts promised and which requests it held (overlap scheduling verifies a step after the
         # next one is drafted).
-        self._drafted_steps: collections.deque[tuple[bool, dict[str, float], list[str | None]]] = \
+        self._drafted_steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
             collections.deque(maxlen=4)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
@@ -230,7 +230,8 @@ class BatchDrafter:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
         if live.shadow is not None and live.shadow.advance(new):
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass)
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass,
+                                width=live.shadow.width)
             live.shadow = None
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
@@ -256,7 +257,8 @@ class BatchDrafter:
             self._advanced(live, len(response), response[-1], new)
         if live.shadow is not None and response is not None:
             # Verifying it would have accepted up to the response's end, as the walk did.
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass)
+            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass,
+                                width=live.shadow.width)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
@@ -326,9 +328,16 @@ class BatchDrafter:
             order = np.argsort(-p, axis=1, kind="stable")
             cum = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)  # cum[:, w-2]: width w's promise
             calibrate = getattr(self.policy, "calibration", None)
-            factor = (np.array([calibrate(k) for k in klasses]) if calibrate is not None and classes is not None
-                      else np.ones(bs))
-            promised = {w: float((factor * cum[:, w - 2]).sum()) for w in self.policy.widths if 1 < w <= d}
+            promised: dict[int, float] = {}
+            for cand in self.policy.widths:
+                if not 1 < cand <= d:
+                    continue
+                if calibrate is not None and classes is not None:
+                    cal = {k: calibrate(k, cand) for k in set(klasses)}
+                    factor = np.array([cal[k] for k in klasses])
+                    promised[cand] = float((factor * cum[:, cand - 2]).sum())
+                else:
+                    promised[cand] = float(cum[:, cand - 2].sum())
             chosen = self.policy.choose(promised, bs)
             width = chosen if forced is None else forced
             if width > 1:
@@ -348,7 +357,7 @@ class BatchDrafter:
         by_class: dict[str, float] = {}
         for k, v in zip(klasses, per_request.tolist()):
             by_class[k or ""] = by_class.get(k or "", 0.0) + v
-        self._drafted_steps.append((drafting, by_class, klasses))
+        self._drafted_steps.append((width, by_class, klasses))
         if not drafting:
             # A plain step: each request's root alone.
             roots = np.fromiter((lv.last for lv in lives), dtype=np.int64, count=bs)
@@ -397,16 +406,16 @@ class BatchDrafter:
             n = min(c, width - 1)
             row = slice(b * width, b * width + n + 1)
             promised = float(np.sort(p[b, 1:])[::-1][:n].sum())
-            lv.shadow = ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised)
+            lv.shadow = ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised, width=width)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's
         ``on_verify_complete_cpu``); feeds the step policy."""
         acc = list(accepted)
         # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
-        drafted, promised, klasses = (self._drafted_steps.popleft() if self._drafted_steps
-                                      else (True, {"": 0.0}, [None] * len(acc)))
-        if not drafted:
+        width, promised, klasses = (self._drafted_steps.popleft() if self._drafted_steps
+                                    else (self.d, {"": 0.0}, [None] * len(acc)))
+        if width <= 1:
             return
         if len(klasses) != len(acc):  # not the step drafted for: count it as one class
             klasses = [None for _ in acc]
@@ -417,7 +426,7 @@ class BatchDrafter:
             e[0] += 1
             e[1] += a
         for k, (n, got) in by_class.items():
-            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None)
+            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None, width=width)
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

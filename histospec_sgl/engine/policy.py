@@ -33,11 +33,11 @@ class StepPolicy(Protocol):
         ...
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None) -> None:
+                klass: str | None = None, width: int | None = None) -> None:
         """A verified step's drafts over ``requests`` request-steps: what they promised and what was
         accepted. ``shadow``: drafts of a plain step, followed along the tokens decoded instead
-        (what verifying them would have accepted). ``klass``: the requests' class (greedy, sampled),
-        for a policy that calibrates classes apart."""
+        (what verifying them would have accepted). ``klass``: the requests' class (greedy, sampled)
+        and ``width`` the drafts' verify width, for a policy that calibrates them apart."""
         ...
 
     def shadow_width(self) -> int:
@@ -61,7 +61,7 @@ class Fixed:
         return self.width
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None) -> None:
+                klass: str | None = None, width: int | None = None) -> None:
         pass
 
     def shadow_width(self) -> int:
