@@ -271,7 +271,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_SPECRL_TIMEOUT", _T, _seconds, 600.0,
             "SPEC-RL: seconds one engine call may take before the rollout fails with a clear error"),
     Setting("HISTOSPEC_SLIME_INNER_GENERATE", _T, _text, None,
-            "slime: the generate function the adapter hands requests to, module.path:function (default: "
+            "slime: the generate function the adapter hands requests to, as a dotted path (default: "
             "slime's own)"),
     Setting("HISTOSPEC_N_SAMPLES", _T, _int(1), None,
             "OpenRLHF: --rollout.n_samples_per_prompt, which the SPEC-RL executor needs (required there)"),

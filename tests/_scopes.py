@@ -17,7 +17,7 @@ def other_scopes(tmp_path: Path) -> dict[str, str]:
         "HISTOSPEC_DRAFT_SERVER_CA": str(pem),
         "HISTOSPEC_DRAFT_SERVER_ACTOR": "histospec/histospec-draft-server",
         "HISTOSPEC_SPECRL_TIMEOUT": "30",
-        "HISTOSPEC_SLIME_INNER_GENERATE": "slime.rollout.sglang_rollout:generate",
+        "HISTOSPEC_SLIME_INNER_GENERATE": "slime.rollout.sglang_rollout.generate",
         "HISTOSPEC_N_SAMPLES": "8",
         "HISTOSPEC_INNER_AGENT_FUNC_PATH": str(tmp_path / "agent.py"),
         "HISTOSPEC_REMOTE_RM_URL": "reward_func.py",
