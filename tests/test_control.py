@@ -132,7 +132,9 @@ def test_measured_profile_interpolates_and_rejects_bad_files(tmp_path):
     assert not m.analytic
     assert m.step_s(3, 1, 0) == pytest.approx(0.03)  # halfway between 1 and 5
     assert m.step_s(9, 1, 0) == pytest.approx(0.05)  # flat beyond the last point
-    assert m.step_s(1, 6, 0) == pytest.approx(0.03)  # the nearest timed width
+    # An untimed width lies on the line between the timed widths around it (1 and 8 at batch 1).
+    assert m.step_s(1, 6, 0) == pytest.approx(0.01 + 0.02 * 5 / 7)
+    assert m.step_s(1, 12, 0) == pytest.approx(0.03)  # beyond the widest: the widest
     p.write_text(json.dumps({"name": "x", "points": [{"batch": 1, "width": 8, "step_s": 0.03}]}))
     with pytest.raises(ValueError, match="width 1"):
         resolve(str(p))
@@ -378,6 +380,33 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     assert ec2.choose({ec2.d: 0.0}, 2) == 1
 
 
+def test_simulator_runs_the_engines_policy_on_its_own_clock():
+    # One policy, two runners: the simulator feeds EngineControl the simulated step times as the
+    # engine's worker feeds it real ones. Width 2 accepts 1 token a step for 1.2 s, width 4 accepts 2
+    # for 3 s, plain decoding 1 s: per request-second 1.67, 1.0 and 1.0 tokens, so after measuring
+    # d = 4 and plain decoding the policy must settle on width 2, priced by interpolation until run.
+    prof = Measured("w", "test", {1: [(1, 1.0)], 2: [(1, 1.2)], 4: [(1, 3.0)]})
+    n = 120
+
+    def req(group: str) -> SimRequest:
+        return SimRequest(group, n, prompt_len=3,
+                          accepted={2: np.ones(n, np.int32), 4: np.full(n, 2, np.int32)},
+                          promised={2: np.full(n, 0.9, np.float32), 4: np.full(n, 1.8, np.float32)})
+
+    ec = EngineControl(4)
+    assert ec.widths == (2, 4)
+    out = run_step([req("a"), req("b")], prof, max_running=2, length_first=False, policy=ec)
+    assert out.widths[4] >= ec.min_samples and out.widths[1] >= ec.min_samples  # measured first
+    assert out.widths[2] > 0.8 * out.steps  # then the width that pays
+    assert ec.clock.step_s(2, 1) == pytest.approx(1.0)
+    assert ec.clock.step_s(2, 4) == pytest.approx(3.0)
+    assert ec.clock.step_s(2, 2) == pytest.approx(1.2)  # timed once chosen
+    assert ec.calibration("sampled", 2) == pytest.approx(1 / 0.9, rel=1e-3)  # every logged sample is sampled
+    fixed4 = run_step([req("a"), req("b")], prof, max_running=2, length_first=False, policy=Fixed(4))
+    plain = run_step([req("a"), req("b")], prof, max_running=2, length_first=False)
+    assert out.makespan_s < 0.7 * min(fixed4.makespan_s, plain.makespan_s)
+
+
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
     ec = EngineControl(d=8, remeasure_after=10, widths=(8,))
     # The first wide step of a shape is slow (a warm-up): the median of three keeps it out.
@@ -443,6 +472,15 @@ def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
     assert not m.analytic and m.step_s(4, 8, 0) == pytest.approx(0.03 + (0.07 - 0.03) * 3 / 7)
     with pytest.raises(ValueError, match="plain decoding and of HISTORY"):
         from_engine_bench({**engine, "rows": rows[:3]})
+    # bench profile runs one fixed width per result: together they give every width they ran, and a
+    # width between them is priced on the line between its neighbours.
+    at4 = {**engine, "settings": {"draft_tokens": 4},
+           "rows": [{"method": "history", "batch_size": 1, "pass": 1, "step_ms": 16.0}]}
+    both = from_engine_bench([engine, at4])
+    assert {(x["width"], x["batch"]): x["step_s"] for x in both["points"]}[(4, 1)] == 0.016
+    assert "widths 1,4,8" in both["description"]
+    path.write_text(json.dumps(both))
+    assert resolve(str(path)).step_s(1, 6, 0) == pytest.approx(0.016 + (0.03 - 0.016) / 2)
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():

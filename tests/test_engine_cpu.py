@@ -185,9 +185,10 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
         again = _greedy_passes(cost, prompts, passes=1)[0]
         mismatches = _counter(cost, "histospec:context_mismatches_total")
-        from histospec_sgl.bench.engine_bench import width_steps
+        from histospec_sgl.bench.engine_bench import step_seconds, width_steps
 
         widths = width_steps(cost)
+        costs = step_seconds(cost)
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
@@ -204,6 +205,10 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     # 4 nodes a request), with the outputs above identical all the same.
     ran = {k for k, n in widths.items() if n > 0} if widths is not None else set()
     assert {"1", str(D)} <= ran and ran & {"2", "4"}, widths
+    # /metrics shows the step costs the policy measured and chose by: plain steps and d's, per batch
+    # bucket (at least the bucket of the 8-request passes).
+    assert {"1", str(D)} <= costs.keys(), costs
+    assert all(s > 0 for by in costs.values() for s in by.values()) and "8" in costs["1"], costs
     assert max(sampled.values()) < 1e-3, sampled
     assert again["outputs"] == runs["plain"][0]["outputs"]
     assert again["tokens"] / again["steps"] >= D - 1, again

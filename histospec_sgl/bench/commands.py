@@ -172,21 +172,33 @@ def _bench_profile(args: argparse.Namespace) -> int:
     from histospec_sgl.engine.profile import from_engine_bench
 
     if args.engine_json:
-        engine = json.loads(Path(args.engine_json).read_text())
+        engines = [json.loads(Path(p).read_text()) for p in args.engine_json]
     else:
         from histospec_sgl.bench import engine_bench
+        from histospec_sgl.engine.costmodel import verify_widths
 
+        widths = sorted(set(args.widths or verify_widths(args.draft_tokens)) - {1})
+        if not widths or widths[0] < 2:
+            print(f"error: --widths needs verify widths of at least 2, got {args.widths}", file=sys.stderr)
+            return 2
+        engines = []
         try:
-            engine = engine_bench.run(model=args.model, methods=("plain", "history"), batch_sizes=tuple(args.batch_sizes),
-                                      temperatures=(0.0,), draft_tokens=args.draft_tokens, device=args.device,
-                                      python=args.python, repeats=args.repeats,
-                                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            # One fixed-width HISTORY server per width (plain decoding beside the first), every request
+            # run to --max-new-tokens so that each step runs at the row's batch size: the rows' step
+            # times are then per-step costs, not averages over a shrinking batch.
+            for k, w in enumerate(widths):
+                engine = engine_bench.run(model=args.model, methods=("plain", "history") if k == 0 else ("history",),
+                                          batch_sizes=tuple(args.batch_sizes), temperatures=(0.0,), draft_tokens=w,
+                                          device=args.device, python=args.python, repeats=args.repeats,
+                                          max_new_tokens=args.max_new_tokens, fixed_length=True,
+                                          log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                engine["command"] = command()
+                engines.append(engine)
         except (ValueError, RuntimeError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        engine["command"] = command()
     try:
-        prof = from_engine_bench(engine, args.name)
+        prof = from_engine_bench(engines, args.name)
     except (KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -200,19 +212,24 @@ def add_bench(sub: Any) -> None:
     """``histospec-sgl bench``."""
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    bp = bsub.add_parser("profile", help="a measured step-cost profile for simulate: plain and HISTORY step times "
-                                         "per batch size on a real engine")
+    bp = bsub.add_parser("profile", help="a measured step-cost profile for simulate: the step time of plain "
+                                         "decoding and of each verify width per batch size on a real engine")
     bp.add_argument("--json", "--out", dest="out", required=True, metavar="PATH", help="where to write the profile JSON")
-    bp.add_argument("--engine-json", metavar="PATH",
-                    help="make it from a bench engine result instead of running the engine")
+    bp.add_argument("--engine-json", metavar="PATH", action="append",
+                    help="make it from bench engine results instead of running the engine (repeat it for "
+                         "results at several --draft-tokens)")
     bp.add_argument("--name", help="the profile's name (default DEVICE-MODEL-measured)")
     bp.add_argument("--model", default="rhyme", help="as bench engine's --model")
     bp.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bp.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
     bp.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])
     bp.add_argument("--draft-tokens", type=int, default=8,
-                    help="d, HISTORY's verify width (default 8, as bench engine: on a CPU a verify step costs "
-                    "1.5-2.5 decode steps)")
+                    help="d, HISTORY's widest verify width (default 8, as bench engine: on a CPU a verify step "
+                    "costs 1.5-2.5 decode steps)")
+    bp.add_argument("--widths", type=counts,
+                    help="the verify widths timed, comma-separated (default: the widths the engine's step policy "
+                    "chooses from for --draft-tokens, 2,4,8 for d = 8)")
+    bp.add_argument("--max-new-tokens", type=int, default=64, help="tokens every request runs to (default 64)")
     bp.add_argument("--repeats", type=int, default=1)
     bp.set_defaults(func=_bench_profile)
     bl = bsub.add_parser("lengths", help="response length predicted from history vs actual (Spearman) on the logs")

@@ -198,6 +198,9 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         after = width_steps(srv) or {}
         row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
                               if n - widths_before.get(w, 0) > 0}
+        costs = step_seconds(srv)
+        if costs:
+            row["step_seconds"] = costs
     return row
 
 
@@ -212,6 +215,21 @@ def width_steps(srv: EngineServer) -> dict[str, int] | None:
             width = line.split('width="', 1)[1].split('"', 1)[0]
             out[width] = out.get(width, 0) + int(float(line.rsplit(" ", 1)[1]))
     return out
+
+
+def step_seconds(srv: EngineServer) -> dict[str, dict[str, float]]:
+    """A HISTORY server's decode step costs as its step policy measured them
+    (``histospec:step_seconds``, with ``--enable-metrics``): width -> batch-size bucket -> seconds;
+    empty at a fixed width."""
+    out: dict[str, dict[str, float]] = {}
+    if srv.method != "history":
+        return out
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:step_seconds{"):
+            width = line.split('width="', 1)[1].split('"', 1)[0]
+            bucket = line.split('batch="', 1)[1].split('"', 1)[0]
+            out.setdefault(width, {})[bucket] = float(line.rsplit(" ", 1)[1])
+    return {w: dict(sorted(by.items(), key=lambda x: int(x[0]))) for w, by in sorted(out.items(), key=lambda x: int(x[0]))}
 
 
 def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:

@@ -80,7 +80,10 @@ class Measured:
     """Step times timed on a real engine: ``points[(width)]`` is a sorted list of
     ``(batch, seconds)``, interpolated linearly in the batch size (held flat beyond the ends);
     ``context_s_per_token`` adds the KV read per running request and context token, and
-    ``prefill_s_per_token`` the prefill. A width that was not timed takes the nearest timed one."""
+    ``prefill_s_per_token`` the prefill. A width that was not timed is interpolated linearly between
+    the nearest timed widths (a verify step's cost grows with the nodes it verifies; the engine's
+    own clock, :class:`~histospec_sgl.engine.costmodel.StepClock`, prices an untimed width the same
+    way), and beyond the widest takes the widest."""
 
     name: str
     description: str
@@ -92,7 +95,19 @@ class Measured:
     def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
         if batch <= 0:
             return 0.0
-        w = min(self.points, key=lambda k: (abs(k - width), k))
+        timed = sorted(self.points)
+        below = [w for w in timed if w <= width]
+        above = [w for w in timed if w >= width]
+        if below and above and below[-1] != above[0]:
+            w0, w1 = below[-1], above[0]
+            c0, c1 = self._at(w0, batch), self._at(w1, batch)
+            base = c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        else:
+            base = self._at((below or above)[-1 if below else 0], batch)
+        return base + batch * context * self.context_s_per_token + prefill * self.prefill_s_per_token
+
+    def _at(self, w: int, batch: int) -> float:
+        """Width ``w``'s timed step cost, interpolated in the batch size."""
         pts = self.points[w]
         bs = [b for b, _ in pts]
         i = bisect.bisect_left(bs, batch)
@@ -103,7 +118,7 @@ class Measured:
         else:
             (b0, t0), (b1, t1) = pts[i - 1], pts[i]
             base = t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
-        return base + batch * context * self.context_s_per_token + prefill * self.prefill_s_per_token
+        return base
 
     @classmethod
     def load(cls, path: Path) -> Measured:
@@ -127,31 +142,40 @@ class Measured:
                    float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)))
 
 
-def from_engine_bench(result: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-    """A measured profile (the JSON :meth:`Measured.load` reads) from a ``histospec-sgl bench engine``
-    result: plain decoding's step time per batch size is width 1, HISTORY's verify step time is
-    width d; the median over the result's passes and temperatures."""
+def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
+    """A measured profile (the JSON :meth:`Measured.load` reads) from ``histospec-sgl bench engine``
+    results: plain decoding's step time per batch size is width 1, a fixed-width HISTORY row's verify
+    step time is its width (the result's d); the median over the rows' passes and temperatures. Several
+    results (one per width, as ``bench profile`` runs them) give a profile of every width they ran."""
     import statistics
 
-    d = int(result["settings"]["draft_tokens"])
+    results = [result] if isinstance(result, dict) else list(result)
+    if not results:
+        raise ValueError("no engine result to make a profile from")
     times: dict[tuple[int, int], list[float]] = {}
-    for r in result["rows"]:
-        width = {"plain": 1, "history": d}.get(r["method"])
-        if width is not None and r.get("step_ms"):
-            times.setdefault((width, int(r["batch_size"])), []).append(float(r["step_ms"]) / 1e3)
-    if not any(w == 1 for w, _ in times) or not any(w == d for w, _ in times):
+    for res in results:
+        d = int(res["settings"]["draft_tokens"])
+        widths = {1}
+        for r in res["rows"]:
+            width = {"plain": 1, "history": d}.get(r["method"])
+            if width is not None and r.get("step_ms"):
+                widths.add(width)
+                times.setdefault((width, int(r["batch_size"])), []).append(float(r["step_ms"]) / 1e3)
+    if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
         raise ValueError("the engine result needs rows of plain decoding and of HISTORY (--methods plain,history)")
-    m = result.get("machine", {})
-    model = result.get("model", {})
-    device = result.get("device", "?")
+    first = results[0]
+    m = first.get("machine", {})
+    model = first.get("model", {})
+    device = first.get("device", "?")
     hw = m.get("gpu") or m.get("cpu") or "?"
+    ran = sorted({w for w, _ in times})
     return {
         "name": name or f"{device}-{model.get('kind', 'model')}-measured",
         "analytic": False,
         "description": f"measured: histospec-sgl bench engine on {device} ({hw}), model {model.get('kind', '?')}, "
-                       f"sglang {m.get('sglang')}, d={d}",
+                       f"sglang {m.get('sglang')}, widths {','.join(map(str, ran))}",
         "points": [{"batch": b, "width": w, "step_s": statistics.median(v)} for (w, b), v in sorted(times.items())],
-        "source": result.get("command"),
+        "source": [r.get("command") for r in results] if len(results) > 1 else first.get("command"),
     }
 
 

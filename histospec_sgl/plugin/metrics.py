@@ -37,8 +37,11 @@ over ``rate(histospec:decode_steps_total)``):
 
 Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step
 drafted, 0 if the cost model decoded it plainly), ``histospec:index_groups``,
-``histospec:index_responses``, ``histospec:index_tokens``, ``histospec:index_bytes`` and
-``histospec:inflight_requests``.
+``histospec:index_responses``, ``histospec:index_tokens``, ``histospec:index_bytes``,
+``histospec:inflight_requests`` and, under the default step policy, ``histospec:step_seconds``: a
+decode step's cost as the policy measured it (the median of its last timings), per verify width
+(label ``width``; 1 is plain decoding) and batch-size bucket (label ``batch``: the bucket's largest
+batch, 1, 2, 4, 8, ...), the costs it chooses the width by.
 """
 
 from __future__ import annotations
@@ -103,6 +106,9 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
                 (*labelnames, "width"), registry=registry)
             for name, doc in _GAUGES.items():
                 fam[name] = Gauge(name, doc, labelnames, registry=registry, multiprocess_mode="mostrecent")
+            fam["histospec:step_seconds"] = Gauge(
+                "histospec:step_seconds", "A decode step's measured cost per verify width and batch-size bucket.",
+                (*labelnames, "width", "batch"), registry=registry, multiprocess_mode="mostrecent")
             _families[id(registry)] = fam
         return fam
 
@@ -124,10 +130,11 @@ class HistoryMetrics:
         self._labels = {k: str(v) for k, v in labels.items()}
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
-                   if name not in ("histospec:finished_requests", "histospec:width_steps")}
+                   if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds")}
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._widths_family = fam["histospec:width_steps"]
+        self._costs_family = fam["histospec:step_seconds"]
         self._widths: dict[int, Any] = {}
         self._seen: dict[str, float] = {}
         self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
@@ -191,3 +198,7 @@ class HistoryMetrics:
         self._m["histospec:index_tokens"].set(st["tokens"])
         self._m["histospec:index_bytes"].set(st["bytes"])
         self._m["histospec:inflight_requests"].set(st["requests"])
+        control = drafter.control() if callable(getattr(drafter, "control", None)) else None
+        if control is not None:
+            for (width, bucket), seconds in list(control.clock.table.items()):
+                self._costs_family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)

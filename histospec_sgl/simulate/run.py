@@ -182,24 +182,26 @@ class AtBatch:
 
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
                width: int | None, cost: bool) -> tuple[float, int, int]:
-    """Simulated seconds of a trace row under one policy (a fixed ``width``, the cost model, or
-    plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
+    """Simulated seconds of a trace row under one policy (a fixed ``width``, the engine's default
+    policy at widths up to ``d``, or plain decoding): its requests in batches of ``batch`` one after the other, each group's samples
     of earlier batches in the row added to its history, as the engine keeps them."""
-    from histospec_sgl.engine.costmodel import CostModel
+    from histospec_sgl.engine.costmodel import EngineControl
     from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens = 0.0, 0, 0
     done: dict[int, list[list[int]]] = {}
+    # The engine's policy keeps its clock and calibration over the row's batches, as the server does.
+    control = EngineControl(d) if cost else None
+    widths = list(control.widths) if control is not None else [d]
     for k in range(0, len(reqs), batch):
         chunk = reqs[k:k + batch]
         sims = []
         for gi in sorted({gi for gi, _ in chunk}):
             g = groups[gi]
             mine = [g.samples[si][:cap] for gj, si in chunk if gj == gi]
-            sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, [d])
+            sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths)
             done.setdefault(gi, []).extend(mine)
-        policy = CostModel.measuring_shadows(profile, [d]) if cost else Fixed(width or 1)
-        o = simulate.run_step(sims, profile, batch, length_first=False, policy=policy)
+        o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1))
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)

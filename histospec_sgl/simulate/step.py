@@ -11,7 +11,8 @@ in-flight siblings do (``StepSpec.siblings``; off, each request sees its history
 
 Policies: ``baseline`` (first come first served, plain decoding: what slime does by default),
 ``history_fixed`` (HISTORY at a fixed width), ``history_cost_model`` (the width chosen each step by
-:class:`~histospec_sgl.engine.costmodel.CostModel`, calibrated as the engine's is: by the verified
+the engine's own policy, :class:`~histospec_sgl.engine.costmodel.EngineControl`: it times the
+simulated steps per width and batch bucket as it times the engine's, and calibrates by the verified
 steps and by the drafts of plain steps, measured against the logged tokens), ``length_first`` (plain decoding, the groups
 whose longest sample is expected to run longest first) and ``full`` (length first with the cost
 model); ``length_first_oracle`` is the ceiling of length-first scheduling (every true length
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.engine.costmodel import CostModel
+from histospec_sgl.engine.costmodel import EngineControl
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.engine.profile import Profile
 from histospec_sgl.length import expected_longest
@@ -172,6 +173,15 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
                 by_group[r.group] = expected_longest(known, sizes[r.group]) if known else r.predicted
         return {i: by_group[reqs[i].group] for i in queue}
 
+    # A policy that times steps itself (the engine's, :class:`EngineControl`) is fed the simulated
+    # clock as the engine's worker feeds it the real one, and calibrates promises per request class
+    # (every logged sample is a sampled request) and width, as the engine's drafter does.
+    timed = policy if isinstance(policy, EngineControl) else None
+    klass = "sampled" if timed else None
+
+    def calibrate(width: int) -> float:
+        return timed.calibration(klass, width) if timed else 1.0
+
     running: list[list[int]] = []  # [request index, tokens generated]
     t, steps = 0.0, 0
     finish: list[float] = []
@@ -190,11 +200,20 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         bs = len(running)
         context = sum(reqs[i].prompt_len + pos for i, pos in running) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
-        promised = ({w: float(sum(reqs[i].promised[w][pos] for i, pos in decoding)) for w in policy.widths if w > 1}
-                    if policy.reads_promises else {})
-        w = policy.choose(promised, bs, context, prefill)
+        promised = ({w: calibrate(w) * float(sum(reqs[i].promised[w][pos] for i, pos in decoding))
+                     for w in policy.widths if w > 1} if policy.reads_promises else {})
+        if timed:
+            # The engine's policy times its own steps: the step before this one ends now, and this
+            # one's decode forward starts after the prompts joining it are prefilled.
+            w = timed.choose(promised, bs)
+            cost = profile.step_s(bs, w, context, prefill)
+            timed.begin(t)
+            timed.decode_step(bs, w, t + cost - profile.step_s(bs, w, context))
+        else:
+            w = policy.choose(promised, bs, context, prefill)
+            cost = profile.step_s(bs, w, context, prefill)
         steps += 1
-        t += profile.step_s(bs, w, context, prefill)
+        t += cost
         used[w] = used.get(w, 0) + 1
         emitted = 0
         got = promised_now = 0.0
@@ -218,12 +237,15 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             got = float(sum(int(reqs[i].accepted[shadow][pos]) for i, pos in decoding))
         # A policy that reads promises learns from the steps that promised something.
         if (shadow > 1 or w > 1) and decoding and (promised_now or not policy.reads_promises):
-            policy.observe(promised_now, got, len(decoding), shadow=shadow > 1)
+            policy.observe(promised_now, got, len(decoding), shadow=shadow > 1, klass=klass,
+                           width=shadow if shadow > 1 else w)
         timeline.append((t, bs, w, emitted / bs))
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
             finish.append(t)
             finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
+    if timed:
+        timed.begin(t)
     finish.sort()
     tokens = sum(r.length for r in reqs)
     makespan = finish[-1] if finish else 0.0
@@ -271,15 +293,24 @@ def run_policies(reqs: Sequence[SimRequest], profile: Profile, max_running: int,
         "baseline": lambda rs: run_step(rs, profile, max_running, length_first=False),
         "history_fixed": lambda rs: run_step(rs, profile, max_running, length_first=False, policy=Fixed(fixed_width)),
         "history_cost_model": lambda rs: run_step(rs, profile, max_running, length_first=False,
-                                                  policy=CostModel.measuring_shadows(profile, widths)),
+                                                  policy=engine_control(widths)),
         "length_first": lambda rs: run_step(rs, profile, max_running, length_first=True),
-        "full": lambda rs: run_step(rs, profile, max_running, length_first=True,
-                                    policy=CostModel.measuring_shadows(profile, widths)),
+        "full": lambda rs: run_step(rs, profile, max_running, length_first=True, policy=engine_control(widths)),
         ORACLE: lambda rs: run_step([dataclasses.replace(r, predicted=float(r.length)) for r in rs], profile,
                                     max_running, length_first=True, siblings=False),
         GROUP_ORACLE: lambda rs: run_step(_group_longest(rs), profile, max_running, length_first=True, siblings=False),
     }
     return {name: (fn(parts[0]) if len(parts) == 1 else combine([fn(p) for p in parts])) for name, fn in runs.items()}
+
+
+def engine_control(widths: Sequence[int]) -> EngineControl:
+    """The engine's step policy (:class:`~histospec_sgl.engine.costmodel.EngineControl`, the
+    default ``HISTOSPEC_CONTROL=cost``) choosing among ``widths`` (and plain decoding), the widest
+    its configured d: it measures the simulated steps' costs as the engine measures its own."""
+    wide = sorted({w for w in widths if w > 1})
+    if not wide:
+        raise ValueError(f"the cost model needs a verify width above 1, got {list(widths)}")
+    return EngineControl(wide[-1], widths=wide)
 
 
 def _group_longest(reqs: Sequence[SimRequest]) -> list[SimRequest]:
