@@ -182,9 +182,18 @@ class StepClock:
 
     #: An interval this many times the bucket's estimate held more than a step (the engine idled).
     outlier: float = 5.0
+    #: The first timings of each width in each bucket are left out: the first forward of a shape
+    #: warms caches and allocators (and on a fresh server can take several steps' time), and before
+    #: any estimate exists nothing else would tell such a step from a real cost.
+    warmup: int = 1
+    #: (width, bucket) -> timings left out as warm-up so far.
+    warmed: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
+        if self.warmed.get(key, 0) < self.warmup:
+            self.warmed[key] = self.warmed.get(key, 0) + 1
+            return
         old = self.table.get(key)
         if old is not None and seconds > self.outlier * old:
             return
@@ -256,7 +265,7 @@ class EngineControl:
     #: The calibration's memory, in promised tokens (:attr:`CostModel.forget_after`).
     forget_after: float = 2048.0
     min_samples: int = 3
-    remeasure_after: int = 256
+    remeasure_after: int = 128
     #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
