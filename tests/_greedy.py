@@ -3,14 +3,12 @@ verl's own engine code): the drivers run them by phase, the tests check the phas
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from histospec_sgl import procs
 
 PROMPTS = [[(37 * i + 11 * j) % 500 + 2 for j in range(12)] for i in range(4)]  # ids within every test vocab
 SAMPLES = 4
@@ -60,12 +58,7 @@ def check_phases(phases: dict[str, list[dict]], min_per_step: float = 6.0) -> di
 def run_in_group(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float) -> str:
     """Runs a driver in its own process group, asserts it succeeded, returns its output; the group
     (the engine the trainer's code started) is killed afterwards, whatever happened."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, log[-6000:]
+    done = procs.run_in_group(cmd, env=env, cwd=cwd, timeout=timeout)
+    log = done.stdout
+    assert done.returncode == 0, log[-6000:]
     return log

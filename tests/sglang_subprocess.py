@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import textwrap
 from pathlib import Path
@@ -17,13 +16,6 @@ BASE = ["--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init"]
 def sglang_env(**extra: str) -> dict[str, str]:
     """This process's environment without any ``HISTOSPEC_*`` setting, plus ``extra``."""
     return {**{k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}, **extra}
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on (for a torch.distributed rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_sglang(py: Path, code: str, *argv: str, env: dict | None = None, timeout: int = 240

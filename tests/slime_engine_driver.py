@@ -39,7 +39,7 @@ import time
 
 from _greedy import greedy_rollout
 
-from histospec_sgl.bench.engine_server import free_port
+from histospec_sgl.procs import free_port
 
 
 def make_args(model: str) -> argparse.Namespace:

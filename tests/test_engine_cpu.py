@@ -444,8 +444,9 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server,
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from histospec_sgl.procs import wait_port_free
     from histospec_sgl.sync.client import HistoryPublisher
-    from histospec_sgl.sync.process import DraftServerProcess, wait_port_free
+    from histospec_sgl.sync.process import DraftServerProcess
 
     prompts, published = _prompts(40, seed=4), _prompts(20, seed=5)
     reqs = _load_requests(prompts, 500)

@@ -21,12 +21,14 @@ import numpy as np
 import pytest
 from _contract import check_contract
 from _samples import humaneval
-from sglang_subprocess import BASE, free_port, resolve, result, run_script, run_sglang, sglang_env
+from sglang_subprocess import BASE, resolve, result, run_script, run_sglang, sglang_env
 
 from conftest import SGLANG_0523
 from conftest import sglang_missing as _sglang_missing
+from histospec_sgl import procs as children
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.drafter import BatchDrafter
+from histospec_sgl.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,18 +191,17 @@ def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
     port = free_port()
     env = sglang_env()
     logs = [tmp_path / f"r{r}.log" for r in (0, 1)]
-    procs = []
+    ranks = []
     for r in (0, 1):
         with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen([str(sglang_py), str(script), str(r), str(port),
-                                           str(tmp_path / f"r{r}.json")], env=env, stderr=log))
+            ranks.append(children.spawn([str(sglang_py), str(script), str(r), str(port),
+                                         str(tmp_path / f"r{r}.json")], env=env, stderr=log))
     try:
-        for r, p in enumerate(procs):
+        for r, p in enumerate(ranks):
             assert p.wait(timeout=120) == 0, logs[r].read_text()[-3000:]
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        for p in ranks:
+            children.stop(p)
     a = json.loads((tmp_path / "r0.json").read_text())
     b = json.loads((tmp_path / "r1.json").read_text())
     assert a == b and len(a) == 20
@@ -342,22 +343,21 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
     both ranks take the same branch every step: neither waits on the other (a hang fails the
     timeout), and they run the same steps at the same widths with identical, lossless responses."""
     port = free_port()
-    procs = []
+    ranks = []
     for rank in (0, 1):
         cmd, kw = _cpu_verify(sglang_py, tiny_model, str(rank), str(port))
         with open(tmp_path / f"r{rank}.out", "w") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, **kw))
+            ranks.append(children.spawn(cmd, stdout=out, stderr=subprocess.STDOUT, **kw))
     try:
-        for p in procs:
+        for p in ranks:
             p.wait(timeout=600)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        for p in ranks:
+            children.stop(p)
     res = []
     for rank in (0, 1):
         text = (tmp_path / f"r{rank}.out").read_text()
-        res.append(result(subprocess.CompletedProcess([], procs[rank].returncode, text, "")))
+        res.append(result(subprocess.CompletedProcess([], ranks[rank].returncode, text, "")))
     r0, r1 = res
     assert r0.keys() == r1.keys() and len(r0) == 4
     for name in r0:

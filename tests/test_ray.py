@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, require_modules
-from histospec_sgl.bench.engine_server import free_port
+from histospec_sgl.procs import free_port
 
 SCRIPT = Path(__file__).with_name("ray_cluster_script.py")
 

@@ -33,7 +33,9 @@ import pytest
 from _greedy import FIXED_WIDTH, check_phases, run_in_group
 
 from conftest import ROOT, require_modules, sglang_missing, shared_path
-from histospec_sgl.bench.engine_server import free_port, verify_steps
+from histospec_sgl import procs
+from histospec_sgl.bench.engine_server import verify_steps
+from histospec_sgl.procs import free_port
 
 pytestmark = pytest.mark.timeout(900)
 DRIVER = Path(__file__).with_name("slime_driver.py")
@@ -73,10 +75,10 @@ def _router(sglang_py: Path, urls: list[str], policy: str, log: Path, *extra: st
     registered and healthy."""
     port = free_port()
     with open(log, "wb") as f:
-        router = subprocess.Popen(
+        router = procs.spawn(
             [str(sglang_py), "-m", "sglang_router.launch_router", "--worker-urls", *urls, "--host", "127.0.0.1",
              "--port", str(port), "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
-             *extra], stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+             *extra], stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_http(f"{url}/workers")
@@ -90,8 +92,7 @@ def _router(sglang_py: Path, urls: list[str], policy: str, log: Path, *extra: st
             time.sleep(0.5)
         yield url
     finally:
-        router.kill()
-        router.wait(30)
+        procs.stop(router)
 
 
 @pytest.fixture(scope="module")

@@ -345,8 +345,9 @@ def test_engine_backend(policy_pair):
 def test_previous_responses_follow_a_draft_server_live(tmp_path):
     """follow(): the store mirrors the server's records as they are published, keeps the newest
     version per (group, slot), and catches up after the server restarts on its port."""
+    from histospec_sgl.procs import wait_port_free
     from histospec_sgl.sync.client import HistoryPublisher
-    from histospec_sgl.sync.process import DraftServerProcess, wait_port_free
+    from histospec_sgl.sync.process import DraftServerProcess
 
     data = tmp_path / "data"
     ds = DraftServerProcess(data_dir=data, log=tmp_path / "server.log")

@@ -23,15 +23,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from histospec_sgl import HistoryIndex, _core, prompt_key
+from histospec_sgl.procs import wait_port_free
 from histospec_sgl.sync import (
     DraftServerError,
     DraftServerProcess,
     HistoryPublisher,
     HistorySubscriber,
     PublishError,
+    replica,
 )
 from histospec_sgl.sync.client import SERVICE
-from histospec_sgl.sync.process import wait_port_free
 from histospec_sgl.sync.replica import checksum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,17 +67,6 @@ def _all_records(address: str, **kw) -> list[dict]:
         out.extend(_core.decode_records(data, "snapshot")["records"])
     ch.close()
     return out
-
-
-def _spawn_replica(address: str, until: int) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "histospec_sgl.sync.replica", "--address", address, "--until-sequence", str(until),
-         "--timeout", "120"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    return p
 
 
 def _replica_result(p: subprocess.Popen) -> dict:
@@ -139,7 +129,7 @@ def test_poll_applies_exactly_through_a_sequence(server):
 
 def test_three_replicas_converge_on_100k_records_from_two_publishers(server):
     n_per = 50_000
-    replicas = [_spawn_replica(server.address, 2 * n_per) for _ in range(3)]
+    replicas = [replica.spawn(server.address, 2 * n_per, timeout=120) for _ in range(3)]
     errors: list[BaseException] = []
 
     def publish(seed: int) -> None:

@@ -7,7 +7,8 @@
    - tokens/s at the same batch sizes.
 3. HISTORY under the cost model (``HISTOSPEC_CONTROL=cost``; plain steps run the target's DECODE forward
    eagerly): pass 1 token-identical to plain decoding, tokens/s at the same batch sizes.
-Writes ``$OUT/e2e.json`` and prints a summary. Only the standard library: the box has no network.
+Writes ``$OUT/e2e.json`` and prints a summary. The standard library and the installed histospec-sgl
+wheel (its process helper): the box has no network.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from histospec_sgl import procs
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -32,18 +34,11 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, limit: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < limit:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/health_generate", timeout=10) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"server not healthy after {limit:.0f} s")
+    def healthy() -> bool:
+        with urllib.request.urlopen(base + "/health_generate", timeout=10) as r:
+            return r.status == 200
+
+    procs.wait_ready(proc, healthy, limit, what="the server", interval=2.0)
 
 
 def start(args: argparse.Namespace, spec: bool, log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -67,18 +62,12 @@ def start(args: argparse.Namespace, spec: bool, log: Path, env: dict | None = No
     if env:
         print("+ env", env, flush=True)
     # cwd is the output folder: started from a checkout, ``python -m`` would put the checkout's
-    # histospec_sgl (no compiled core) ahead of the installed one.
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=args.out,
-                            env={**os.environ, **(env or {})})
+    # histospec_sgl (no compiled core) ahead of the installed one. The server dies with this job.
+    return procs.spawn(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=args.out, env={**os.environ, **(env or {})})
 
 
 def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except Exception:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    procs.stop(proc, grace=30.0)
 
 
 def generate(base: str, prompts: list[list[int]], max_new: int, concurrency: int) -> tuple[list[dict], float]:

@@ -10,30 +10,23 @@ never in the wheel, and :func:`cpu_engine_env` puts them on the server's ``PYTHO
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from histospec_sgl import procs
 
 METHODS = ("plain", "ngram", "history")
 #: Launches of a server whose port another process took before it could bind it.
 PORT_TRIES = 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def checkout_root() -> Path | None:
@@ -93,20 +86,6 @@ class EngineError(RuntimeError):
     pass
 
 
-def _dies_with(parent: int) -> Callable[[], None]:
-    """For the server's process, before it starts: the kernel sends it SIGKILL when the thread that
-    started it ends (``PR_SET_PDEATHSIG``, Linux), so a server never outlives its harness, even one
-    killed with SIGKILL; SGLang's own processes (scheduler, detokenizer) die with the launcher in the
-    same way. A harness that died before this ran ends the server at once. Start servers from a
-    thread that outlives them (the main thread)."""
-    def arm() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-    return arm
-
-
 class EngineServer:
     """One ``sglang.launch_server`` process on loopback; :meth:`start` waits until it generates.
 
@@ -127,7 +106,7 @@ class EngineServer:
                  startup_timeout: float = 300.0, port: int | None = None, tokenizer: bool = False):
         self.python = python or sys.executable
         self.method = method
-        self.port = port or free_port()
+        self.port = port or procs.free_port()
         self.args = server_args(model, method, port=self.port, device=device, draft_tokens=draft_tokens,
                                 dtype=dtype, max_running=max_running, max_total_tokens=max_total_tokens, tp=tp,
                                 extra=extra_args, tokenizer=tokenizer)
@@ -161,15 +140,16 @@ class EngineServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self._log_start = log.tell()
-            self.proc = subprocess.Popen([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_dies_with(os.getpid()))
+            # The server dies with the thread that started it (a harness killed with SIGKILL too), and
+            # SGLang's own processes (scheduler, detokenizer) with the launcher (procs.spawn).
+            self.proc = procs.spawn([self.python, "-m", "sglang.launch_server", *self.args], env=self.env,
+                                    stdout=log, stderr=subprocess.STDOUT)
         self._launched = time.monotonic()
         return self
 
     def wait_ready(self) -> EngineServer:
         """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch).
-        A server whose port was taken between :func:`free_port` and its bind (by another process, or
+        A server whose port was taken between :func:`~histospec_sgl.procs.free_port` and its bind (by another process, or
         another server starting beside it) does not exit; it is stopped and launched again on a new
         port, up to :data:`PORT_TRIES` times."""
         assert self.proc is not None, "launch() first"
@@ -180,7 +160,7 @@ class EngineServer:
             if attempt == PORT_TRIES:
                 raise EngineError(f"the {self.method} server found its port taken {PORT_TRIES} times:\n"
                                   f"{self.log_tail()}")
-            self.port = free_port()
+            self.port = procs.free_port()
             self.args[self.args.index("--port") + 1] = str(self.port)
             self.launch()
         return self
@@ -280,21 +260,7 @@ class EngineServer:
         """Ends the server and every process it started: SIGTERM, then SIGKILL after ``grace``
         seconds. Nothing here waits on a graceful exit (SGLang's own shutdown kills its schedulers,
         and after SIGTERM its launcher spends seconds looking for crash dumps to take)."""
-        if self.proc is None:
-            return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 15)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                os.killpg(self.proc.pid, signal.SIGKILL)  # children left behind
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-            break
+        procs.stop(self.proc, grace)
         self.proc = None
 
     def __enter__(self) -> EngineServer:

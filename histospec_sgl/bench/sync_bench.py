@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from histospec_sgl.sync import replica
 from histospec_sgl.sync.client import HistoryPublisher
 from histospec_sgl.sync.process import DraftServerProcess
 
@@ -47,27 +46,13 @@ def make_step(prompts: int, samples: int, tokens: int, prompt_tokens: int, vocab
     return out
 
 
-def _spawn(address: str, until: int, receive_only: bool = False) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "histospec_sgl.sync.replica", "--address", address, "--until-sequence", str(until),
-         "--no-checksum", "--timeout", "600", *(["--receive-only"] if receive_only else [])],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout is not None
-    line = p.stdout.readline().strip()
-    if line != "ready":
-        p.kill()
-        raise RuntimeError(f"replica did not start (printed {line!r})")
-    return p
-
-
 def run_once(
     records: list, replicas: int, *, batch_records: int, data_dir: str | None, log: str | None,
     receive_only: bool = False,
 ) -> dict[str, Any]:
     with DraftServerProcess(data_dir=data_dir, log=log) as srv:
-        procs = [_spawn(srv.address, len(records), receive_only) for _ in range(replicas)]
+        procs = [replica.spawn(srv.address, len(records), checksum=False, receive_only=receive_only)
+                 for _ in range(replicas)]
         try:
             with HistoryPublisher(srv.address, batch_records=batch_records, batch_tokens=1 << 40) as pub:
                 t0 = time.time()

@@ -140,7 +140,7 @@ class DraftServerOwner:
                                   die_with_parent=True)
 
     def _watch(self, every: float) -> None:
-        from histospec_sgl.sync.process import wait_port_free
+        from histospec_sgl.procs import wait_port_free
 
         while not self._stopped.wait(every):
             with self._lock:

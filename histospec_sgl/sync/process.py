@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
+
+from histospec_sgl import procs
 
 READY = "histospec draft-server listening on "
 
@@ -51,8 +52,10 @@ class DraftServerProcess:
         cmd += extra or []
         self.cmd = cmd
         self._log = open(log, "ab") if log is not None else None  # noqa: SIM115 (closed in wait())
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     preexec_fn=_term_with_parent if die_with_parent else None)
+        # In the caller's process group (a signal to the owner's group reaches it too); SIGTERM when
+        # the owner dies, so that it drains and snapshots before it goes.
+        self.proc = procs.spawn(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, group=False,
+                                parent_death=signal.SIGTERM if die_with_parent else None)
         self.address = self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> str:
@@ -109,30 +112,4 @@ class DraftServerProcess:
         self.kill()
 
 
-def _term_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the owner's stop() still ends it
-        pass
-
-
-def wait_port_free(port: int, timeout: float = 10.0) -> None:
-    """Waits until nothing listens on 127.0.0.1:port (after a kill, before a restart on it)."""
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return
-            except OSError:
-                time.sleep(0.05)
-    raise TimeoutError(f"port {port} still in use after {timeout}s")
-
-
-__all__ = ["DraftServerProcess", "wait_port_free", "READY"]
+__all__ = ["DraftServerProcess", "READY"]

@@ -13,11 +13,29 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
 import time
 
-from histospec_sgl import HistoryIndex
+from histospec_sgl import HistoryIndex, procs
 from histospec_sgl.sync.client import HistorySubscriber
+
+
+def spawn(address: str, until: int, *, checksum: bool = True, receive_only: bool = False,
+          timeout: float = 600.0) -> subprocess.Popen:
+    """Starts a replica process (it dies with the thread that started it) and returns once it is
+    subscribed; its JSON line is then on its stdout."""
+    p = procs.spawn([sys.executable, "-m", "histospec_sgl.sync.replica", "--address", address,
+                     "--until-sequence", str(until), "--timeout", str(timeout),
+                     *([] if checksum else ["--no-checksum"]), *(["--receive-only"] if receive_only else [])],
+                    stdout=subprocess.PIPE, text=True, group=False)
+    assert p.stdout is not None
+    line = p.stdout.readline().strip()
+    if line != "ready":
+        procs.stop(p)
+        p.stdout.close()
+        raise RuntimeError(f"replica did not start (printed {line!r})")
+    return p
 
 
 def checksum(index: HistoryIndex) -> str:
