@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         SNAPSHOT_FORMAT_VERSION,
         HistoryIndex,
         __version__,
+        group_key,
         prompt_key,
     )
     from histospec_sgl.engine.draft import Draft, draft
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "HistoryIndex": "histospec_sgl._core",
     "prompt_key": "histospec_sgl._core",
+    "group_key": "histospec_sgl._core",
     "huge_pages": "histospec_sgl.hugepages",
     "SNAPSHOT_FORMAT_VERSION": "histospec_sgl._core",
     "__version__": "histospec_sgl._core",
@@ -56,6 +58,7 @@ __all__ = [
     "Draft",
     "draft",
     "prompt_key",
+    "group_key",
     "huge_pages",
     "errors",
     "HistospecError",

@@ -12,6 +12,7 @@ __all__ = [
     "HistoryIndex",
     "TriePeer",
     "prompt_key",
+    "group_key",
     "encode_publish",
     "decode_publish_response",
     "encode_subscribe",
@@ -32,6 +33,10 @@ _Rids = Sequence[int] | npt.NDArray[np.int64]
 
 def prompt_key(prompt_ids: _Tokens) -> int:
     """XXH3-64 of the prompt's token ids as little-endian int32 bytes (the group key)."""
+
+def group_key(prompt_ids: _Tokens | None = None, group: int | str | None = None) -> int:
+    """The group key every component keys history by: ``group`` None, ``prompt_key(prompt_ids)``;
+    an int in [-2**63, 2**64), itself (negative ones modulo 2**64); a str, the named group's key."""
 
 class _DraftKnobs(TypedDict, total=False):
     """The draft policy's knobs (docs/index.md describes each)."""

@@ -580,5 +580,30 @@ def test_group_keys_take_the_whole_u64_range():
     assert idx.add_response(-1, [1], [2, 3]) == 2**64 - 1
     idx.begin_request(1, big, [5])
     assert idx.request_group(1) == big
-    with pytest.raises(ValueError, match="group must be an int"):
+    with pytest.raises(ValueError, match="a group is an int in"):
         idx.add_response(2**64, [1], [2])
+
+
+def test_one_group_rule_across_the_components():
+    """group_key is the rule the index binding, the SGLang worker's custom_params and the trainer
+    adapters key history by (written once, in Rust): a prompt's token ids, a key, or a name."""
+    from histospec_sgl import group_key
+    from histospec_sgl.engine.drafter import group_of
+
+    prompt = [5, 6, 7]
+    idx = HistoryIndex()
+    assert group_key(prompt) == prompt_key(prompt) == idx.begin_request(1, None, prompt)
+    assert group_key(prompt, 9) == group_key(group=9) == idx.add_response(9, prompt, [1]) == 9
+    assert group_key(group=-2) == idx.add_response(-2, prompt, [1]) == 2**64 - 2 == group_of({"histospec_group": -2})
+    named = group_key(group="prompt-17")
+    assert named == idx.add_response("prompt-17", prompt, [1]) == group_of({"histospec_group": "prompt-17"})
+    assert named != group_key(group="prompt-18") and 0 <= named < 2**64
+    # A name is never a prompt's key by accident: the name whose UTF-8 bytes are the token bytes of [97].
+    assert group_key(group="a\x00\x00\x00") != prompt_key([97])
+    for bad in (True, 1.5, b"x", 2**64, -(2**63) - 1, [1]):
+        with pytest.raises(ValueError, match=r"a group is an int in \[-2\*\*63, 2\*\*64\), a str"):
+            group_key(prompt, bad)
+        with pytest.raises(ValueError, match="histospec_group: a group is an int"):
+            group_of({"histospec_group": bad})
+    with pytest.raises(ValueError, match="needs prompt_ids or a group"):
+        group_key()

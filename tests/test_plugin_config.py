@@ -82,7 +82,8 @@ def test_group_param():
     assert group_of({"histospec_group": (1 << 64) - 1}) == (1 << 64) - 1
     s = group_of({"histospec_group": "prompt-17"})
     assert s == group_of({"histospec_group": "prompt-17"}) and 0 <= s < 1 << 64
-    for bad in (-1, 1 << 64, 1.5, True, [1]):
+    assert group_of({"histospec_group": -1}) == (1 << 64) - 1  # a signed 64-bit key
+    for bad in (1 << 64, 1.5, True, [1]):
         with pytest.raises(ValueError, match="histospec_group"):
             group_of({"histospec_group": bad})
 

@@ -21,7 +21,6 @@ tokenizer, so that slime's text path (tokenize, detokenize) runs for real.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ import pytest
 from _greedy import FIXED_WIDTH, check_phases, run_in_group
 
 from conftest import ROOT, require_modules, sglang_missing, shared_path
-from histospec_sgl import procs
+from histospec_sgl import group_key, procs
 from histospec_sgl.bench.engine_server import verify_steps
 from histospec_sgl.procs import free_port
 
@@ -53,7 +52,8 @@ def slime_src(sglang_py) -> Path:
 
 
 def _group(prompt: str) -> int:
-    return int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "little")
+    """The adapter names a sample's group by its prompt text (the one rule, histospec_sgl.group_key)."""
+    return group_key(group=prompt)
 
 
 def _wait_http(url: str, timeout: float = 120) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import gzip
-import hashlib
 import json
 import logging
 import time
@@ -45,28 +44,24 @@ logger = logging.getLogger("histospec_sgl.plugin")
 #: ``sampling_params.custom_params`` key a client sets to choose a request's group.
 GROUP_PARAM = "histospec_group"
 
-_U64 = (1 << 64) - 1
 
 
 def group_of(custom_params: Any) -> int | None:
-    """The group a client chose in ``custom_params["histospec_group"]``: an int in the u64 range, or
-    a string hashed with BLAKE2b-64 (the same on every rank and every run); None if unset.
+    """The group key a client chose in ``custom_params["histospec_group"]`` by the one rule
+    (:func:`histospec_sgl.group_key`: an int in [-2**63, 2**64) is the key, a string names a
+    group), the same on every rank, engine and run; None if unset.
 
     Raises:
-        ValueError: a value of another type or out of range.
+        ValueError: a value of another type or out of range, naming the parameter.
     """
     if not custom_params or GROUP_PARAM not in custom_params:
         return None
-    v = custom_params[GROUP_PARAM]
-    if isinstance(v, bool):
-        raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {v!r}")
-    if isinstance(v, int):
-        if not 0 <= v <= _U64:
-            raise ValueError(f"{GROUP_PARAM}={v} is outside the u64 range")
-        return v
-    if isinstance(v, str):
-        return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little")
-    raise ValueError(f"{GROUP_PARAM} must be an int or a string, not {type(v).__name__}")
+    from histospec_sgl import group_key
+
+    try:
+        return group_key(group=custom_params[GROUP_PARAM])
+    except ValueError as e:
+        raise ValueError(f"{GROUP_PARAM}: {e}") from None
 
 
 def narrow(tokens: np.ndarray, mask: np.ndarray, order: np.ndarray, bs: int, d: int, width: int

@@ -48,7 +48,7 @@ require("openrlhf")
 
 from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
 
-from histospec_sgl import prompt_key, settings
+from histospec_sgl import group_key, settings
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.specrl.client import SpecRLRollout
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
@@ -120,7 +120,7 @@ class _ReusingEngine:
         from vllm.outputs import CompletionOutput, RequestOutput
 
         prompt = [int(t) for t in prompt_token_ids]
-        group = prompt_key(prompt)
+        group = group_key(prompt)
         k = await _slots.take(group, 1 << 62)  # the k-th sample of this group: round k // n, slot k % n
         slot, round_ = k % self.n, k // self.n
         previous = shared().get(self.options.draft_server, group, slot)

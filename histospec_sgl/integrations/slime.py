@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import inspect
 import json
 import logging
@@ -131,15 +130,18 @@ def _flag(value: Any) -> bool:
 
 
 def sample_group(sample: Any) -> int:
-    """A sample's history group: ``metadata["histospec_group"]`` if set, else BLAKE2b-64 of its
-    prompt (text, or the chat messages as canonical JSON): the same for its n siblings and in every
-    epoch, without tokenizing."""
+    """A sample's history group by the one rule (:func:`histospec_sgl.group_key`):
+    ``metadata["histospec_group"]`` if set (an int is the key, a string names the group), else its
+    prompt named as a group (the text, or the chat messages as canonical JSON): the same for its n
+    siblings and in every epoch, without tokenizing."""
+    from histospec_sgl import group_key
+
     meta = getattr(sample, "metadata", None) or {}
     if "histospec_group" in meta:
-        return int(meta["histospec_group"])
+        return group_key(group=meta["histospec_group"])
     prompt = sample.prompt
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return group_key(group=text)
 
 
 def sample_slot(args: Any, sample: Any) -> int:

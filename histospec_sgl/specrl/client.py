@@ -71,7 +71,7 @@ class RolloutRequest:
     sampling_params: dict[str, Any]
     previous: Previous | None = None
     name: str = ""
-    group: int | str | None = None  # history key; None: prompt_key(prompt_ids), as everywhere else
+    group: int | str | None = None  # history group; None: the prompt's (group_key, as everywhere else)
     sample_index: int = 0
 
 
@@ -372,12 +372,10 @@ class SpecRLRollout:
         return list(results)
 
     @staticmethod
-    def _group(req: RolloutRequest) -> Any:
-        if req.group is not None:
-            return req.group
-        from histospec_sgl import prompt_key
+    def _group(req: RolloutRequest) -> int:
+        from histospec_sgl import group_key
 
-        return prompt_key(list(req.prompt_ids))
+        return group_key(list(req.prompt_ids), req.group)
 
     def rollout_sync(self, requests: Sequence[RolloutRequest]) -> list[RolloutResult]:
         return asyncio.run(self.rollout(requests))

@@ -43,7 +43,7 @@ require("verl")
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.workers.rollout.replica import TokenOutput
 
-from histospec_sgl import prompt_key
+from histospec_sgl import group_key
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.integrations.verl.router import request_id_for
 from histospec_sgl.specrl.client import SpecRLRequestError, SpecRLRollout
@@ -130,7 +130,7 @@ class _ReusingServerManager:
             return await self._inner.generate(request_id=request_id, prompt_ids=prompt_ids,
                                               sampling_params=sampling_params, **kwargs)
         prompt_ids = [int(t) for t in prompt_ids]
-        group = prompt_key(prompt_ids)
+        group = group_key(prompt_ids)
         slot = await _slots.take(group, self.n)
         self.first = _counters(slot=slot)
         # The group in the request id keeps scoring and continuation with the prompt's server under

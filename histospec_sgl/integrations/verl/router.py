@@ -29,7 +29,7 @@ require("verl")
 
 from verl.workers.rollout.router import GlobalRequestLoadBalancer
 
-from histospec_sgl import prompt_key
+from histospec_sgl import group_key
 
 #: Request ids of the form ``histospec-<group hex>-<anything>`` carry their group: a SPEC-RL scoring call
 #: sends prompt + previous response, and still belongs with its prompt.
@@ -46,7 +46,7 @@ def affinity_key(request_id: str, prompt_ids: list[int]) -> int:
             return int(request_id[len(REQUEST_PREFIX):].split("-", 1)[0], 16)
         except ValueError:
             pass
-    return prompt_key([int(t) for t in prompt_ids])
+    return group_key([int(t) for t in prompt_ids])
 
 
 def _score(key: int, server_id: str) -> int:

@@ -137,20 +137,34 @@ fn draft_from_kwargs(
     Ok(base)
 }
 
-/// An explicit group key: any int in [-2^63, 2^64) (negative ones are taken modulo 2^64, so keys
-/// from `prompt_key` and signed 64-bit keys from other systems both work).
+/// The group key of a request (`histospec_index::group_key`, the one rule): `group` None, the
+/// prompt's key; an int in [-2^63, 2^64), the key itself (negative ones modulo 2^64, so signed
+/// 64-bit keys from other systems work); a str, the named group's key. Anything else (a bool, a
+/// float, an int out of range) is a ValueError naming the rule.
 pub(crate) fn group_or_key(group: Option<&Bound<'_, PyAny>>, prompt: &[i32]) -> PyResult<u64> {
+    use histospec_index::{group_key, Group};
     let Some(g) = group.filter(|g| !g.is_none()) else {
-        return Ok(histospec_index::prompt_key(prompt));
+        return Ok(group_key(Group::Prompt(prompt)));
     };
-    if let Ok(k) = g.extract::<u64>() {
-        return Ok(k);
+    if g.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(group_error(g));
     }
-    g.extract::<i64>().map(|k| k as u64).map_err(|_| {
-        PyValueError::new_err(format!(
-            "group must be an int in [-2**63, 2**64) or None, got {g}"
-        ))
-    })
+    if let Ok(name) = g.cast::<pyo3::types::PyString>() {
+        return Ok(group_key(Group::Name(name.to_str()?)));
+    }
+    if let Ok(k) = g.extract::<u64>() {
+        return Ok(group_key(Group::Key(k)));
+    }
+    g.extract::<i64>()
+        .map(|k| group_key(Group::Key(k as u64)))
+        .map_err(|_| group_error(g))
+}
+
+fn group_error(g: &Bound<'_, PyAny>) -> PyErr {
+    PyValueError::new_err(format!(
+        "a group is an int in [-2**63, 2**64), a str (a named group) or None (the prompt's key), got {} {g}",
+        g.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+    ))
 }
 
 /// Puts a loaded index in place of `g`, keeping `g`'s thread count (not part of a snapshot).

@@ -251,9 +251,10 @@ pub fn apply_records<'py>(
         {
             let prompt: Vec<i32> = r.prompt_ids.iter().map(|&t| t as i32).collect();
             let resp: Vec<i32> = r.response_ids.iter().map(|&t| t as i32).collect();
-            let key = r
-                .group_key
-                .unwrap_or_else(|| histospec_index::prompt_key(&prompt));
+            let key = histospec_index::group_key(match r.group_key {
+                Some(k) => histospec_index::Group::Key(k),
+                None => histospec_index::Group::Prompt(&prompt),
+            });
             match g.add_response(key, &prompt, &resp, r.version) {
                 Ok(()) => applied += 1,
                 Err(histospec_index::CoreError::InvalidToken { .. }) => rejected += 1,

@@ -80,10 +80,14 @@ pub fn check(i: usize, r: &Record, max_tokens_per_record: usize) -> Result<(), I
 
 /// The group key a record is stored under: its explicit key or `prompt_key(prompt_ids)`.
 pub fn group_of(r: &Record) -> u64 {
-    r.group_key.unwrap_or_else(|| {
-        let p: Vec<i32> = r.prompt_ids.iter().map(|&t| t as i32).collect();
-        histospec_index::prompt_key(&p)
-    })
+    use histospec_index::{group_key, Group};
+    match r.group_key {
+        Some(k) => group_key(Group::Key(k)),
+        None => {
+            let p: Vec<i32> = r.prompt_ids.iter().map(|&t| t as i32).collect();
+            group_key(Group::Prompt(&p))
+        }
+    }
 }
 
 /// Content hash of a record as stored (group resolved; its sequence excluded), so a record reloaded

@@ -176,7 +176,10 @@ fn bad_flags_and_bad_addresses_exit_with_their_status() {
     // Beyond loopback without a token: refused unless the user says so.
     let (code, err) = run(&["--listen", "0.0.0.0:0"]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("--auth-token-file") && err.contains("--insecure"), "{err}");
+    assert!(
+        err.contains("--auth-token-file") && err.contains("--insecure"),
+        "{err}"
+    );
     let (code, err) = run(&["--listen", "not-an-address", "--insecure"]);
     assert_eq!(code, Some(1));
     let last = err.lines().last().unwrap_or_default();

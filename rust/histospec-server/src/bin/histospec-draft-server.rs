@@ -93,7 +93,10 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        eprintln!("warning: listening on {} without a token (--insecure)", args.listen);
+        eprintln!(
+            "warning: listening on {} without a token (--insecure)",
+            args.listen
+        );
     }
     let mut cfg = ServerConfig {
         listen: args.listen,
