@@ -488,3 +488,33 @@ def test_one_reuse_rule_for_every_trainer():
             Options.resolve(timeout=bad)
     with pytest.raises(SpecRLError, match="lenience"):
         Options.resolve(lenience=0.5)
+
+
+def test_one_flow_draws_the_same_for_the_same_sample_in_every_trainer():
+    """specrl/flow.py is the flow every adapter runs: the acceptance draws of a reuse come from (seed,
+    group, slot, round) alone, so the same sample cuts its previous response at the same place in
+    slime, verl and OpenRLHF, and run after run (no clock, no random id); another round draws anew."""
+    from histospec_sgl.specrl import flow
+    from histospec_sgl.specrl.guard import Options
+
+    prev = Previous(list(range(10, 50)), [-1.0] * 40, "stop")
+
+    async def engine(payload: dict, timeout: float) -> dict:
+        # The scoring prefill of prompt + previous response: each token at half its old probability.
+        start = payload["logprob_start_len"]
+        return {"meta_info": {"input_token_logprobs": [[-1.0 - np.log(2), t, None] for t in payload["input_ids"][start:]],
+                              "finish_reason": {"type": "length"}}}
+
+    def cut(**kw: int) -> int:
+        r = asyncio.run(flow.reuse(engine, Options(seed=3), prompt_ids=[1, 2, 3], sampling_params={"max_new_tokens": 64},
+                                   previous=prev, **kw))
+        return len(r.prefix)
+
+    first = cut(group=2**63 + 7, slot=1, round_=0)
+    assert first == cut(group=2**63 + 7, slot=1, round_=0) < 40
+    assert len({first} | {cut(group=2**63 + 7, slot=1, round_=r) for r in range(1, 12)}) > 1
+    assert flow.seed_sequence(3, 2**63 + 7, 1, 0).entropy == flow.seed_sequence(3, 2**63 + 7, 1, 0).entropy
+    with pytest.raises(ValueError, match=">= 0"):
+        flow.seed_sequence(0, 1, -1, 0)
+    rounds = flow.Rounds()
+    assert [rounds.take(5, 0), rounds.take(5, 1), rounds.take(5, 0)] == [0, 0, 1]

@@ -40,8 +40,6 @@ import logging
 from copy import deepcopy
 from typing import Any
 
-import numpy as np
-
 from histospec_sgl.integrations.versions import require
 
 require("openrlhf")
@@ -50,7 +48,7 @@ from openrlhf.utils.agent import AgentExecutorBase, SingleTurnAgentExecutor
 
 from histospec_sgl import group_key, settings
 from histospec_sgl.integrations.ray_slots import Slots
-from histospec_sgl.specrl.client import SpecRLRollout
+from histospec_sgl.specrl import flow
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
 
@@ -121,23 +119,21 @@ class _ReusingEngine:
 
         prompt = [int(t) for t in prompt_token_ids]
         group = group_key(prompt)
-        k = await _slots.take(group, 1 << 62)  # the k-th sample of this group: round k // n, slot k % n
-        slot, round_ = k % self.n, k // self.n
+        slot, round_ = await _slots.slot_and_round(group, self.n)
         previous = shared().get(self.options.draft_server, group, slot)
         max_tokens = int(sampling_params.max_tokens)
         reuse = None
         if previous is not None and previous.response_ids:
-            rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, group & 0xFFFFFFFF, group >> 32, k]))
-            client = SpecRLRollout(_VllmBackend(self._engine, sampling_params), lenience=self.options.lenience,
-                                   rng=rng, concurrency=1, timeout=self.options.timeout)
             self.counters["histospec_previous_len"] = float(len(previous.response_ids))
-            reuse = await client.reuse(prompt, {"max_new_tokens": max_tokens}, previous)
+            reuse = await flow.reuse(_VllmBackend(self._engine, sampling_params), self.options, group=group, slot=slot,
+                                     round_=round_, prompt_ids=prompt, sampling_params={"max_new_tokens": max_tokens},
+                                     previous=previous)
             if reuse.aborted:
                 reuse = None
         prefix = reuse.prefix if reuse is not None else []
         prefix_lp = reuse.logprobs if reuse is not None else []
         if reuse is not None and reuse.done:
-            out = RequestOutput(request_id=f"histospec-{k}", prompt=None, prompt_token_ids=prompt, prompt_logprobs=None,
+            out = RequestOutput(request_id=f"histospec-{group:016x}-{slot}-{round_}", prompt=None, prompt_token_ids=prompt, prompt_logprobs=None,
                                 outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None,
                                                           logprobs=[], finish_reason=reuse.finish_reason)],
                                 finished=True)

@@ -57,3 +57,10 @@ class Slots:
             assert self._local is not None
             return self._local.take(group, n)
         return int(await actor.take.remote(group, n))
+
+    async def slot_and_round(self, group: int, n: int) -> tuple[int, int]:
+        """The next call of ``group``'s slot and round: the k-th call of the job for the group is
+        slot ``k mod n`` of round ``k // n`` (the round seeds SPEC-RL's draws,
+        :func:`histospec_sgl.specrl.flow.seed_sequence`)."""
+        k = await self.take(group, 1 << 62)
+        return k % max(1, n), k // max(1, n)

@@ -76,10 +76,9 @@ import logging
 import weakref
 from typing import Any
 
-import numpy as np
-
 from histospec_sgl.integrations.versions import require
 from histospec_sgl.settings import value as settings_value
+from histospec_sgl.specrl.flow import Rounds
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
 
@@ -89,6 +88,8 @@ logger = logging.getLogger("histospec_sgl.integrations")
 
 DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
 MODES = ("history", "specrl")
+#: Each (group, slot)'s reuses so far in this process: the round that seeds its acceptance draws.
+_rounds = Rounds()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +233,7 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     from slime.utils.http_utils import post
     from slime.utils.types import Sample
 
-    from histospec_sgl.specrl.client import SpecRLRollout
+    from histospec_sgl.specrl import flow
 
     slot = sample_slot(args, sample)
     if sample.response_length:
@@ -256,14 +257,11 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     async def backend(payload: dict[str, Any], timeout: float) -> dict[str, Any]:
         return await asyncio.wait_for(post(url, payload, headers=headers), timeout)
 
-    seed = np.random.SeedSequence([settings.seed, group & 0xFFFFFFFF, group >> 32, slot,
-                                   int(getattr(sample, "index", 0) or 0)])
     # slime's abort() sets state.aborted, then aborts every engine's requests: a scoring call SGLang
     # aborts, or one not yet sent, comes back as an aborted sample with nothing reused.
-    client = SpecRLRollout(backend, lenience=settings.lenience, rng=np.random.default_rng(seed), concurrency=1,
-                           timeout=settings.timeout, aborted=lambda: bool(state.aborted))
-    reuse = await client.reuse(prompt_ids, {**params, "max_new_tokens": int(params["max_new_tokens"])}, previous,
-                               name=str(sample.index))
+    reuse = await flow.reuse(backend, settings, group=group, slot=slot, round_=_rounds.take(group, slot),
+                             prompt_ids=prompt_ids, sampling_params={**params, "max_new_tokens": int(params["max_new_tokens"])},
+                             previous=previous, aborted=lambda: bool(state.aborted), name=str(sample.index))
     if reuse.aborted:
         sample.status = Sample.Status.ABORTED
         _count(sample, 0, reuse.previous_len)

@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import logging
 from typing import Any
-from uuid import uuid4
-
-import numpy as np
 
 from histospec_sgl.integrations.versions import require
 
@@ -46,7 +43,8 @@ from verl.workers.rollout.replica import TokenOutput
 from histospec_sgl import group_key
 from histospec_sgl.integrations.ray_slots import Slots
 from histospec_sgl.integrations.verl.router import request_id_for
-from histospec_sgl.specrl.client import SpecRLRequestError, SpecRLRollout
+from histospec_sgl.specrl import flow
+from histospec_sgl.specrl.client import SpecRLRequestError
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
 
@@ -131,7 +129,7 @@ class _ReusingServerManager:
                                               sampling_params=sampling_params, **kwargs)
         prompt_ids = [int(t) for t in prompt_ids]
         group = group_key(prompt_ids)
-        slot = await _slots.take(group, self.n)
+        slot, round_ = await _slots.slot_and_round(group, self.n)
         self.first = _counters(slot=slot)
         # The group in the request id keeps scoring and continuation with the prompt's server under
         # the prompt-affinity balancer; any other balancer keys on the id as a sticky session.
@@ -141,14 +139,11 @@ class _ReusingServerManager:
         reuse = None
         if previous is not None and previous.response_ids and not media:
             backend = _VerlBackend(self._inner, rid, sampling_params)
-            rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, group & 0xFFFFFFFF, group >> 32,
-                                                                slot, int(uuid4().int & 0xFFFFFFFF)]))
-            client = SpecRLRollout(backend, lenience=self.options.lenience, rng=rng, concurrency=1,
-                                   timeout=self.options.timeout)
             self.first["histospec_previous_len"] = len(previous.response_ids)
             try:
-                reuse = await client.reuse(prompt_ids, {**sampling_params, "max_new_tokens": self.response_length},
-                                           previous)
+                reuse = await flow.reuse(backend, self.options, group=group, slot=slot, round_=round_,
+                                         prompt_ids=prompt_ids, previous=previous,
+                                         sampling_params={**sampling_params, "max_new_tokens": self.response_length})
             except SpecRLRequestError as e:
                 # verl's server raises on an aborted scoring prefill (its prompt log-prob check):
                 # generate normally, and the answer is verl's own (aborted or not).

@@ -1,0 +1,60 @@
+"""SPEC-RL's flow, written once for every trainer: a sample's slot in its group, the slot's previous
+response, a generator seeded from what the sample is (never from the clock or a random id), the
+reuse (the previous response scored under the current policy and cut at the first rejection,
+:meth:`~histospec_sgl.specrl.client.SpecRLRollout.reuse`), the continuation by the trainer's own
+engine call, and the response recorded for the next epoch (:func:`~histospec_sgl.specrl.store.shared`).
+
+The trainer adapters (slime's generate, verl's server manager, OpenRLHF's engine) translate their
+trainer's types into these calls and nothing more, so the same inputs give the same draws in every
+trainer: the acceptance draws of the k-th reuse of slot s of group g under seed x come from
+``SeedSequence([x, g mod 2**32, g >> 32, s, k])``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from histospec_sgl.specrl.client import Backend, Previous, Reuse, SpecRLRollout
+from histospec_sgl.specrl.guard import Options
+
+
+def seed_sequence(seed: int, group: int, slot: int, round_: int) -> np.random.SeedSequence:
+    """The seed of the acceptance draws of the ``round_``-th reuse of ``slot`` in ``group``."""
+    if min(seed, group, slot, round_) < 0:
+        raise ValueError(f"seed, group, slot and round must be >= 0, got {(seed, group, slot, round_)}")
+    return np.random.SeedSequence([seed, group & 0xFFFFFFFF, group >> 32, slot, round_])
+
+
+class Rounds:
+    """How many times each slot of each group has been drawn in this process: a sample's round where
+    the trainer does not count them (slime runs a step's generates in one process)."""
+
+    def __init__(self) -> None:
+        self._next: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._lock = threading.Lock()
+
+    def take(self, group: int, slot: int) -> int:
+        with self._lock:
+            k = self._next[(group, slot)]
+            self._next[(group, slot)] = k + 1
+            return k
+
+
+async def reuse(backend: Backend, options: Options, *,
+                group: int, slot: int, round_: int, prompt_ids: Sequence[int], sampling_params: Mapping[str, Any],
+                previous: Previous, aborted: Callable[[], bool] | None = None, name: str = "") -> Reuse:
+    """The previous response of ``slot`` scored through ``backend`` (the trainer's engine call) and
+    cut under ``options.lenience``, with the draws of :func:`seed_sequence`. The caller continues
+    from ``prompt_ids + reuse.prefix`` unless ``reuse.done``, and records the whole response."""
+    rng = np.random.default_rng(seed_sequence(options.seed, group, slot, round_))
+    client = SpecRLRollout(backend, lenience=options.lenience, rng=rng, concurrency=1, timeout=options.timeout,
+                           aborted=aborted)
+    return await client.reuse([int(t) for t in prompt_ids], dict(sampling_params), previous, name=name)
+
+
+__all__ = ["Rounds", "reuse", "seed_sequence"]
