@@ -1,7 +1,7 @@
 """SGLang's own NGRAM verify path, run on CPU with the HISTORY worker and a fake target model.
 
 Run by ``tests/test_plugin.py`` in the SGLang environment with ``SGLANG_USE_CPU_ENGINE=1`` and the
-test ``sgl_kernel`` (tests/_stubs) on ``PYTHONPATH``; prints one ``RESULT {json}`` line.
+test ``sgl_kernel`` (bench/cpu_engine/stubs) on ``PYTHONPATH``; prints one ``RESULT {json}`` line.
 
 What is real: SGLang 0.5.17's server arguments (parsed with the plugin loaded), its model config,
 and all of ``NGRAMWorker.forward_batch_generation``: the tree reconstruction, the TARGET_VERIFY

@@ -3,7 +3,7 @@ processes, scheduler, radix cache, memory pools, Llama model code, logits proces
 whole verify path, on this machine's CPU, with a small Llama built locally
 (:mod:`histospec_sgl.bench.engine_models`).
 
-What is stood in, in test support only (``tests/_cpu_engine``, ``tests/_stubs``; see their
+What is stood in, in test support only (``bench/cpu_engine`` with its ``stubs``; see their
 docstrings): tree attention for the verify forward of SGLang's ``torch_native`` backend, SGLang's
 sampling-verify branch on CPU, and plain-torch restatements of the sgl-kernel ops SGLang calls there.
 Each is shown load-bearing here: ``CPU_ENGINE_BROKEN_FILE`` breaks one for a while on a running server,

@@ -218,7 +218,7 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
     prom = tmp_path / "prometheus"
     prom.mkdir()
     r = run_script(sglang_py, "sglang_worker_glue.py", str(snap),
-                   env={"PYTHONPATH": str(ROOT / "tests" / "_stubs"), "HISTOSPEC_SNAPSHOT_PATH": str(auto),
+                   env={"PYTHONPATH": str(ROOT / "bench" / "cpu_engine" / "stubs"), "HISTOSPEC_SNAPSHOT_PATH": str(auto),
                          "PROMETHEUS_MULTIPROC_DIR": str(prom)})
     res = result(r)
     assert res["responses"] == 3 and res["finished"] == 3 and res["after_flush"] == 3
@@ -255,7 +255,7 @@ def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):
 
 def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
     """The command line and keywords that run tests/sglang_cpu_verify.py in the SGLang environment."""
-    env = sglang_env(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "tests" / "_stubs"),
+    env = sglang_env(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "bench" / "cpu_engine" / "stubs"),
                       SGLANG_USE_CPU_ENGINE="1")
     return [str(py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(model), *argv], dict(
         cwd=str(ROOT / "tests"), env=env)
@@ -282,7 +282,7 @@ def test_sglang_0_5_15_registers_resolves_and_drafts(sglang_py, tiny_model, tmp_
     prom = tmp_path / "prometheus"
     prom.mkdir()
     r = run_script(sglang_py, "sglang_worker_glue.py", str(tmp_path / "snap.bin"),
-                   env={"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "_stubs"), str(overlay)]),
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT / "bench" / "cpu_engine" / "stubs"), str(overlay)]),
                         "PROMETHEUS_MULTIPROC_DIR": str(prom)})
     glue = result(r)
     assert glue["sglang"] == "0.5.15" and glue["responses"] == 3 and glue["accepted"] >= 26, glue

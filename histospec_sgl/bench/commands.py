@@ -314,7 +314,7 @@ def add_bench(sub: Any) -> None:
                     "decode steps, and the results in bench/RESULTS.md use 8)")
     be.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu: SGLang's torch_native backend with the CPU stand-ins of a histospec-sgl checkout "
-                    "(tests/_cpu_engine: a development tool, not in the wheel; run from the checkout); "
+                    "(bench/cpu_engine: a development tool, not in the wheel; run from the checkout); "
                     "cuda: FlashInfer and CUDA graphs")
     be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
     be.add_argument("--repeats", type=int, default=1,

@@ -3,7 +3,7 @@ tests and ``histospec-sgl bench engine``: plain decoding, NGRAM or HISTORY, on a
 
 On a CPU, SGLang's engine needs the verification pieces it lacks there (tree attention for the verify
 forward of its ``torch_native`` backend, plain-torch restatements of a few sgl-kernel ops, sampling
-verification); they live in a histospec-sgl checkout's ``tests/_cpu_engine`` and ``tests/_stubs``,
+verification); they live in a histospec-sgl checkout's ``bench/cpu_engine`` (with its ``stubs``),
 never in the wheel, and :func:`cpu_engine_env` puts them on the server's ``PYTHONPATH``.
 """
 
@@ -25,6 +25,10 @@ from typing import Any
 from histospec_sgl import procs
 
 METHODS = ("plain", "ngram", "history")
+#: Where a checkout keeps the CPU engine's stand-ins (a development tool beside the benchmarks, never
+#: in the wheel): an SGLang plugin with tree attention and sampling verification for ``torch_native``,
+#: and ``stubs/sgl_kernel``, plain-torch restatements of the kernels SGLang's CPU path calls.
+CPU_ENGINE = Path("bench") / "cpu_engine"
 #: Launches of a server whose port another process took before it could bind it.
 PORT_TRIES = 3
 
@@ -33,7 +37,7 @@ def checkout_root() -> Path | None:
     """The histospec-sgl checkout that holds the CPU-engine stand-ins (the working directory or the
     one this module was loaded from), or None."""
     for c in (Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[2]):
-        if (c / "tests" / "_cpu_engine" / "histospec_cpu_engine.py").exists():
+        if (c / CPU_ENGINE / "histospec_cpu_engine.py").exists():
             return c
     return None
 
@@ -43,10 +47,10 @@ def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] |
     root = root or checkout_root()
     if root is None:
         raise RuntimeError(
-            "SGLang's engine on a CPU needs the stand-ins in a histospec-sgl checkout (tests/_cpu_engine, "
-            "tests/_stubs): run from the repository root, or use --device cuda on a GPU machine")
+            f"SGLang's engine on a CPU needs the stand-ins in a histospec-sgl checkout ({CPU_ENGINE}): run "
+            "from the repository root, or use --device cuda on a GPU machine")
     env = dict(os.environ if base is None else base)
-    paths = [str(root / "tests" / "_stubs"), str(root / "tests" / "_cpu_engine")]
+    paths = [str(root / CPU_ENGINE / "stubs"), str(root / CPU_ENGINE)]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
@@ -54,7 +58,7 @@ def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] |
     # NGRAM JIT-compiles its corpus with ninja, which the environment's bin folder holds.
     env["PATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(python)), env.get("PATH", "")])
     # SGLang 0.5.17's NGRAM JIT sources use size_t without <cstddef>, which g++ 12 rejects.
-    env.setdefault("CXX", str(root / "tests" / "_cpu_engine" / "cxx"))
+    env.setdefault("CXX", str(root / CPU_ENGINE / "cxx"))
     return env
 
 

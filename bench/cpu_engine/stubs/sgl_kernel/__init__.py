@@ -6,7 +6,7 @@ which call the ``*_cpu`` ops below. They restate, in plain torch, what SGLang's 
 (sgl-kernel ``VerifyTreeGreedy``, ``reconstructIndicesFromTreeMask``, and the Triton
 ``assign_extend_cache_locs`` / ``fill_accept_out_cache_loc``), so that NGRAM's own verify path
 (``forward_batch_generation``: tree reconstruction, greedy tree verification, KV compaction) runs
-on CPU in the tests, and, for the real CPU engine (``tests/_cpu_engine``), the KV moves of SGLang's
+on CPU in the tests, and, for the real CPU engine (``bench/cpu_engine``), the KV moves of SGLang's
 memory pools and the sampling-verify kernel with its two renormalizations. Ops no test reaches raise.
 """
 

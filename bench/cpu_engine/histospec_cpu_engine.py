@@ -4,7 +4,7 @@ SGLang runs a Llama on CPU with ``--device cpu --attention-backend torch_native`
 ``SGLANG_USE_CPU_ENGINE=1``), but two pieces of speculative verification have no CPU implementation
 there. This SGLang plugin (entry point ``histospec_cpu_engine`` in the ``sglang.srt.plugins`` group,
 found by SGLang's own plugin loader in every process when this folder is on ``PYTHONPATH``) adds
-them through SGLang's ``HookRegistry``, and ``tests/_stubs/sgl_kernel`` restates the kernels it calls
+them through SGLang's ``HookRegistry``, and ``stubs/sgl_kernel`` restates the kernels it calls
 in plain torch:
 
 1. **Tree attention for the verify forward.** ``TorchNativeAttnBackend`` has no ``TARGET_VERIFY``
@@ -135,7 +135,7 @@ def _sampling_verify(original: Any, *args: Any, **kwargs: Any) -> Any:
     batch = args[1] if len(args) > 1 else kwargs["batch"]
     if getattr(eagle_utils, "tree_speculative_sampling_target_only", True) is None:
         # SGLang 0.5.23 imports the kernel from its own kernel package, which has none on CPU (0.5.17
-        # imports sgl_kernel's, which tests/_stubs restates): the same restatement.
+        # imports sgl_kernel's, which stubs/sgl_kernel restates): the same restatement.
         from sgl_kernel import tree_speculative_sampling_target_only
 
         eagle_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
