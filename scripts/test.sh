@@ -29,4 +29,4 @@ bash scripts/lint_python.sh
 echo "[test] Python"
 # Two workers, a module (or class) whole on one, the longest modules first (tests/conftest.py); tests
 # that start servers wait for memory the other worker holds (tests/_lanes.py).
-.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --record-durations "$@"

@@ -34,13 +34,6 @@ def greedy_rollout(url: str, max_new: int) -> list[dict]:
         return list(pool.map(one, [p for p in PROMPTS for _ in range(SAMPLES)]))
 
 
-#: The step policy of the trainer tests' engines: their checks count tokens per verify step to see
-#: history drafted whole through the trainer's own engine code, which a fixed width shows directly.
-#: The default policy (the cost model) may verify fewer nodes where a wide verify costs as much per
-#: token (a 152k-token vocabulary on a CPU); its own checks are in tests/test_engine_cpu.py.
-FIXED_WIDTH = {"HISTOSPEC_CONTROL": "fixed"}
-
-
 def check_phases(phases: dict[str, list[dict]], min_per_step: float = 6.0) -> dict[tuple[int, ...], list[int]]:
     """Every phase gives the first phase's greedy responses (lossless), and every phase after the
     first drafts them from the history (more than ``min_per_step`` tokens per verify step on

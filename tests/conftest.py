@@ -28,18 +28,40 @@ SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
 SGLANG_FIXTURES = frozenset({"sglang_py", "sglang_0523", "greedy_model", "text_model", "text_engine"})
 
 
-#: The longest modules first (minutes on two cores), so that two workers (``-n 2 --dist loadscope
-#: --no-loadscope-reorder``, as scripts/test.sh runs them) finish together; the rest keep their order.
-LONGEST_FIRST = ("test_engine_cpu.py", "test_slime.py", "test_engine_smollm2.py", "test_verl.py", "test_plugin.py",
-                 "test_openrlhf.py", "test_ray.py", "test_sglang_peers.py", "test_trainer_versions.py")
+#: Each module's measured run time (seconds, setup and teardown included) in the last full run of
+#: scripts/test.sh, which rewrites it (``--record-durations``). The longest modules run first, so
+#: that two workers (``-n 2 --dist loadscope --no-loadscope-reorder``) finish together; a module not
+#: measured yet runs after the measured ones, in collection order.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"rewrite {DURATIONS.name} with this run's per-module times (a run of the whole suite)")
+
+
+def module_durations() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(DURATIONS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SGLANG_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.sglang)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    took = module_durations()
+    items.sort(key=lambda item: -took.get(item.path.name, 0.0))  # stable: the rest keep their order
+
+
+_took: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Sums each module's setup, call and teardown times (on the controller, workers' reports too)."""
+    name = Path(report.nodeid.split("::", 1)[0]).name
+    _took[name] = _took.get(name, 0.0) + float(report.duration)
 
 
 _GATE = MemoryGate.for_this_worker()
@@ -64,9 +86,15 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
         _GATE.release()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _GATE is not None:
         _GATE.leave()
+    cfg = session.config
+    # Only a whole, passing run of the suite measures every module.
+    whole = not cfg.option.keyword and not cfg.option.markexpr and [Path(a).name for a in cfg.args] == ["tests"]
+    if cfg.getoption("--record-durations") and not hasattr(cfg, "workerinput") and whole and _took and exitstatus == 0:
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in sorted(_took.items(), key=lambda kv: -kv[1])},
+                                        indent=1) + "\n")
 
 
 def sglang_missing(fail: str, skip: str) -> NoReturn:
@@ -150,10 +178,10 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
     tmp = tmp_path_factory.mktemp("text-engine")
     ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
-    from _greedy import FIXED_WIDTH
+    from _engine_checks import FIXED
 
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
-                       env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED_WIDTH}, log_path=tmp / "sglang.log")
+                       env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED}, log_path=tmp / "sglang.log")
     # It stays up for the rest of this worker's run: every later test's memory budget counts it.
     standing = _GATE.standing(TEXT_ENGINE_GB) if _GATE is not None else contextlib.nullcontext()
     try:

@@ -19,12 +19,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _engine_checks import FIXED, greedy_passes, same_distribution, sample, server
 from _scopes import other_scopes
 
 from conftest import ROOT, build_model
@@ -59,48 +59,13 @@ def broken_verify(switch: Path, kind: str) -> Iterator[None]:
         switch.write_text("")
 
 
-#: The step policy of these tests' HISTORY servers unless a test sets its own (the engine's default,
-#: named so that the checks that count d tokens per verify step say what they assume; the cost
-#: model, which decodes its first steps at each batch size plainly to time them, has its own checks).
-FIXED = {"HISTOSPEC_CONTROL": "fixed"}
-
-
-def _server(py: Path, model: Path, method: str, tmp_path: Path, **kw) -> EngineServer:
-    """A server for one test; tests start theirs side by side (:func:`running`), and idle ones sleep
-    (``--sleep-on-idle``, which :func:`server_args` adds on a CPU). HISTORY runs at :data:`FIXED`
-    unless ``env`` names a policy."""
-    tag = kw.pop("tag", method)
-    if method == "history":
-        kw["env"] = {**FIXED, **(kw.get("env") or {})}
-    return EngineServer(model, method, python=str(py), draft_tokens=kw.pop("draft_tokens", D),
-                        log_path=tmp_path / f"server-{tag}.log", extra_args=list(kw.pop("extra", ())),
-                        **kw)
-
-
 @pytest.fixture(scope="module")
 def plain_server(sglang_py, greedy_model, tmp_path_factory):
     """One plain-decoding server for the module's greedy references (it sleeps while idle): greedy
     outputs depend on the prompts only, so every test compares with the same server."""
     tmp = tmp_path_factory.mktemp("plain")
-    with _server(sglang_py, greedy_model, "plain", tmp, max_running=16) as srv:
+    with server(sglang_py, greedy_model, "plain", tmp, max_running=16) as srv:
         yield srv
-
-
-def _greedy_passes(srv: EngineServer, prompts: list[list[int]], n_tokens: int = 48, passes: int = 3) -> list[dict]:
-    """Pass 1 and 2 (each: two prompts at batch 1, then all prompts as one batch), flush_cache, pass 3;
-    with each token's log-prob, as a trainer asks for them."""
-    sp = {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True}
-    out = []
-    for i in range(passes):
-        if i == 2:
-            srv.flush_cache()
-        outs = ([srv.generate([p], sp, return_logprob=True)[0] for p in prompts[:2]]
-                + srv.generate(prompts, sp, return_logprob=True))
-        out.append({"outputs": [o["output_ids"] for o in outs],
-                    "logprobs": [[x[0] for x in o["meta_info"]["output_token_logprobs"]] for o in outs],
-                    "tokens": sum(len(o["output_ids"]) for o in outs),
-                    "steps": sum(verify_steps(o) for o in outs)})
-    return out
 
 
 def _sampled_logprobs_against_rescoring(srv: EngineServer, scorer: EngineServer, prompts: list[list[int]],
@@ -165,15 +130,15 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     them to an engine (tests/_scopes.py)."""
     prompts, fresh = _prompts(8), _prompts(8, seed=7)
     methods = ("ngram", "history")
-    cost = _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
+    cost = server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
                    env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
     switch = tmp_path / "broken"
-    with running(_server(sglang_py, greedy_model, "ngram", tmp_path, max_running=8),
-                 _server(sglang_py, greedy_model, "history", tmp_path, max_running=8,
+    with running(server(sglang_py, greedy_model, "ngram", tmp_path, max_running=8),
+                 server(sglang_py, greedy_model, "history", tmp_path, max_running=8,
                          env={"CPU_ENGINE_BROKEN_FILE": str(switch), **other_scopes(tmp_path)}), cost) as servers:
-        runs = {"plain": _greedy_passes(plain_server, prompts)}
-        runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
-        runs["history_cost"] = _greedy_passes(cost, prompts)
+        runs = {"plain": greedy_passes(plain_server, prompts)}
+        runs.update({m: greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
+        runs["history_cost"] = greedy_passes(cost, prompts)
         plain_steps = _plain_steps(cost)
         # At temperature 1 too, the log-probs returned are the current policy's, whether a step was
         # verified or (under the cost model) decoded plainly: each equals a fresh scoring's.
@@ -183,7 +148,7 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # After those sampled (T = 1) requests, a repeated greedy pass (verl's validation after a
         # training step) drafts as well as a fixed width: greedy and sampled requests are calibrated
         # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
-        again = _greedy_passes(cost, prompts, passes=1)[0]
+        again = greedy_passes(cost, prompts, passes=1)[0]
         mismatches = _counter(cost, "histospec:context_mismatches_total")
         from histospec_sgl.bench.engine_bench import step_seconds, width_steps
 
@@ -192,9 +157,9 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
-        plain_fresh = _greedy_passes(plain_server, fresh, passes=1)[0]["outputs"]
+        plain_fresh = greedy_passes(plain_server, fresh, passes=1)[0]["outputs"]
         with broken_verify(switch, "mask"):
-            broken = _greedy_passes(servers[1], fresh)
+            broken = greedy_passes(servers[1], fresh)
     _check_greedy(runs)
     assert plain_steps > 0
     assert cost_plain_steps > plain_steps  # the sampled requests went through plain decode steps too
@@ -221,9 +186,9 @@ def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, pla
     drafts to rank 1 every step; the tokens equal single-rank plain decoding's, and pass 2 and the
     pass after flush_cache draft whole responses from history."""
     prompts = _prompts(8, seed=6)
-    plain = _greedy_passes(plain_server, prompts, passes=1)
-    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2") as hist_srv:
-        hist = _greedy_passes(hist_srv, prompts)
+    plain = greedy_passes(plain_server, prompts, passes=1)
+    with server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2") as hist_srv:
+        hist = greedy_passes(hist_srv, prompts)
     _check_greedy({"plain": plain, "history": hist})
 
 
@@ -235,11 +200,11 @@ def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, plai
     env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     prompts = _prompts(8, seed=1)
     methods = ("ngram", "history")
-    with running(*(_server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env,
+    with running(*(server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env,
                            extra=["--enable-metrics"] if m == "history" else [])
                    for m in methods)) as servers:
-        runs = {"plain": _greedy_passes(plain_server, prompts, passes=1)}
-        runs.update({m: _greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
+        runs = {"plain": greedy_passes(plain_server, prompts, passes=1)}
+        runs.update({m: greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
         mismatches = _counter(servers[1], "histospec:context_mismatches_total")
     _check_greedy(runs)
     assert mismatches == 0  # 0.5.23's seq_lens too counts every accepted token but the root
@@ -306,34 +271,10 @@ SAMPLED = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
 TOP_P = {**SAMPLED, "top_p": 0.8}
 
 
-def _sample(srv: EngineServer, sp: dict, rounds: int = 40, width: int = 64,
-            group: str | None = None) -> tuple[list[tuple], float]:
-    """``rounds`` batches of ``width`` samples of the same prompt: 4-token continuations, and tokens
-    per verify step over all of them (history grows from round to round, siblings draft in flight).
-    ``group`` puts them in a history group of their own (``custom_params.histospec_group``)."""
-    if group is not None:
-        sp = {**sp, "custom_params": {"histospec_group": group}}
-    seqs, tokens, steps = [], 0, 0
-    for _ in range(rounds):
-        for o in srv.generate([PEAKED_PROMPT] * width, sp):
-            seqs.append(tuple(o["output_ids"]))
-            tokens += len(o["output_ids"])
-            steps += verify_steps(o)
-    return seqs, tokens / steps
-
-
-def _same_distribution(a: list[tuple], b: list[tuple]) -> list[float]:
-    """Chi-square test of homogeneity of the first k tokens, k = 2, 3, 4 (outcomes seen fewer than 10
-    times pooled into one cell); returns the p-values."""
-    from scipy.stats import chi2_contingency
-
-    ps = []
-    for k in (2, 3, 4):
-        ca, cb = Counter(x[:k] for x in a), Counter(x[:k] for x in b)
-        keys = sorted(x for x in set(ca) | set(cb) if ca[x] + cb[x] >= 10)
-        rows = np.array([[c[x] for x in keys] + [n - sum(c[x] for x in keys)] for c, n in ((ca, len(a)), (cb, len(b)))])
-        ps.append(float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1]))
-    return ps
+def _peaked(srv: EngineServer, sp: dict, rounds: int = 40, group: str | None = None) -> tuple[list[tuple], float]:
+    """``rounds`` batches of 64 samples of the peaked prompt: 4-token continuations, and tokens per
+    verify step over all of them."""
+    return sample(srv, PEAKED_PROMPT, sp, rounds=rounds, width=64, group=group)
 
 
 @pytest.fixture(scope="class")
@@ -343,12 +284,12 @@ def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
     (each puts its requests in history groups of its own) and stopped after them."""
     tmp = tmp_path_factory.mktemp("peaked")
     switch = tmp / "broken"
-    with running(_server(sglang_py, peaked_model, "plain", tmp),
-                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16,
+    with running(server(sglang_py, peaked_model, "plain", tmp),
+                 server(sglang_py, peaked_model, "history", tmp, draft_tokens=16,
                          env={"CPU_ENGINE_BROKEN_FILE": str(switch)}),
-                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="lenient",
+                 server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="lenient",
                          env={"HISTOSPEC_LENIENCE": "4"}),
-                 _server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="default",
+                 server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="default",
                          env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
                  ) as (plain, history, lenient, default):
         yield {"plain": plain, "history": history, "lenient": lenient, "default": default, "switch": switch}
@@ -366,28 +307,28 @@ class TestSampling:
         two classic bugs at p < 1e-10: sampled requests verified greedily (SGLang's stock CPU path) and
         duplicate sibling tokens (a padding scheme that repeats a drafted token)."""
         plain_srv, srv = peaked_servers["plain"], peaked_servers["history"]
-        plain = {"t1": _sample(plain_srv, SAMPLED)[0], "top_p": _sample(plain_srv, TOP_P)[0]}
-        t1, tps = _sample(srv, SAMPLED)
-        top_p, tps_top_p = _sample(srv, TOP_P)
+        plain = {"t1": _peaked(plain_srv, SAMPLED)[0], "top_p": _peaked(plain_srv, TOP_P)[0]}
+        t1, tps = _peaked(srv, SAMPLED)
+        top_p, tps_top_p = _peaked(srv, TOP_P)
         bad = {}
         for b in ("greedy-verify", "padding"):
             with broken_verify(peaked_servers["switch"], b):
-                bad[b] = _sample(srv, SAMPLED, group=b)[0]
+                bad[b] = _peaked(srv, SAMPLED, group=b)[0]
         assert tps > 1.8 and tps_top_p > 1.8, (tps, tps_top_p)
-        assert min(_same_distribution(plain["t1"], t1)) > 1e-4
-        assert min(_same_distribution(plain["top_p"], top_p)) > 1e-4
+        assert min(same_distribution(plain["t1"], t1)) > 1e-4
+        assert min(same_distribution(plain["top_p"], top_p)) > 1e-4
         # The engine's default policy (the cost model over widths 2, 4, 8 and 16, or plain steps)
         # samples the same distributions, whichever width each step took.
         from histospec_sgl.bench.engine_bench import width_steps
 
         default = peaked_servers["default"]
         for name, params in (("t1", SAMPLED), ("top_p", TOP_P)):
-            seqs, _ = _sample(default, params, group=f"default-{name}")
-            assert min(_same_distribution(plain[name], seqs)) > 1e-4, name
+            seqs, _ = _peaked(default, params, group=f"default-{name}")
+            assert min(same_distribution(plain[name], seqs)) > 1e-4, name
         widths = width_steps(default)
         assert widths is not None and any(n > 0 and w != "1" for w, n in widths.items()), widths
         for b, seqs in bad.items():
-            assert min(_same_distribution(plain["t1"], seqs)) < 1e-10, b
+            assert min(same_distribution(plain["t1"], seqs)) < 1e-10, b
 
     def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(self, peaked_servers):
         """16 samples of one prompt decoding together, from no history, accept more per step when they
@@ -403,8 +344,8 @@ class TestSampling:
             outs = srv.generate([PEAKED_PROMPT] * 16, sps)
             rates.append(sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs))
         shared, own = rates
-        _, exact = _sample(srv, SAMPLED, rounds=8, group="exact")
-        _, lenient = _sample(lenient_srv, SAMPLED, rounds=8, group="exact")
+        _, exact = _peaked(srv, SAMPLED, rounds=8, group="exact")
+        _, lenient = _peaked(lenient_srv, SAMPLED, rounds=8, group="exact")
         assert shared > own + 0.15, (shared, own)
         assert lenient > exact + 0.3, (lenient, exact)
 
@@ -464,7 +405,7 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server,
         want = {r["rid"]: o["output_ids"] for r, o in zip(greedy, plain_server.generate(
             [r["prompt"] for r in greedy], [r["sp"] for r in greedy]))}
         want_published = [o["output_ids"] for o in plain_server.generate(published, pub_sp)]
-        with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
+        with server(sglang_py, greedy_model, "history", tmp_path, max_running=16, env=env) as srv:
 
             def one(r: dict) -> None:
                 answered = threading.Event()
@@ -534,7 +475,7 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server,
         ds.kill()
     assert snapshot.exists()
     first = [r for r in greedy if r["sp"]["max_new_tokens"] == 48][:8]
-    with _server(sglang_py, greedy_model, "history", tmp_path, max_running=16, tag="reloaded",
+    with server(sglang_py, greedy_model, "history", tmp_path, max_running=16, tag="reloaded",
                  env={"HISTOSPEC_HISTORY_LOAD": str(snapshot)}) as srv:
         outs = srv.generate([r["prompt"] for r in first], [r["sp"] for r in first])
     assert [o["output_ids"] for o in outs] == [want[r["rid"]] for r in first]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _engine_checks import greedy_passes, same_distribution, sample, server
 
 from conftest import ROOT, build_model, shared_path
-from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+from histospec_sgl.bench.engine_server import EngineServer, running
 
 D = 8
 pytestmark = pytest.mark.timeout(900)
@@ -49,9 +49,7 @@ def math_prompts(sglang_py, smollm2, data_root) -> list[list[int]]:
 def servers(sglang_py, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2")
     # HISTORY at a fixed width: the checks below count its tokens per verify step.
-    with running(*(EngineServer(smollm2, m, python=str(sglang_py), draft_tokens=D, max_running=64,
-                                max_total_tokens=16384, log_path=tmp / f"server-{m}.log",
-                                env={"HISTOSPEC_CONTROL": "fixed"} if m == "history" else {})
+    with running(*(server(sglang_py, smollm2, m, tmp, draft_tokens=D, max_running=64, max_total_tokens=16384)
                    for m in ("plain", "history"))) as (plain, history):
         yield plain, history
 
@@ -119,12 +117,10 @@ def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
     assert all(p[0] == 1 and p[-4:] == [1, 520, 9531, 198] for p in math_prompts), math_prompts[0][-6:]
 
 
-def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str) -> dict:
-    sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True, "custom_params": {"histospec_group": tag}}
-    outs = [srv.generate([prompts[0]], sp, return_logprob=True)[0]] + srv.generate(prompts, sp, return_logprob=True)
-    return {"outputs": [o["output_ids"] for o in outs],
-            "logprobs": np.array([x[0] for o in outs for x in o["meta_info"]["output_token_logprobs"]]),
-            "tokens": sum(len(o["output_ids"]) for o in outs), "steps": sum(verify_steps(o) for o in outs)}
+def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str, passes: int = 1) -> list[dict]:
+    """Greedy passes of 32 tokens (the first prompt alone, then all), in history group ``tag``, a
+    flush_cache before the third."""
+    return greedy_passes(srv, prompts, n_tokens=32, passes=passes, singles=1, group=tag)
 
 
 @pytest.mark.memory(6)
@@ -134,16 +130,13 @@ def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
     pass after flush_cache (a weight update; the history stays)."""
     plain_srv, hist_srv = servers
     math_prompts = math_prompts[:4]
-    plain = _greedy(plain_srv, math_prompts, "p")
+    plain = _greedy(plain_srv, math_prompts, "p")[0]
     assert plain["steps"] == plain["tokens"]
-    passes = []
-    for i in range(3):
-        if i == 2:
-            hist_srv.flush_cache()
-        passes.append(_greedy(hist_srv, math_prompts, "greedy"))
+    passes = _greedy(hist_srv, math_prompts, "greedy", passes=3)
+    flat = np.array([x for lp in plain["logprobs"] for x in lp])
     for i, p in enumerate(passes):
         assert p["outputs"] == plain["outputs"], f"pass {i + 1} differs from plain decoding"
-        assert np.abs(p["logprobs"] - plain["logprobs"]).max() < 1e-3, i
+        assert np.abs(np.array([x for lp in p["logprobs"] for x in lp]) - flat).max() < 1e-3, i
     assert passes[1]["tokens"] / passes[1]["steps"] >= D - 1, passes[1]
     assert passes[2]["tokens"] / passes[2]["steps"] >= D - 1, passes[2]
 
@@ -156,26 +149,9 @@ def test_smollm2_sampling_through_history_is_lossless(servers, math_prompts):
     pooled), p > 1e-4; and HISTORY did verify drafts (more than 1.1 tokens per forward pass)."""
     plain_srv, hist_srv = servers
     prompt = math_prompts[1]
-    sp = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True, "custom_params": {"histospec_group": "s"}}
-
-    def sample(srv: EngineServer) -> tuple[list[tuple], float]:
-        seqs, tokens, steps = [], 0, 0
-        for _ in range(4):
-            for o in srv.generate([prompt] * 64, sp):
-                seqs.append(tuple(o["output_ids"]))
-                tokens += len(o["output_ids"])
-                steps += verify_steps(o)
-        return seqs, tokens / steps
-
-    from scipy.stats import chi2_contingency
-
-    a, _ = sample(plain_srv)
-    b, rate = sample(hist_srv)
+    sp = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+    a, _ = sample(plain_srv, prompt, sp, rounds=4, width=64, group="s")
+    b, rate = sample(hist_srv, prompt, sp, rounds=4, width=64, group="s")
     assert rate > 1.1, rate
-    for k in (2, 3, 4):
-        ca, cb = Counter(x[:k] for x in a), Counter(x[:k] for x in b)
-        keys = sorted(x for x in set(ca) | set(cb) if ca[x] + cb[x] >= 10)
-        assert keys, k
-        rows = np.array([[c[x] for x in keys] + [len(s) - sum(c[x] for x in keys)] for c, s in ((ca, a), (cb, b))])
-        p = float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1])
-        assert p > 1e-4, (k, p)
+    ps = same_distribution(a, b)
+    assert min(ps) > 1e-4, ps

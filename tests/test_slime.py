@@ -29,7 +29,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _greedy import FIXED_WIDTH, check_phases, run_in_group
+from _engine_checks import FIXED
+from _greedy import check_phases, run_in_group
 
 from conftest import ROOT, require_modules, sglang_missing, shared_path
 from histospec_sgl import group_key, procs
@@ -257,7 +258,7 @@ def test_slime_engine_code_starts_history_and_keeps_it_through_weight_updates(sg
     from histospec_sgl.bench.engine_server import cpu_engine_env
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    env.update(FIXED_WIDTH)
+    env.update(FIXED)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent)])
     out = tmp_path / "out.json"
     run_in_group([str(sglang_py), str(DRIVER.with_name("slime_engine_driver.py")), str(greedy_model), str(out)],
@@ -345,10 +346,10 @@ def engines(sglang_py, stack):
 
     tmp = stack["tmp"]
     kw = dict(python=str(sglang_py), tokenizer=True, max_running=16, max_total_tokens=16384)
-    alone = [EngineServer(stack["model"], "history", log_path=tmp / f"alone-{i}.log", env=dict(FIXED_WIDTH), **kw)
+    alone = [EngineServer(stack["model"], "history", log_path=tmp / f"alone-{i}.log", env=dict(FIXED), **kw)
              for i in range(2)]
     synced = EngineServer(stack["model"], "history", log_path=tmp / "synced.log",
-                          env={"HISTOSPEC_DRAFT_SERVER": stack["draft_server"].address, **FIXED_WIDTH}, **kw)
+                          env={"HISTOSPEC_DRAFT_SERVER": stack["draft_server"].address, **FIXED}, **kw)
     with running(*alone, synced):
         yield {"alone": alone, "synced": [stack["server"], synced]}
 

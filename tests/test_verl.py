@@ -23,7 +23,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _greedy import FIXED_WIDTH, check_phases, run_in_group
+from _engine_checks import FIXED
+from _greedy import check_phases, run_in_group
 
 from conftest import ROOT, require_modules
 
@@ -64,7 +65,7 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_a
 
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HISTOSPEC_", "VERL_"))}
     base.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join([str(ROOT), str(DRIVER.parent)]),
-                **FIXED_WIDTH)
+                **FIXED)
     out = tmp_path / "out.json"
     run_in_group([str(verl_py), str(DRIVER), "launch", str(text_model), str(out)],
                  cpu_engine_env(str(verl_py), base=base), tmp_path, 540)
