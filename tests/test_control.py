@@ -14,9 +14,9 @@ import pytest
 from histospec_sgl.bench.length_bench import Response, evaluate, spearman
 from histospec_sgl.engine.costmodel import CostModel, EngineControl
 from histospec_sgl.engine.policy import Fixed
-from histospec_sgl.engine.profile import H100_8B, Measured, resolve
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout, default_data_root
+from histospec_sgl.simulate.profile import H100_8B, Measured, resolve
 from histospec_sgl.simulate.step import (
     GROUP_ORACLE,
     ORACLE,
@@ -465,7 +465,7 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
 
 
 def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
-    from histospec_sgl.engine.profile import from_engine_bench
+    from histospec_sgl.simulate.profile import from_engine_bench
 
     rows = [{"method": m, "batch_size": b, "pass": p, "step_ms": ms}
             for m, b, p, ms in (("plain", 1, 1, 10.0), ("plain", 1, 2, 12.0), ("plain", 8, 1, 20.0),

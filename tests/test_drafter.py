@@ -197,7 +197,7 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
 def test_every_step_policy_has_the_one_interface():
     """The engine's policies and the simulator's are one kind of object."""
     from histospec_sgl.engine.costmodel import CostModel, EngineControl
-    from histospec_sgl.engine.profile import ANALYTIC
+    from histospec_sgl.simulate.profile import ANALYTIC
 
     policies = [Fixed(1), Fixed(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
     assert all(isinstance(p, StepPolicy) for p in policies)

@@ -169,7 +169,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_profile(args: argparse.Namespace) -> int:
     import json
 
-    from histospec_sgl.engine.profile import from_engine_bench
+    from histospec_sgl.simulate.profile import from_engine_bench
 
     if args.engine_json:
         engines = [json.loads(Path(p).read_text()) for p in args.engine_json]

@@ -53,6 +53,7 @@ from typing import Any
 
 from histospec_sgl import settings
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
 
 METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_cost")
 #: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
@@ -61,7 +62,6 @@ SYNC_ARGS = ["--disable-overlap-schedule"]
 #: Each HISTORY method's settings: ``history`` at a fixed width, ``history_cost`` with the cost model
 #: picking each step's width (:mod:`histospec_sgl.engine.costmodel`).
 SETTINGS = {"history": {"HISTOSPEC_CONTROL": "fixed"}, "history_cost": {"HISTOSPEC_CONTROL": "cost"}}
-SINGLE_REPEATS = 4
 
 
 def machine_info() -> dict[str, Any]:
@@ -382,7 +382,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
     for temp in temperatures:
         for batch in batch_sizes:
             for rep in range(repeats):
-                reqs = et.requests(groups, trace_row_requests(batch, sampled_requests))
+                reqs = et.requests(groups, row_requests(batch, sampled_requests))
                 key = _row_key(temp, batch, rep)
                 ids = [groups[gi].prompt_ids for gi, _ in reqs]
                 params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
@@ -399,12 +399,6 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
                                       for m in servers for r, (gi, si) in zip(rids, reqs)})
                 order = order[1:] + order[:1]
     return runs
-
-
-def trace_row_requests(batch: int, sampled_requests: int) -> int:
-    """The requests of a trace row (``simulate --check`` re-runs the same): at batch 1,
-    :data:`SINGLE_REPEATS` one after the other; else batches of ``batch`` until ``sampled_requests``."""
-    return SINGLE_REPEATS if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)
 
 
 def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of: dict[str, tuple], batch: int,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from histospec_sgl.engine.profile import Profile
+from histospec_sgl.engine.policy import Profile
 
 
 @dataclass
@@ -165,7 +165,7 @@ class StepClock:
     """Step costs measured on the running engine: the time from one decode step's start to the
     next's, per verify width and batch-size bucket. A bucket's cost at a width is the median of its
     last ``window`` timings, so that one slow step (the first of a shape, a pause of the host) does
-    not move it. A profile (:class:`~histospec_sgl.engine.profile.Profile`) once a bucket has both
+    not move it. A profile (:class:`~histospec_sgl.engine.policy.Profile`) once a bucket has both
     widths measured."""
 
     name: str = "measured online"

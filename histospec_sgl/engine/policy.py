@@ -16,6 +16,23 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 
+class Profile(Protocol):
+    """Step costs: how long one engine step takes for a running batch of ``batch`` requests that
+    verifies ``width`` tokens each (1: plain decoding) at a mean context of ``context`` tokens, plus
+    the prompt tokens prefilled in the same step. The engine measures its own
+    (:class:`~histospec_sgl.engine.costmodel.StepClock`); the simulator's analytic and measured
+    profiles are in :mod:`histospec_sgl.simulate.profile`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def analytic(self) -> bool: ...
+    @property
+    def description(self) -> str: ...
+
+    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float: ...
+
+
 @runtime_checkable
 class StepPolicy(Protocol):
     """Chooses each decode step's verify width."""

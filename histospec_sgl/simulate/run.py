@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.engine.profile import resolve
 from histospec_sgl.replay.data import (
     ReplayDataError,
     Tokenization,
@@ -15,6 +14,7 @@ from histospec_sgl.replay.data import (
     preset_rows,
 )
 from histospec_sgl.simulate import step as simulate
+from histospec_sgl.simulate.profile import resolve
 
 #: Logs with several policies per prompt and step, as a simulated step's history needs.
 SIMULATE_PRESETS = ("grpo", "ei")
@@ -110,14 +110,13 @@ CHECKED = ("history", "history_cost")
 
 def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
     """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
-    from the result itself (:func:`~histospec_sgl.engine.profile.from_engine_bench`), the same
-    logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.bench.engine_trace`), and
+    from the result itself (:func:`~histospec_sgl.simulate.profile.from_engine_bench`), the same
+    logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.simulate.trace`), and
     each measured row re-run in the simulator as the engine ran it: its requests in order, in
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
-    from histospec_sgl.bench import engine_trace as et
-    from histospec_sgl.bench.engine_bench import trace_row_requests
-    from histospec_sgl.engine.profile import Measured, from_engine_bench
+    from histospec_sgl.simulate import trace as et
+    from histospec_sgl.simulate.profile import Measured, from_engine_bench
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
@@ -134,7 +133,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         if method not in CHECKED or ("plain", batch, temp) not in measured:
             continue
-        reqs = et.requests(groups, trace_row_requests(batch, int(settings["sampled_requests"])))
+        reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"])))
 
         # A measured step time is a row's wall time over the forward passes its longest request
         # took, at the row's batch size: every simulated step of the row costs that, however many

@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import EngineControl
-from histospec_sgl.engine.policy import Fixed, StepPolicy
-from histospec_sgl.engine.profile import Profile
+from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import accept_greedy
 

@@ -13,18 +13,11 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from histospec_sgl.engine.policy import Profile
 
-class Profile(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def analytic(self) -> bool: ...
-    @property
-    def description(self) -> str: ...
-
-    def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float: ...
+__all__ = ["ANALYTIC", "H100_8B", "Analytic", "Measured", "Profile", "from_engine_bench", "resolve"]
 
 
 @dataclass(frozen=True)
