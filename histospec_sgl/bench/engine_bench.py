@@ -198,9 +198,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         after = width_steps(srv) or {}
         row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
                               if n - widths_before.get(w, 0) > 0}
-        costs = step_seconds(srv)
-        if costs:
-            row["step_seconds"] = costs
+        row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
     return row
 
 
@@ -423,6 +421,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for w, n in r[k].items():
                     total[w] = total.get(w, 0) + n
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
+            continue
+        if k == "step_seconds":  # the step costs the policy had measured by the end of the last run
+            out[k] = runs[-1][k]
             continue
         vals = sorted(r[k] for r in runs)
         mid = len(vals) // 2
