@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from histospec_sgl.engine.draft import walk
 from histospec_sgl.engine.policy import Profile
 
 
@@ -143,16 +144,9 @@ class ShadowDraft:
         """The request produced ``tokens`` after the draft's root (or after the last call's):
         follows them down the tree. True once the walk has ended (a miss or a leaf), with
         ``accepted`` final."""
-        for t in tokens:
-            nxt = next((j for j in range(self.node + 1, len(self.tokens))
-                        if self.parents[j] == self.node and self.tokens[j] == t), None)
-            if nxt is None:
-                return True
-            self.node = nxt
-            self.accepted += 1
-            if not any(p == nxt for p in self.parents[nxt + 1:]):
-                return True
-        return False
+        self.node, matched, ended = walk(self.tokens, self.parents, tokens, self.node, leaf_ends=True)
+        self.accepted += matched
+        return ended
 
 
 def bucket(batch: int) -> int:

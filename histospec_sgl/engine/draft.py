@@ -10,13 +10,36 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from histospec_sgl._core import HistoryIndex
+if TYPE_CHECKING:  # the native module loads on first use (histospec_sgl/__init__.py)
+    from histospec_sgl._core import HistoryIndex
 
-__all__ = ["Draft", "draft", "tree_mask", "tree_parents", "tree_parents_batch", "write_empty"]
+__all__ = ["Draft", "draft", "tree_mask", "tree_parents", "tree_parents_batch", "walk", "write_empty"]
+
+
+def walk(tokens: Sequence[int] | Any, parents: Sequence[int] | Any, seq: Any, node: int = 0, *,
+         leaf_ends: bool = False) -> tuple[int, int, bool]:
+    """Tree verification's walk, written once (the replay's acceptance, the simulator's traces and
+    the engine's shadow drafts all use it): follows the tokens of ``seq`` down the draft tree from
+    ``node``, each to the child that carries it (nodes in parent-before-child order, the root at 0).
+    Returns the node reached, how many tokens matched, and whether the walk ended (a token no child
+    carries; with ``leaf_ends``, also a leaf reached, where nothing more can match)."""
+    n, matched = len(tokens), 0
+    for t in seq:
+        nxt = -1
+        for j in range(node + 1, n):
+            if parents[j] == node and tokens[j] == t:
+                nxt = j
+                break
+        if nxt < 0:
+            return node, matched, True
+        node, matched = nxt, matched + 1
+        if leaf_ends and not any(parents[j] == node for j in range(node + 1, n)):
+            return node, matched, True
+    return node, matched, False
 
 
 @dataclass(frozen=True)

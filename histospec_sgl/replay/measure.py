@@ -9,12 +9,14 @@ draft first, then all advance, as one decode batch does.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from histospec_sgl.engine.draft import walk
 from histospec_sgl.replay.methods import Method
 from histospec_sgl.replay.scenarios import Case
 
@@ -22,20 +24,10 @@ from histospec_sgl.replay.scenarios import Case
 def accept_greedy(tokens: Sequence[int] | Any, parents: Sequence[int] | Any, truth: Sequence[int] | Any, pos: int) -> int:
     """Length of the longest root path of the tree whose tokens equal ``truth[pos:]``'s prefix.
 
-    Nodes are in parent-before-child order with the root at index 0 (its parent is -1).
+    Nodes are in parent-before-child order with the root at index 0 (its parent is -1)
+    (:func:`histospec_sgl.engine.draft.walk`).
     """
-    cur, acc, n, end = 0, 0, len(tokens), len(truth)
-    while pos + acc < end:
-        want = truth[pos + acc]
-        nxt = -1
-        for j in range(cur + 1, n):
-            if parents[j] == cur and tokens[j] == want:
-                nxt = j
-                break
-        if nxt < 0:
-            break
-        cur, acc = nxt, acc + 1
-    return acc
+    return walk(tokens, parents, itertools.islice(truth, pos, None))[1]
 
 
 @dataclass
