@@ -366,3 +366,31 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
             assert r0[name][k] == r1[name][k], (name, k)
         assert all(e["identical"] for e in r0[name]["epochs"]), name
     assert r0["overlap=True,cost"]["plain_steps"] > 0
+
+
+def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
+    """``histospec:step_seconds{width,batch}``: the costs the default policy times per verify width and
+    batch bucket, read from a real drafter into a real prometheus_client registry; none at a fixed width."""
+    r = run_sglang(sglang_py, """
+        import json
+        from prometheus_client import CollectorRegistry
+        from histospec_sgl.engine.config import HistoryConfig
+        from histospec_sgl.engine.drafter import BatchDrafter
+        from histospec_sgl.plugin.metrics import HistoryMetrics
+        out = {}
+        for control in ("cost", "fixed"):
+            reg = CollectorRegistry()
+            dr = BatchDrafter(8, HistoryConfig(control=control))
+            if dr.control is not None:
+                for w, s in ((1, 0.01), (8, 0.02), (4, 0.015)):
+                    for _ in range(3):
+                        dr.control.clock.record(6, w, s)
+            HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg).refresh_index(dr)
+            out[control] = sorted((s.labels["width"], s.labels["batch"], s.value) for m in reg.collect()
+                                  for s in m.samples if s.name == "histospec:step_seconds")
+        print("RESULT " + json.dumps(out))
+    """)
+    got = result(r)
+    assert got["fixed"] == []
+    # The first timing of each width in a bucket is left out (warm-up): two of three kept, bucket 5-8.
+    assert got["cost"] == [["1", "8", 0.01], ["4", "8", 0.015], ["8", "8", 0.02]], got

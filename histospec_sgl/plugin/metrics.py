@@ -198,7 +198,7 @@ class HistoryMetrics:
         self._m["histospec:index_tokens"].set(st["tokens"])
         self._m["histospec:index_bytes"].set(st["bytes"])
         self._m["histospec:inflight_requests"].set(st["requests"])
-        control = drafter.control() if callable(getattr(drafter, "control", None)) else None
-        if control is not None:
+        control = getattr(drafter, "control", None)  # the default policy (a property); None at a fixed width
+        if control is not None and hasattr(control, "clock"):
             for (width, bucket), seconds in list(control.clock.table.items()):
                 self._costs_family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)
