@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from histospec_sgl.engine.draft import walk
-from histospec_sgl.engine.policy import Profile
+from histospec_sgl.engine.policy import Profile, interpolate
 
 
 @dataclass
@@ -217,14 +217,9 @@ class StepClock:
         if cost is not None:
             return cost
         measured = sorted((w, c) for (w, bb), c in self.table.items() if bb == b)
-        below = [(w, c) for w, c in measured if w < width]
-        above = [(w, c) for w, c in measured if w > width]
-        if below and above:
-            (w0, c0), (w1, c1) = below[-1], above[0]
-            return c0 + (c1 - c0) * (width - w0) / (w1 - w0)
-        if below or above:
-            return (below or above)[-1 if below else 0][1]
-        raise KeyError((width, b))
+        if not measured:
+            raise KeyError((width, b))
+        return interpolate(measured, width)
 
 
 def verify_widths(d: int) -> tuple[int, ...]:

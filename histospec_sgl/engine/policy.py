@@ -12,8 +12,22 @@ simulator scores is the one the engine runs:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """``y`` at ``x`` on the line through ``points`` (``(x, y)`` sorted by ``x``, at least one), held
+    flat beyond the first and the last: how step costs are read between the widths or batch sizes
+    that were timed (the engine's clock and the simulator's measured profiles alike)."""
+    i = bisect.bisect_left([p[0] for p in points], x)
+    if i == 0:
+        return points[0][1]
+    if i == len(points):
+        return points[-1][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 class Profile(Protocol):

@@ -9,13 +9,12 @@ interpolates step times timed on a real engine (a JSON file, ``--profile PATH``)
 
 from __future__ import annotations
 
-import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.engine.policy import Profile
+from histospec_sgl.engine.policy import Profile, interpolate
 
 __all__ = ["ANALYTIC", "H100_8B", "Analytic", "Measured", "Profile", "from_engine_bench", "resolve"]
 
@@ -88,30 +87,11 @@ class Measured:
     def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
         if batch <= 0:
             return 0.0
-        timed = sorted(self.points)
-        below = [w for w in timed if w <= width]
-        above = [w for w in timed if w >= width]
-        if below and above and below[-1] != above[0]:
-            w0, w1 = below[-1], above[0]
-            c0, c1 = self._at(w0, batch), self._at(w1, batch)
-            base = c0 + (c1 - c0) * (width - w0) / (w1 - w0)
+        if width in self.points:
+            base = interpolate(self.points[width], batch)
         else:
-            base = self._at((below or above)[-1 if below else 0], batch)
+            base = interpolate([(w, interpolate(pts, batch)) for w, pts in sorted(self.points.items())], width)
         return base + batch * context * self.context_s_per_token + prefill * self.prefill_s_per_token
-
-    def _at(self, w: int, batch: int) -> float:
-        """Width ``w``'s timed step cost, interpolated in the batch size."""
-        pts = self.points[w]
-        bs = [b for b, _ in pts]
-        i = bisect.bisect_left(bs, batch)
-        if i == 0:
-            base = pts[0][1]
-        elif i == len(pts):
-            base = pts[-1][1]
-        else:
-            (b0, t0), (b1, t1) = pts[i - 1], pts[i]
-            base = t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
-        return base
 
     @classmethod
     def load(cls, path: Path) -> Measured:
@@ -148,11 +128,9 @@ def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str |
     times: dict[tuple[int, int], list[float]] = {}
     for res in results:
         d = int(res["settings"]["draft_tokens"])
-        widths = {1}
         for r in res["rows"]:
             width = {"plain": 1, "history": d}.get(r["method"])
             if width is not None and r.get("step_ms"):
-                widths.add(width)
                 times.setdefault((width, int(r["batch_size"])), []).append(float(r["step_ms"]) / 1e3)
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
         raise ValueError("the engine result needs rows of plain decoding and of HISTORY (--methods plain,history)")
