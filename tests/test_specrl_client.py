@@ -516,5 +516,6 @@ def test_one_flow_draws_the_same_for_the_same_sample_in_every_trainer():
     assert flow.seed_sequence(3, 2**63 + 7, 1, 0).entropy == flow.seed_sequence(3, 2**63 + 7, 1, 0).entropy
     with pytest.raises(ValueError, match=">= 0"):
         flow.seed_sequence(0, 1, -1, 0)
-    rounds = flow.Rounds()
-    assert [rounds.take(5, 0), rounds.take(5, 1), rounds.take(5, 0)] == [0, 0, 1]
+    rounds = flow.SlotCounter()
+    assert [rounds.count((5, 0)), rounds.count((5, 1)), rounds.count((5, 0))] == [0, 0, 1]
+    assert [rounds.take(7, 3) for _ in range(4)] == [0, 1, 2, 0]

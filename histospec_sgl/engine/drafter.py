@@ -45,7 +45,6 @@ logger = logging.getLogger("histospec_sgl.plugin")
 GROUP_PARAM = "histospec_group"
 
 
-
 def group_of(custom_params: Any) -> int | None:
     """The group key a client chose in ``custom_params["histospec_group"]`` by the one rule
     (:func:`histospec_sgl.group_key`: an int in [-2**63, 2**64) is the key, a string names a

@@ -10,21 +10,12 @@ n distinct slots whichever processes make them.
 
 from __future__ import annotations
 
-import collections
 from typing import Any
+
+from histospec_sgl.specrl.flow import SlotCounter
 
 NAME = "histospec-slots"
 NAMESPACE = "histospec"
-
-
-class SlotCounter:
-    def __init__(self) -> None:
-        self._next: collections.Counter[int] = collections.Counter()
-
-    def take(self, group: int, n: int) -> int:
-        k = self._next[group]
-        self._next[group] = k + 1
-        return k % max(1, n)
 
 
 class Slots:

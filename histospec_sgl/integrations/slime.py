@@ -78,7 +78,7 @@ from typing import Any
 
 from histospec_sgl.integrations.versions import require
 from histospec_sgl.settings import value as settings_value
-from histospec_sgl.specrl.flow import Rounds
+from histospec_sgl.specrl.flow import SlotCounter
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
 
@@ -89,7 +89,7 @@ logger = logging.getLogger("histospec_sgl.integrations")
 DEFAULT_INNER = "slime.rollout.sglang_rollout.generate"
 MODES = ("history", "specrl")
 #: Each (group, slot)'s reuses so far in this process: the round that seeds its acceptance draws.
-_rounds = Rounds()
+_rounds = SlotCounter()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,7 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
 
     # slime's abort() sets state.aborted, then aborts every engine's requests: a scoring call SGLang
     # aborts, or one not yet sent, comes back as an aborted sample with nothing reused.
-    reuse = await flow.reuse(backend, settings, group=group, slot=slot, round_=_rounds.take(group, slot),
+    reuse = await flow.reuse(backend, settings, group=group, slot=slot, round_=_rounds.count((group, slot)),
                              prompt_ids=prompt_ids, sampling_params={**params, "max_new_tokens": int(params["max_new_tokens"])},
                              previous=previous, aborted=lambda: bool(state.aborted), name=str(sample.index))
     if reuse.aborted:

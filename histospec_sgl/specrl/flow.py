@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,19 +30,26 @@ def seed_sequence(seed: int, group: int, slot: int, round_: int) -> np.random.Se
     return np.random.SeedSequence([seed, group & 0xFFFFFFFF, group >> 32, slot, round_])
 
 
-class Rounds:
-    """How many times each slot of each group has been drawn in this process: a sample's round where
-    the trainer does not count them (slime runs a step's generates in one process)."""
+class SlotCounter:
+    """Calls counted per key: a sample's slot in its group where the trainer does not say which of the
+    n samples a call is (:meth:`take`; verl's and OpenRLHF's adapters, through a Ray actor of this
+    class), and a slot's round where the trainer does not count them (:meth:`count`; slime runs a
+    step's generates in one process)."""
 
     def __init__(self) -> None:
-        self._next: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._next: collections.Counter[Hashable] = collections.Counter()
         self._lock = threading.Lock()
 
-    def take(self, group: int, slot: int) -> int:
+    def count(self, key: Hashable) -> int:
+        """How many times ``key`` was counted before this call."""
         with self._lock:
-            k = self._next[(group, slot)]
-            self._next[(group, slot)] = k + 1
+            k = self._next[key]
+            self._next[key] = k + 1
             return k
+
+    def take(self, group: int, n: int) -> int:
+        """The k-th call for ``group`` gets slot ``k mod n``."""
+        return self.count(group) % max(1, n)
 
 
 async def reuse(backend: Backend, options: Options, *,
@@ -57,4 +64,4 @@ async def reuse(backend: Backend, options: Options, *,
     return await client.reuse([int(t) for t in prompt_ids], dict(sampling_params), previous, name=name)
 
 
-__all__ = ["Rounds", "reuse", "seed_sequence"]
+__all__ = ["SlotCounter", "reuse", "seed_sequence"]
