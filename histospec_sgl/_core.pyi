@@ -16,10 +16,12 @@ __all__ = [
     "encode_publish",
     "decode_publish_response",
     "encode_subscribe",
+    "encode_follow",
     "decode_stats",
     "decode_records",
     "apply_records",
     "wire_span",
+    "follow_span",
     "run_draft_server",
     "__version__",
     "SNAPSHOT_FORMAT_VERSION",
@@ -190,6 +192,8 @@ class HistoryIndex:
     def has_request(self, rid: int) -> bool: ...
     def request_group(self, rid: int) -> int: ...
     def group_keys(self) -> list[int]: ...
+    def group_len(self, group: int) -> int:
+        """How many finished responses ``group`` holds (0: none, or not held)."""
     def responses(self, group: int) -> list[tuple[list[int], list[int], int]]:
         """Kept responses of a group, oldest first, as (prompt_ids, response_ids, version)."""
 
@@ -245,15 +249,23 @@ def decode_publish_response(data: bytes) -> dict[str, Any]:
     """``{"sequences", "accepted", "duplicates", "durable"}``."""
 
 def encode_subscribe(from_sequence: int) -> bytes: ...
+def encode_follow(from_sequence: int = 0, add: list[tuple[int, int]] = ..., drop: list[int] = ...) -> bytes:
+    """A ``FollowRequest``: ``add`` is ``(group_key, after_sequence)`` pairs, ``drop`` group keys."""
+
 def decode_stats(data: bytes) -> dict[str, Any]: ...
 def decode_records(data: bytes, kind: str) -> dict[str, Any]:
-    """A Subscribe (``kind="subscribe"``) or Snapshot (``"snapshot"``) message with its records as dicts."""
+    """A Subscribe (``kind="subscribe"``), Snapshot (``"snapshot"``) or Follow (``"follow"``: with
+    ``ready_groups`` and ``cursor``) message with its records as dicts."""
 
 def apply_records(
     index: HistoryIndex, data: bytes, kind: str, after_sequence: int = 0, through_sequence: int | None = None
 ) -> dict[str, Any]:
     """Applies the message's records with sequence in (after, through] to ``index``; returns
     ``applied``, ``rejected``, ``last_sequence``, ``more`` and the message header."""
+
+def follow_span(data: bytes) -> dict[str, Any]:
+    """A Follow message's ``cursor``, ``head_sequence``, ``ready_groups``, ``records`` (count) and
+    ``last`` (each group's highest sequence in it), without its tokens."""
 
 def wire_span(data: bytes, kind: str) -> tuple[int, int]:
     """(last record sequence or 0, head_sequence / through_sequence) of a message."""

@@ -258,6 +258,11 @@ SETTINGS: tuple[Setting, ...] = (
             "host:port of a histospec draft server: engines subscribe to its history and publish finished "
             "responses; SPEC-RL finds previous responses there",
             field="draft_server", flag="--history-draft-server", metavar="HOST:PORT"),
+    Setting("HISTOSPEC_DRAFT_SERVER_MODE", _C, _choice("on_demand", "mirror"), "on_demand",
+            "how an engine follows the draft server: on_demand (the default) holds the groups it drafts for, "
+            "fetching a group's history when its first request arrives and following its new records; "
+            "mirror subscribes to every record (the whole history in every engine, under its memory budget)",
+            field="draft_server_mode", flag="--history-draft-server-mode", metavar="on_demand|mirror"),
     Setting("HISTOSPEC_DRAFT_SERVER_TOKEN_FILE", _C, _existing_file, None,
             "a file holding the draft server's bearer token (the server's --auth-token-file); every client "
             "of the server sends it", field="draft_server_token_file"),

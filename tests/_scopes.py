@@ -15,6 +15,7 @@ def other_scopes(tmp_path: Path) -> dict[str, str]:
     return {
         "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE": str(token),
         "HISTOSPEC_DRAFT_SERVER_CA": str(pem),
+        "HISTOSPEC_DRAFT_SERVER_MODE": "mirror",
         "HISTOSPEC_DRAFT_SERVER_ACTOR": "histospec/histospec-draft-server",
         "HISTOSPEC_SPECRL_TIMEOUT": "30",
         "HISTOSPEC_SLIME_INNER_GENERATE": "slime.rollout.sglang_rollout.generate",

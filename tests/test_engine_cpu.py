@@ -462,8 +462,11 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server,
             assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in aborted)
             assert all(len(o["output_ids"]) < 400 for o in aborted)
             # History published to the draft server (never generated here) drafts these whole, once
-            # the engine's subscription has caught up (it reconnects with up to 2 s of backoff).
+            # the engine's follow stream has reconnected (up to 2 s of backoff) and the groups' first
+            # requests have asked for it (the engine follows the groups it drafts for).
             time.sleep(3)
+            srv.generate(published, {**pub_sp, "max_new_tokens": 2})
+            time.sleep(1)
             srv.generate(prompts[:1], pub_sp)  # a few steps: their boundaries apply what arrived
             outs = srv.generate(published, pub_sp)
             assert [o["output_ids"] for o in outs] == want_published

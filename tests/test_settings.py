@@ -72,6 +72,7 @@ def test_an_engine_accepts_every_other_scopes_variables(tmp_path):
                                  if s.scope != "engine" and s.env != "HISTOSPEC_DRAFT_SERVER")
     cfg = HistoryConfig.from_env(env)
     assert cfg.draft_server_token_file == env["HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"]
+    assert cfg.draft_server_mode == "mirror"
     for name in env:
         settings.value(name, env)  # every example is a valid value
 

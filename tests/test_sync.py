@@ -530,18 +530,21 @@ def test_tls(tmp_path):
             HistoryPublisher(srv.address).stats(timeout=3)
 
 
-def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path):
+@pytest.mark.parametrize("mode", ["on_demand", "mirror"])
+def test_engine_sync_never_waits_on_a_dead_server_and_catches_up(tmp_path, mode):
     """An engine's step boundary must not stall while its draft server is down: finished responses
     queue in memory and the records it has go on being applied. Once the server is back on its port,
-    the queued responses are published and records published by others meanwhile reach the index."""
+    the queued responses are published and records published by others meanwhile reach the index
+    (on_demand: the engine asked for every group's history before the records were published)."""
     from histospec_sgl.sync.engine import EngineSync
 
     data_dir = tmp_path / "data"
     srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
     port = srv.port
     idx = HistoryIndex()
-    sync = EngineSync(srv.address, idx)
+    sync = EngineSync(srv.address, idx, mode=mode)
     recs = _records(40, seed=11)
+    sync.want({prompt_key(p) for p, _ in recs})
     try:
         for p, r in recs[:10]:
             sync.finished(p, r, version=0)
@@ -650,3 +653,69 @@ def test_subscriber_close_returns_at_once_and_stops_its_thread(tmp_path):
     t0 = time.monotonic()
     sub.close()
     assert time.monotonic() - t0 < 1.0 and not sub._thread.is_alive()
+
+
+def _follow_until(follower, index, pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "the follower did not get there in time"
+        follower.poll()
+        time.sleep(0.02)
+
+
+def test_follower_fetches_a_groups_history_follows_only_its_groups_and_resumes_after_a_kill(tmp_path):
+    """``on_demand``: an engine asks for a group when its first request arrives and gets the group's
+    retained history, then its new records; records of groups it never asked for are not sent (the
+    server filters them, so the engine's received bytes are its groups' share). Killed (SIGKILL) and
+    restarted from its data dir, the server is followed again from where the stream stopped: nothing
+    is lost and nothing applied twice. A group the index has evicted is dropped from the stream."""
+    from histospec_sgl.sync.follow import GroupFollower
+
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    port = srv.port
+    recs = _records(60, seed=3, prompts=6)  # 10 responses per prompt
+    keys = [prompt_key(p) for p, _ in recs]
+    mine = keys[0], keys[1]
+    idx = HistoryIndex()
+    follower = GroupFollower(srv.address, idx, idle_seconds=0.0, sweep_every=1).start()
+    try:
+        with HistoryPublisher(srv.address) as pub:
+            for p, r in recs[:30]:
+                pub.publish(p, r, version=0)
+            pub.flush()
+            assert follower.want([mine[0]]) == 1 and follower.want([mine[0]]) == 0
+            _follow_until(follower, idx, lambda: follower.ready(mine[0]) and idx.group_len(mine[0]) == 5)
+            assert idx.group_keys() == [mine[0]] and len(follower.fetch_seconds) == 1
+            follower.want([mine[1]])
+            for p, r in recs[30:]:
+                pub.publish(p, r, version=1)
+            pub.flush()
+            _follow_until(follower, idx, lambda: idx.group_len(mine[0]) == 10 and idx.group_len(mine[1]) == 10)
+            st = pub.stats()
+            assert (st["followers"], st["followed_groups"]) == (1, 2)
+            assert sorted(idx.group_keys()) == sorted(mine)
+        # Only the two groups' records came: about 2/6 of the history's bytes.
+        whole = sum(len(p) + len(r) for p, r in recs) * 4
+        assert follower.received_bytes < 0.5 * whole, (follower.received_bytes, whole)
+        srv.kill()
+        wait_port_free(port)
+        srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, log=tmp_path / "server2.log")
+        with HistoryPublisher(srv.address) as pub:
+            for i, (p, r) in enumerate(recs[:12]):
+                pub.publish(p, r, version=2, record_id=f"after-restart-{i}")
+            pub.flush()
+        _follow_until(follower, idx, lambda: idx.group_len(mine[0]) == 12 and idx.group_len(mine[1]) == 12)
+        assert follower.reconnects >= 1
+        time.sleep(0.5)
+        follower.poll()
+        assert [idx.group_len(g) for g in mine] == [12, 12], "a record was applied twice"
+        # Evicted from the index and idle: the group leaves the stream.
+        idx.remove_group(mine[0])
+        follower.poll()
+        assert follower.held == 1 and follower.dropped_groups == 1
+        with HistoryPublisher(srv.address) as pub:
+            assert pub.stats()["followed_groups"] in (1, 2)  # the drop is on its way
+    finally:
+        follower.close()
+        srv.kill()

@@ -59,6 +59,7 @@ class HistoryConfig:
     log_every: int = 200
     lenience: float = 1.0
     draft_server: str | None = None
+    draft_server_mode: str = "on_demand"
     draft_server_token_file: str | None = None
     draft_server_ca: str | None = None
 

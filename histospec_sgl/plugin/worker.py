@@ -46,6 +46,7 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
+from histospec_sgl import group_key
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import write_empty
 from histospec_sgl.engine.drafter import BatchDrafter, group_of
@@ -375,7 +376,7 @@ class HistoryWorker(NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        rids, items, classes = [], [], []
+        rids, items, classes, arrived = [], [], [], []
         drafter = self.drafter
         for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
             rid = req.rid
@@ -383,10 +384,17 @@ class HistoryWorker(NGRAMWorker):
                 self._done.pop(rid)
                 self._no_keep.add(rid)
             # The group is read only for a request the drafter does not know yet.
-            group = None if drafter.is_live(rid) else self._group(req)
+            group = None
+            if not drafter.is_live(rid):
+                group = self._group(req)
+                arrived.append(group_key(req.origin_input_ids, group))
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
             classes.append(_request_class(req))
+        if arrived and self.sync is not None:
+            # A group's first request asks the draft server for its history (on_demand); it arrives
+            # in the background, and the request drafts from its siblings until it has.
+            self.sync.want(arrived)
         drafter.sync_batch(items)
         if self._free_width:
             tokens, mask = drafter.draft(rids, classes)

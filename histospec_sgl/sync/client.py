@@ -531,6 +531,7 @@ class HistorySubscriber(_Client):
         self._error: DraftServerError | None = None
         self.applied_records = 0
         self.rejected_records = 0
+        self.received_bytes = 0
         self.snapshots = 0
         self.reconnects = 0
         self._thread = threading.Thread(target=self._run, name="histospec-subscriber", daemon=True)
@@ -596,6 +597,7 @@ class HistorySubscriber(_Client):
         for data in stream:
             if self._stop.is_set():
                 return
+            self.received_bytes += len(data)
             last, mark = self._deliver(kind, data)
             self._received = max(self._received, last)
             if kind == "snapshot":

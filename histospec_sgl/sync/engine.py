@@ -7,11 +7,17 @@ the engine's index, when ``HISTOSPEC_DRAFT_SERVER`` is set).
   With a draft server the worker finishes its requests with ``keep=False``: its own responses come
   back through the subscription like everyone else's, so every replica holds the same history in the
   same order.
-- Records from the server are applied at step boundaries only, up to the sequence received so
-  far, never from the receiving thread into a live draft call.
+- Records from the server are applied at step boundaries only, never from the receiving thread into a
+  live draft call.
+- ``mode="on_demand"`` (the default): the engine follows the groups it drafts for
+  (:class:`~histospec_sgl.sync.follow.GroupFollower`): :meth:`EngineSync.want` asks for a group's
+  history when its first request arrives (or when the step's prompts are announced) and the
+  engine holds that group's records only. ``mode="mirror"``: every record of the job, in the global
+  order (:class:`~histospec_sgl.sync.client.HistorySubscriber`), under the index's memory budget.
 
-Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE``
-(bearer token), ``HISTOSPEC_DRAFT_SERVER_CA`` (PEM roots: use TLS).
+Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVER_MODE``
+(``on_demand`` or ``mirror``), ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE`` (bearer token),
+``HISTOSPEC_DRAFT_SERVER_CA`` (PEM roots: use TLS).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from typing import Any
 
 from histospec_sgl import settings
 from histospec_sgl.sync.client import BackgroundPublisher, Credentials, HistoryPublisher, HistorySubscriber
+from histospec_sgl.sync.follow import GroupFollower
+
+MODES = ("on_demand", "mirror")
 
 log = logging.getLogger("histospec_sgl.sync")
 
@@ -30,7 +39,8 @@ class EngineSync:
     Args:
         address: the server.
         index: the engine's :class:`~histospec_sgl.HistoryIndex`.
-        apply_timeout: seconds a step boundary waits for records already received.
+        mode: ``on_demand`` (follow the groups asked for with :meth:`want`) or ``mirror`` (every record).
+        apply_timeout: seconds a step boundary waits for records already received (mirror).
         publish_timeout: seconds per publish attempt (the background thread retries with backoff).
     """
 
@@ -44,11 +54,22 @@ class EngineSync:
         apply_timeout: float = 60.0,
         publisher_id: str | None = None,
         publish_timeout: float = 10.0,
+        mode: str = "on_demand",
     ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
         self.apply_timeout = apply_timeout
-        self.subscriber = HistorySubscriber(
-            address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
-        ).start()
+        self.subscriber: HistorySubscriber | None = None
+        self.follower: GroupFollower | None = None
+        if mode == "mirror":
+            self.subscriber = HistorySubscriber(
+                address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
+            ).start()
+        else:
+            self.follower = GroupFollower(
+                address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
+            ).start()
         #: Publishes finished responses in the background; its counters (``publish_failures``,
         #: ``refused_records``, ``dropped``) say what did not go out.
         self.outbox = BackgroundPublisher(
@@ -65,7 +86,13 @@ class EngineSync:
         address = settings.value("HISTOSPEC_DRAFT_SERVER")
         if not address:
             return None
+        kw.setdefault("mode", settings.value("HISTOSPEC_DRAFT_SERVER_MODE"))
         return cls(address, index, **Credentials.from_env().kwargs(), **kw)
+
+    def want(self, groups: Any) -> int:
+        """Asks for these groups' history (on_demand; a mirror holds everything already). Never blocks:
+        a request whose group's history has not arrived drafts from its siblings meanwhile."""
+        return self.follower.want(groups) if self.follower is not None else 0
 
     def finished(self, prompt_ids: Any, response_ids: Any, *, version: int, sample_index: int = 0,
                  group: int | None = None, logprobs: Any = None, reward: float | None = None) -> None:
@@ -76,6 +103,9 @@ class EngineSync:
     def step_boundary(self) -> int:
         """Applies the server's records up to the point received so far; returns how many were
         applied. Publishing runs beside it and never delays it."""
+        if self.follower is not None:
+            return self.follower.poll()
+        assert self.subscriber is not None
         if self.subscriber.error is not None:
             raise self.subscriber.error
         target = self.subscriber.received_sequence
@@ -97,4 +127,7 @@ class EngineSync:
     def close(self, timeout: float = 10.0) -> None:
         """Publishes what is queued (waiting up to ``timeout`` for the server), then closes."""
         self.outbox.close(timeout)
-        self.subscriber.close()
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if self.follower is not None:
+            self.follower.close()

@@ -29,6 +29,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ".histospec.v1.SnapshotChunk",
             "crate::wire::EncodedSnapshotChunk",
         )
+        .extern_path(
+            ".histospec.v1.FollowResponse",
+            "crate::wire::EncodedFollowResponse",
+        )
         .compile_fds(fds)?;
     Ok(())
 }

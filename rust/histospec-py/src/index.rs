@@ -543,6 +543,11 @@ impl PyHistoryIndex {
         Ok(self.read()?.group_keys())
     }
 
+    /// How many finished responses a group holds (0: none, or not held).
+    fn group_len(&self, group: u64) -> PyResult<usize> {
+        Ok(self.read()?.group_len(group))
+    }
+
     /// The kept responses of a group, oldest first, as (prompt_ids, response_ids, version).
     fn responses(&self, group: u64) -> PyResult<Vec<ResponseTuple>> {
         let g = self.read()?;

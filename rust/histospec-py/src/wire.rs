@@ -8,8 +8,8 @@
 use std::path::PathBuf;
 
 use histospec_server::proto::{
-    PublishRequest, PublishResponse, Record, SnapshotChunk, StatsResponse, SubscribeRequest,
-    SubscribeResponse,
+    FollowGroup, FollowRequest, FollowResponse, PublishRequest, PublishResponse, Record,
+    SnapshotChunk, StatsResponse, SubscribeRequest, SubscribeResponse,
 };
 use histospec_server::store::Retention;
 use histospec_server::ServerConfig;
@@ -114,6 +114,30 @@ pub fn encode_subscribe<'py>(py: Python<'py>, from_sequence: u64) -> Bound<'py, 
     PyBytes::new(py, &SubscribeRequest { from_sequence }.encode_to_vec())
 }
 
+/// Encodes a `FollowRequest`: `add` is `(group_key, after_sequence)` pairs, `drop` group keys.
+#[pyfunction]
+#[pyo3(signature = (from_sequence=0, add=Vec::new(), drop=Vec::new()))]
+pub fn encode_follow<'py>(
+    py: Python<'py>,
+    from_sequence: u64,
+    add: Vec<(u64, u64)>,
+    drop: Vec<u64>,
+) -> Bound<'py, PyBytes> {
+    let add = add
+        .into_iter()
+        .map(|(group_key, after_sequence)| FollowGroup {
+            group_key,
+            after_sequence,
+        })
+        .collect();
+    let m = FollowRequest {
+        from_sequence,
+        add,
+        drop,
+    };
+    PyBytes::new(py, &m.encode_to_vec())
+}
+
 /// Decodes a `StatsResponse` into a dict.
 #[pyfunction]
 pub fn decode_stats<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
@@ -130,6 +154,8 @@ pub fn decode_stats<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, Py
         ("subscribers", s.subscribers),
         ("cut_off_subscribers", s.cut_off_subscribers),
         ("max_tokens", s.max_tokens),
+        ("followers", s.followers),
+        ("followed_groups", s.followed_groups),
     ] {
         d.set_item(k, v)?;
     }
@@ -137,13 +163,16 @@ pub fn decode_stats<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, Py
     Ok(d)
 }
 
-/// A decoded Subscribe or Snapshot message.
+/// A decoded Subscribe, Snapshot or Follow message.
 struct Batch {
     records: Vec<Record>,
-    /// head_sequence (subscribe) or through_sequence (snapshot).
+    /// head_sequence (subscribe, follow) or through_sequence (snapshot).
     mark: u64,
     last: bool,
     total: u64,
+    /// Follow only.
+    ready_groups: Vec<u64>,
+    cursor: u64,
 }
 
 fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
@@ -156,6 +185,19 @@ fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
                 mark: m.head_sequence,
                 last: false,
                 total: 0,
+                ready_groups: Vec::new(),
+                cursor: 0,
+            })
+        }
+        "follow" => {
+            let m = FollowResponse::decode(data).map_err(|e| malformed("FollowResponse", e))?;
+            Ok(Batch {
+                records: m.records,
+                mark: m.head_sequence,
+                last: false,
+                total: 0,
+                ready_groups: m.ready_groups,
+                cursor: m.cursor,
             })
         }
         "snapshot" => {
@@ -165,10 +207,12 @@ fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
                 mark: m.through_sequence,
                 last: m.last,
                 total: m.total_records,
+                ready_groups: Vec::new(),
+                cursor: 0,
             })
         }
         other => Err(PyValueError::new_err(format!(
-            "kind must be 'subscribe' or 'snapshot', got {other:?}"
+            "kind must be 'subscribe', 'snapshot' or 'follow', got {other:?}"
         ))),
     }
 }
@@ -181,6 +225,10 @@ fn batch_header<'py>(py: Python<'py>, b: &Batch, kind: &str) -> PyResult<Bound<'
         d.set_item("last", b.last)?;
     } else {
         d.set_item("head_sequence", b.mark)?;
+    }
+    if kind == "follow" {
+        d.set_item("ready_groups", &b.ready_groups)?;
+        d.set_item("cursor", b.cursor)?;
     }
     Ok(d)
 }
@@ -277,6 +325,27 @@ pub fn apply_records<'py>(
 pub fn wire_span(py: Python<'_>, data: &[u8], kind: &str) -> PyResult<(u64, u64)> {
     let b = py.detach(|| decode_batch(data, kind))?;
     Ok((b.records.last().map_or(0, |r| r.sequence), b.mark))
+}
+
+/// A Follow message's `cursor`, `head_sequence`, `ready_groups`, `records` (how many) and `last`
+/// (each group's highest sequence in it).
+#[pyfunction]
+pub fn follow_span<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    let b = py.detach(|| decode_batch(data, "follow"))?;
+    let d = batch_header(py, &b, "follow")?;
+    let last = PyDict::new(py);
+    let mut seen: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+    for r in &b.records {
+        let g = r.group_key.unwrap_or_default();
+        let e = seen.entry(g).or_default();
+        *e = (*e).max(r.sequence);
+    }
+    for (g, s) in seen {
+        last.set_item(g, s)?;
+    }
+    d.set_item("records", b.records.len())?;
+    d.set_item("last", last)?;
+    Ok(d)
 }
 
 /// Runs the draft server until SIGTERM/SIGINT (blocking, GIL released). Prints

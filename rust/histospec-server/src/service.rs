@@ -4,8 +4,11 @@
 //! duplicate), append the new ones to the log and fsync, then make them visible and acknowledge.
 //! Subscribers pull from the shared store at their own pace, each through a bounded buffer, so a slow
 //! one never holds up the others or the publishers; one whose next record was evicted by retention is
-//! cut off with OUT_OF_RANGE and catches up through `Snapshot`.
+//! cut off with OUT_OF_RANGE and catches up through `Snapshot`. A follower (`Follow`) reads the same
+//! store through its own cursor, keeping only the records of the groups it holds, and is sent a group's
+//! retained history (from the store's per-group index) when it adds the group.
 
+use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -13,17 +16,17 @@ use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::disk::Disk;
 use crate::proto::{
-    PublishRequest, PublishResponse, Record, SnapshotRequest, StatsRequest, StatsResponse,
-    SubscribeRequest,
+    FollowRequest, PublishRequest, PublishResponse, Record, SnapshotRequest, StatsRequest,
+    StatsResponse, SubscribeRequest,
 };
 use crate::proto_server::history_service_server::HistoryService;
 use crate::store::{batch_len, Placement, Store};
 use crate::validate;
-use crate::wire::{EncodedSnapshotChunk, EncodedSubscribeResponse, Stored};
+use crate::wire::{EncodedFollowResponse, EncodedSnapshotChunk, EncodedSubscribeResponse, Stored};
 
 /// Per-message and per-stream limits.
 #[derive(Debug, Clone, Copy)]
@@ -63,6 +66,8 @@ pub struct Shared {
     head_tx: watch::Sender<u64>,
     shutdown: watch::Receiver<bool>,
     subscribers: AtomicU64,
+    followers: AtomicU64,
+    followed_groups: AtomicU64,
     cut_off: AtomicU64,
     durable: bool,
     limits: Limits,
@@ -87,6 +92,8 @@ impl Shared {
             head_tx,
             shutdown,
             subscribers: AtomicU64::new(0),
+            followers: AtomicU64::new(0),
+            followed_groups: AtomicU64::new(0),
             cut_off: AtomicU64::new(0),
             limits,
         }
@@ -177,6 +184,8 @@ impl Shared {
     pub fn stats(&self) -> Result<StatsResponse, Status> {
         let mut st = self.store.read().map_err(|_| poisoned())?.stats();
         st.subscribers = self.subscribers.load(Ordering::Relaxed);
+        st.followers = self.followers.load(Ordering::Relaxed);
+        st.followed_groups = self.followed_groups.load(Ordering::Relaxed);
         st.cut_off_subscribers = self.cut_off.load(Ordering::Relaxed);
         st.durable = self.durable;
         Ok(st)
@@ -250,6 +259,201 @@ async fn subscribe_loop(
             r = tx.send(Ok(EncodedSubscribeResponse { records, head_sequence: head })) => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
+    }
+}
+
+/// One Follow stream's state: the groups it holds, the histories still to send, its live cursor.
+struct Follower {
+    shared: Arc<Shared>,
+    held: HashSet<u64>,
+    /// Groups added whose history is not all sent: (group, sent through this sequence, history bound).
+    pending: VecDeque<(u64, u64, u64)>,
+    cursor: u64,
+}
+
+impl Follower {
+    fn apply(&mut self, req: FollowRequest) {
+        for g in req.drop {
+            if self.held.remove(&g) {
+                self.shared.followed_groups.fetch_sub(1, Ordering::Relaxed);
+            }
+            self.pending.retain(|p| p.0 != g);
+        }
+        for a in req.add {
+            if self.held.insert(a.group_key) {
+                self.shared.followed_groups.fetch_add(1, Ordering::Relaxed);
+                self.pending
+                    .push_back((a.group_key, a.after_sequence, self.cursor));
+            }
+        }
+    }
+
+    /// The next message: pending histories first (a group is ready once its history is all sent),
+    /// then live records of held groups from the cursor on. None when there is nothing to send yet.
+    fn next(&mut self) -> Result<Option<EncodedFollowResponse>, Status> {
+        let lim = self.shared.limits;
+        let store = self.shared.store.read().map_err(|_| poisoned())?;
+        let head = store.head();
+        let mut msg = EncodedFollowResponse {
+            head_sequence: head,
+            ..Default::default()
+        };
+        let mut bytes = 0usize;
+        while let Some(&(g, after, before)) = self.pending.front() {
+            let room = lim.batch_records.saturating_sub(msg.records.len());
+            if room == 0 || bytes >= lim.batch_bytes {
+                break;
+            }
+            let batch = store.group_records(g, after, before, room, lim.batch_bytes - bytes);
+            match batch.last() {
+                Some(last) => {
+                    self.pending[0].1 = last.sequence;
+                    bytes += batch.iter().map(|r| r.encoded.len()).sum::<usize>();
+                    msg.records.extend(batch.iter().map(|r| r.encoded.clone()));
+                }
+                None => {
+                    msg.ready_groups.push(g);
+                    self.pending.pop_front();
+                }
+            }
+        }
+        if self.pending.is_empty() && bytes < lim.batch_bytes {
+            // Live records: every new record is looked at once, only held groups' are sent.
+            let from = self.cursor.max(store.first());
+            let scan = store
+                .read_from(from, lim.batch_records * 8, usize::MAX)
+                .unwrap_or_default();
+            if let Some(last) = scan.last() {
+                self.cursor = last.sequence + 1;
+            }
+            for r in scan {
+                if self.held.contains(&r.group_key.unwrap_or_default()) {
+                    msg.records.push(r.encoded.clone());
+                }
+            }
+        }
+        msg.cursor = self.cursor;
+        let moved = !msg.records.is_empty() || !msg.ready_groups.is_empty();
+        Ok(moved.then_some(msg))
+    }
+
+    fn caught_up(&self) -> bool {
+        self.pending.is_empty()
+            && self
+                .shared
+                .store
+                .read()
+                .map(|s| self.cursor > s.head())
+                .unwrap_or(true)
+    }
+}
+
+impl Drop for Follower {
+    fn drop(&mut self) {
+        self.shared.followers.fetch_sub(1, Ordering::Relaxed);
+        self.shared
+            .followed_groups
+            .fetch_sub(self.held.len() as u64, Ordering::Relaxed);
+    }
+}
+
+async fn follow_loop(
+    shared: Arc<Shared>,
+    mut requests: Streaming<FollowRequest>,
+    tx: mpsc::Sender<Result<EncodedFollowResponse, Status>>,
+) {
+    let mut shutdown = shared.shutdown.clone();
+    let first = tokio::select! {
+        m = requests.message() => m,
+        _ = shutdown.changed() => return,
+        _ = tx.closed() => return,
+    };
+    let first = match first {
+        Ok(Some(m)) => m,
+        Ok(None) => return,
+        Err(e) => {
+            let _ = tx.send(Err(e)).await;
+            return;
+        }
+    };
+    let head = shared.store.read().map(|s| s.head()).ok();
+    let head = match head {
+        Some(h) => h,
+        None => {
+            let _ = tx.send(Err(poisoned())).await;
+            return;
+        }
+    };
+    if first.from_sequence > head + 1 {
+        let msg = format!(
+            "from_sequence {} is past the server's head {head} (was it restarted without \
+             --data-dir?); follow again from 0",
+            first.from_sequence
+        );
+        let _ = tx.send(Err(Status::failed_precondition(msg))).await;
+        return;
+    }
+    shared.followers.fetch_add(1, Ordering::Relaxed);
+    let mut f = Follower {
+        cursor: if first.from_sequence == 0 {
+            head + 1
+        } else {
+            first.from_sequence
+        },
+        shared: Arc::clone(&shared),
+        held: HashSet::new(),
+        pending: VecDeque::new(),
+    };
+    f.apply(first);
+    // Requests are read by their own task so that a burst of adds never waits behind a send.
+    let (req_tx, mut req_rx) = mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        while let Ok(Some(m)) = requests.message().await {
+            if req_tx.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    let _reader = AbortOnDrop(reader);
+    let mut head_rx = shared.head_tx.subscribe();
+    loop {
+        if *shutdown.borrow_and_update() {
+            return;
+        }
+        head_rx.borrow_and_update();
+        while let Ok(m) = req_rx.try_recv() {
+            f.apply(m);
+        }
+        let msg = match f.next() {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
+        match msg {
+            Some(m) => tokio::select! {
+                r = tx.send(Ok(m)) => if r.is_err() { return },
+                _ = shutdown.changed() => return,
+            },
+            None if f.caught_up() => tokio::select! {
+                r = head_rx.changed() => if r.is_err() { return },
+                m = req_rx.recv() => match m {
+                    Some(m) => f.apply(m),
+                    None => return, // the client closed its side
+                },
+                _ = shutdown.changed() => return,
+                _ = tx.closed() => return,
+            },
+            None => {}
+        }
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -335,6 +539,21 @@ impl HistoryService for Service {
                 }
             }
         });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type FollowStream = Stream_<EncodedFollowResponse>;
+
+    async fn follow(
+        &self,
+        request: Request<Streaming<FollowRequest>>,
+    ) -> Result<Response<Self::FollowStream>, Status> {
+        let (tx, rx) = mpsc::channel(self.shared.limits.subscriber_buffer.max(1));
+        tokio::spawn(follow_loop(
+            Arc::clone(&self.shared),
+            request.into_inner(),
+            tx,
+        ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

@@ -40,7 +40,8 @@ pub struct Store {
     first: u64,
     head: u64,
     ids: HashMap<Vec<u8>, (u64, u64)>,
-    groups: HashMap<u64, u64>,
+    /// Each group's retained sequences, oldest first (what `Follow` sends when a group is added).
+    groups: HashMap<u64, VecDeque<u64>>,
     tokens: u64,
     retention: Retention,
     pub evicted: u64,
@@ -128,7 +129,7 @@ impl Store {
         self.head = record.sequence;
         self.tokens += record.tokens;
         let g = record.group_key.unwrap_or_default();
-        *self.groups.entry(g).or_default() += 1;
+        self.groups.entry(g).or_default().push_back(record.sequence);
         self.ids
             .insert(record.record_id.clone(), (record.sequence, hash));
         self.records.push_back(Arc::new(record));
@@ -149,9 +150,9 @@ impl Store {
             }
             self.tokens -= front.tokens;
             let g = front.group_key.unwrap_or_default();
-            if let Some(c) = self.groups.get_mut(&g) {
-                *c -= 1;
-                if *c == 0 {
+            if let Some(seqs) = self.groups.get_mut(&g) {
+                seqs.pop_front();
+                if seqs.is_empty() {
                     self.groups.remove(&g);
                 }
             }
@@ -204,6 +205,29 @@ impl Store {
         let start = ((from - self.first) as usize).min(self.records.len());
         let n = batch_len(self.records.range(start..), max_records, max_bytes);
         Some(self.records.range(start..start + n).cloned().collect())
+    }
+
+    /// The retained records of `group` with sequence in `(after, before)`, oldest first, starting at
+    /// the first of them and bounded as [`Store::read_from`] bounds a batch (an empty result means none
+    /// remain).
+    pub fn group_records(
+        &self,
+        group: u64,
+        after: u64,
+        before: u64,
+        max_records: usize,
+        max_bytes: usize,
+    ) -> Vec<Arc<Stored>> {
+        let Some(seqs) = self.groups.get(&group) else {
+            return Vec::new();
+        };
+        let start = seqs.partition_point(|&q| q <= after);
+        let records = seqs
+            .range(start..)
+            .take_while(|&&q| q < before)
+            .map(|&q| &self.records[(q - self.first) as usize]);
+        let n = batch_len(records.clone(), max_records, max_bytes);
+        records.take(n).cloned().collect()
     }
 
     /// Every retained record (for snapshots).
@@ -293,6 +317,31 @@ mod tests {
             s.place(&[rec("r1", 0, 9)], &[1]).unwrap(),
             vec![Placement::New(6)]
         );
+    }
+
+    #[test]
+    fn group_records_follow_the_group_through_eviction() {
+        let mut s = Store::new(Retention {
+            max_tokens: 0,
+            max_records: 4,
+        });
+        for i in 1..=6u64 {
+            let mut r = rec(&format!("r{i}"), i, 3);
+            r.group_key = Some(i % 2);
+            s.push(Stored::new(&r), i);
+            s.enforce_retention();
+        }
+        // Retained: 3..=6; group 1 holds 3 and 5, group 0 holds 4 and 6.
+        let seqs = |v: Vec<Arc<Stored>>| v.iter().map(|r| r.sequence).collect::<Vec<_>>();
+        assert_eq!(
+            seqs(s.group_records(1, 0, u64::MAX, 10, 1 << 20)),
+            vec![3, 5]
+        );
+        assert_eq!(seqs(s.group_records(0, 4, u64::MAX, 10, 1 << 20)), vec![6]);
+        assert_eq!(seqs(s.group_records(0, 0, 6, 10, 1 << 20)), vec![4]);
+        assert_eq!(seqs(s.group_records(0, 0, u64::MAX, 1, 1 << 20)), vec![4]);
+        assert!(s.group_records(9, 0, u64::MAX, 10, 1 << 20).is_empty());
+        assert_eq!(s.stats().groups, 2);
     }
 
     #[test]

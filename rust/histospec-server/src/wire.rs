@@ -50,6 +50,19 @@ pub struct EncodedSubscribeResponse {
     pub head_sequence: u64,
 }
 
+/// `histospec.v1.FollowResponse` with its records pre-encoded.
+#[derive(Clone, PartialEq, Message)]
+pub struct EncodedFollowResponse {
+    #[prost(bytes = "bytes", repeated, tag = "1")]
+    pub records: Vec<Bytes>,
+    #[prost(uint64, tag = "2")]
+    pub head_sequence: u64,
+    #[prost(uint64, repeated, tag = "3")]
+    pub ready_groups: Vec<u64>,
+    #[prost(uint64, tag = "4")]
+    pub cursor: u64,
+}
+
 /// `histospec.v1.SnapshotChunk` with its records pre-encoded.
 #[derive(Clone, PartialEq, Message)]
 pub struct EncodedSnapshotChunk {

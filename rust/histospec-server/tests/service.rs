@@ -2,7 +2,8 @@
 
 use histospec_server::proto::history_service_client::HistoryServiceClient;
 use histospec_server::proto::{
-    PublishRequest, Record, SnapshotRequest, StatsRequest, SubscribeRequest,
+    FollowGroup, FollowRequest, FollowResponse, PublishRequest, Record, SnapshotRequest,
+    StatsRequest, SubscribeRequest,
 };
 use histospec_server::store::Retention;
 use histospec_server::{serve, ServerConfig};
@@ -162,4 +163,131 @@ async fn auth_retention_and_invalid_records() {
             .insert("authorization", "Bearer tok".parse().unwrap());
         r
     }
+}
+
+fn grec(id: &str, group: u64) -> Record {
+    Record {
+        group_key: Some(group),
+        ..rec(id, 3)
+    }
+}
+
+fn add(groups: &[(u64, u64)]) -> FollowRequest {
+    FollowRequest {
+        add: groups
+            .iter()
+            .map(|&(group_key, after_sequence)| FollowGroup {
+                group_key,
+                after_sequence,
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Reads Follow messages until `want` records and every group of `ready` have come.
+async fn collect(
+    s: &mut tonic::Streaming<FollowResponse>,
+    want: usize,
+    ready: &[u64],
+) -> (Vec<(u64, u64)>, Vec<u64>, u64) {
+    let (mut got, mut seen, mut cursor) = (Vec::new(), Vec::new(), 0);
+    while got.len() < want || !ready.iter().all(|g| seen.contains(g)) {
+        let m = tokio::time::timeout(std::time::Duration::from_secs(10), s.message())
+            .await
+            .expect("follow stream stalled")
+            .unwrap()
+            .unwrap();
+        got.extend(m.records.iter().map(|r| (r.group_key.unwrap(), r.sequence)));
+        seen.extend(m.ready_groups);
+        cursor = m.cursor;
+    }
+    (got, seen, cursor)
+}
+
+#[tokio::test]
+async fn follow_sends_history_then_only_held_groups_and_resumes_without_duplicates() {
+    let h = serve(cfg()).await.unwrap();
+    let mut c = client(h.local_addr).await;
+    // History: groups 1 and 2 interleaved, 3 records each.
+    let records = (0..6).map(|i| grec(&format!("h{i}"), 1 + i % 2)).collect();
+    c.publish(PublishRequest { records }).await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut s = c
+        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(FollowRequest {
+        from_sequence: 0,
+        ..add(&[(1, 0)])
+    })
+    .unwrap();
+    let (got, ready, _) = collect(&mut s, 3, &[1]).await;
+    assert_eq!(
+        got,
+        vec![(1, 1), (1, 3), (1, 5)],
+        "group 1's history, in order"
+    );
+    assert_eq!(ready, vec![1]);
+    // New records: only group 1's arrive; group 2 added later gets its history, group 3 never.
+    let records = vec![grec("n1", 2), grec("n2", 1), grec("n3", 3)];
+    c.publish(PublishRequest { records }).await.unwrap();
+    let (got, _, _) = collect(&mut s, 1, &[]).await;
+    assert_eq!(got, vec![(1, 8)]);
+    tx.send(add(&[(2, 0)])).unwrap();
+    let (got, ready, cursor) = collect(&mut s, 4, &[2]).await;
+    assert_eq!(got, vec![(2, 2), (2, 4), (2, 6), (2, 7)]);
+    assert_eq!((ready, cursor), (vec![2], 10));
+    let st = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((st.followers, st.followed_groups), (1, 2));
+    // Drop group 1: its next record is not sent; group 2's is.
+    tx.send(FollowRequest {
+        drop: vec![1],
+        ..Default::default()
+    })
+    .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let records = vec![grec("n4", 1), grec("n5", 2)];
+    c.publish(PublishRequest { records }).await.unwrap();
+    let (got, _, cursor) = collect(&mut s, 1, &[]).await;
+    assert_eq!((got, cursor), (vec![(2, 11)], 12));
+    drop(tx);
+    drop(s);
+    // A reconnect from the last cursor, re-adding what it holds, receives nothing twice.
+    c.publish(PublishRequest {
+        records: vec![grec("n6", 2)],
+    })
+    .await
+    .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut s = c
+        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(FollowRequest {
+        from_sequence: cursor,
+        ..add(&[(2, cursor - 1)])
+    })
+    .unwrap();
+    let (got, _, _) = collect(&mut s, 1, &[2]).await;
+    assert_eq!(got, vec![(2, 12)]);
+    // A from_sequence past the head is refused.
+    let (tx2, rx2) = tokio::sync::mpsc::unbounded_channel();
+    let mut bad = c
+        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx2))
+        .await
+        .unwrap()
+        .into_inner();
+    tx2.send(FollowRequest {
+        from_sequence: 99,
+        ..Default::default()
+    })
+    .unwrap();
+    let e = bad.message().await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    h.shutdown();
+    assert!(s.message().await.map(|m| m.is_none()).unwrap_or(true));
+    h.wait().await.unwrap();
 }

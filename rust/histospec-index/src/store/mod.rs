@@ -630,6 +630,11 @@ impl HistoryIndex {
         }
     }
 
+    /// How many finished responses `group` holds (0 when it is not held).
+    pub fn group_len(&self, group: u64) -> usize {
+        self.groups.get(&group).map_or(0, |g| g.responses.len())
+    }
+
     /// Groups held, in ascending key order.
     pub fn group_keys(&self) -> Vec<u64> {
         let mut k: Vec<u64> = self.groups.keys().copied().collect();

@@ -1,0 +1,262 @@
+"""Following only the groups an engine drafts for: :class:`GroupFollower` (the server's ``Follow``
+stream).
+
+An engine that mirrors every record (:class:`~histospec_sgl.sync.client.HistorySubscriber`) must
+hold the whole history of the job; at a real job's scale that is many times one engine's memory
+budget, and its least-recently-used eviction throws away a prompt's history long before the prompt
+returns next epoch. A follower instead asks the server for a group's history when the group's first
+request arrives (or earlier, when the step's prompts are announced), then receives the group's new
+records as they are published, and lets a group go once the index has evicted it. The server keeps
+the epoch; each engine keeps what it is decoding.
+
+The decode loop never waits on the network: :meth:`GroupFollower.want` only queues the request, the
+history arrives on a background thread, and :meth:`GroupFollower.poll` applies what has arrived at a
+step boundary. A request whose group's history is still on its way drafts from its in-flight siblings
+meanwhile. Each group's records reach the index in the server's order, so every engine that holds a
+group holds the same history of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from histospec_sgl import _core
+from histospec_sgl.sync.client import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    RETRYABLE,
+    SERVICE,
+    DraftServerError,
+    _Client,
+    _describe,
+)
+
+__all__ = ["GroupFollower"]
+
+log = logging.getLogger("histospec_sgl.sync")
+
+
+class GroupFollower(_Client):
+    """Feeds a :class:`~histospec_sgl.HistoryIndex` with the records of the groups it is asked for.
+
+    Args:
+        address: the draft server (``host:port``).
+        index: the index to feed (only :meth:`poll` touches it, from the owner's thread).
+        idle_seconds: a held group whose history has arrived, not asked for within this long and no
+            longer in the index (evicted under its memory budget), is dropped from the stream.
+        sweep_every: :meth:`poll` calls between two looks for groups to drop.
+        max_buffered: messages held before the stream is paused (back-pressure to the server).
+
+    Counters: ``fetch_seconds`` (each added group's time from :meth:`want` to its whole history
+    received), ``received_bytes``, ``applied_records``, ``reconnects``, ``dropped_groups``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        index: Any,
+        *,
+        auth_token: str | None = None,
+        tls_root_certificates: bytes | None = None,
+        idle_seconds: float = 60.0,
+        sweep_every: int = 64,
+        max_buffered: int = 256,
+        backoff: float = 0.05,
+        max_backoff: float = 2.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ):
+        super().__init__(address, auth_token=auth_token, tls_root_certificates=tls_root_certificates,
+                         max_message_bytes=max_message_bytes)
+        self.index = index
+        self.idle_seconds = idle_seconds
+        self.sweep_every = max(1, sweep_every)
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._lock = threading.Lock()
+        # group -> last time it was asked for (held: added to the stream, or about to be).
+        self._held: dict[int, float] = {}
+        # group -> highest sequence received for it (what a re-add after a reconnect starts after).
+        self._last: dict[int, int] = {}
+        self._asked: dict[int, float] = {}  # added, history not all received yet
+        self._ready: set[int] = set()
+        self._cursor = 0  # every record of a held group below this has been received
+        self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
+        self._messages: queue.Queue[bytes] = queue.Queue(maxsize=max(1, max_buffered))
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._error: DraftServerError | None = None
+        self._polls = 0
+        self.fetch_seconds: list[float] = []
+        self.received_bytes = 0
+        self.applied_records = 0
+        self.rejected_records = 0
+        self.reconnects = 0
+        self.dropped_groups = 0
+        self._thread = threading.Thread(target=self._run, name="histospec-follower", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> GroupFollower:
+        self._thread.start()
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def close(self) -> None:
+        """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
+        with self._lock:
+            self._stop.set()
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        super().close()
+
+    # -- what the engine calls ---------------------------------------------------------------------
+    def want(self, groups: Iterable[int]) -> int:
+        """Asks for these groups' history and new records; returns how many were not held yet.
+        Never blocks: the history arrives in the background and :meth:`poll` applies it."""
+        now = time.monotonic()
+        add = []
+        with self._lock:
+            for g in groups:
+                g = int(g)
+                if g not in self._held:
+                    # The index may still hold what was received before the group was let go.
+                    after = self._last.get(g, 0) if self.index.group_len(g) > 0 else 0
+                    self._last[g] = after
+                    self._asked[g] = now
+                    add.append((g, after))
+                self._held[g] = now
+            if add and self._requests is not None:
+                self._requests.put(_core.encode_follow(0, add, []))
+        return len(add)
+
+    def ready(self, group: int) -> bool:
+        """Whether the group's whole history has been received (applied at the next :meth:`poll`)."""
+        return int(group) in self._ready
+
+    @property
+    def held(self) -> int:
+        """Groups the stream carries."""
+        return len(self._held)
+
+    @property
+    def error(self) -> DraftServerError | None:
+        """Set when the stream stopped for good."""
+        return self._error
+
+    def poll(self) -> int:
+        """Applies every message received so far to the index; returns how many records."""
+        n = 0
+        while True:
+            try:
+                data = self._messages.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                r = _core.apply_records(self.index, data, "follow")
+            except ValueError as e:
+                raise DraftServerError(f"bad Follow message from {self.address}: {e}") from None
+            n += r["applied"]
+            self.rejected_records += r["rejected"]
+        self.applied_records += n
+        self._polls += 1
+        if self._polls % self.sweep_every == 0:
+            self._sweep()
+        if n == 0 and self._error is not None:
+            raise self._error
+        return n
+
+    def _sweep(self) -> None:
+        """Drops the groups nobody asked for lately that the index no longer holds."""
+        cutoff = time.monotonic() - self.idle_seconds
+        with self._lock:
+            gone = [g for g, t in self._held.items()
+                    if t < cutoff and g in self._ready and self.index.group_len(g) == 0]
+            for g in gone:
+                del self._held[g]
+                self._last.pop(g, None)
+                self._ready.discard(g)
+                self._asked.pop(g, None)
+            if gone and self._requests is not None:
+                self._requests.put(_core.encode_follow(0, [], gone))
+        self.dropped_groups += len(gone)
+
+    # -- receiving thread -------------------------------------------------------------------------
+    def _outgoing(self, q: queue.Queue[bytes], done: threading.Event) -> Iterator[bytes]:
+        while not done.is_set():
+            try:
+                yield q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def _run(self) -> None:
+        pause = self.backoff
+        while not self._stop.is_set():
+            done = threading.Event()
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                q: queue.Queue[bytes] = queue.Queue()
+                # Re-adds every held group after what was received for it: nothing comes twice.
+                q.put(_core.encode_follow(self._cursor, [(g, self._last.get(g, 0)) for g in self._held], []))
+                self._requests = q
+                call = self._channel.stream_stream(f"/{SERVICE}/Follow")(
+                    self._outgoing(q, done), metadata=self._metadata)
+                self._call = call
+            try:
+                for data in call:
+                    if self._stop.is_set():
+                        return
+                    self._received(data)
+                    pause = self.backoff
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                code, msg = _describe(e)
+                if code not in RETRYABLE and code != grpc.StatusCode.CANCELLED:
+                    self._error = DraftServerError(f"follow stream to {self.address} stopped: {msg}", code)
+                    log.error("%s", self._error)
+                    return
+            finally:
+                done.set()
+                with self._lock:
+                    self._requests = None
+            if self._stop.is_set():
+                return
+            self.reconnects += 1
+            if self._stop.wait(pause * (0.5 + random.random())):
+                return
+            pause = min(pause * 2, self.max_backoff)
+
+    def _received(self, data: bytes) -> None:
+        span = _core.follow_span(data)
+        now = time.monotonic()
+        self.received_bytes += len(data)
+        with self._lock:
+            for g, s in span["last"].items():
+                if g in self._held:
+                    self._last[g] = max(self._last.get(g, 0), s)
+            for g in span["ready_groups"]:
+                if g in self._held:
+                    self._ready.add(g)
+                    t = self._asked.pop(g, None)
+                    if t is not None:
+                        self.fetch_seconds.append(now - t)
+            self._cursor = max(self._cursor, span["cursor"])
+        while not self._stop.is_set():
+            try:
+                self._messages.put(data, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
