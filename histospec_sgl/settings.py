@@ -110,11 +110,13 @@ def _existing_file(text: str) -> str:
 
 
 def _address(text: str) -> str:
-    v = text.strip()
-    host, sep, port = v.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} is not host:port")
-    return v
+    """``host:port``, or a comma list of them (a sharded draft server, one address per shard)."""
+    parts = [p.strip() for p in text.split(",")]
+    for v in parts:
+        host, sep, port = v.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r} is not host:port (or a comma list of them, one per shard)")
+    return ",".join(parts)
 
 
 def _actor(text: str) -> str:
@@ -255,8 +257,9 @@ SETTINGS: tuple[Setting, ...] = (
             field="lenience"),
     # Reaching a draft server: engines and trainers alike.
     Setting("HISTOSPEC_DRAFT_SERVER", _C, _address, None,
-            "host:port of a histospec draft server: engines subscribe to its history and publish finished "
-            "responses; SPEC-RL finds previous responses there",
+            "host:port of a histospec draft server (a comma list: its shards, a group's records on shard "
+            "key mod n): engines follow its history and publish finished responses; SPEC-RL finds previous "
+            "responses there",
             field="draft_server", flag="--history-draft-server", metavar="HOST:PORT"),
     Setting("HISTOSPEC_DRAFT_SERVER_MODE", _C, _choice("on_demand", "mirror"), "on_demand",
             "how an engine follows the draft server: on_demand (the default) holds the groups it drafts for, "

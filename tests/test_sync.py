@@ -719,3 +719,92 @@ def test_follower_fetches_a_groups_history_follows_only_its_groups_and_resumes_a
     finally:
         follower.close()
         srv.kill()
+
+
+def test_follower_fetches_again_a_held_group_its_index_evicted(server):
+    """The index evicts idle groups under its memory budget while the stream still carries them; when
+    such a group's next request arrives, its whole history is fetched again (once, not doubled)."""
+    from histospec_sgl.sync.follow import GroupFollower
+
+    recs = _records(20, seed=8, prompts=2)
+    g = prompt_key(recs[0][0])
+    with HistoryPublisher(server.address) as pub:
+        for p, r in recs:
+            pub.publish(p, r, version=0)
+        pub.flush()
+    idx = HistoryIndex()
+    follower = GroupFollower(server.address, idx, idle_seconds=3600).start()
+    try:
+        follower.want([g])
+        _follow_until(follower, idx, lambda: idx.group_len(g) == 10)
+        follower.want([g])
+        follower.poll()
+        assert idx.group_len(g) == 10 and len(follower.fetch_seconds) == 1
+        idx.remove_group(g)  # what the budget's LRU eviction does
+        assert follower.want([g]) == 1
+        _follow_until(follower, idx, lambda: idx.group_len(g) == 10)
+        time.sleep(0.3)
+        follower.poll()
+        assert idx.group_len(g) == 10 and len(follower.fetch_seconds) == 2
+    finally:
+        follower.close()
+
+
+def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowledged(tmp_path):
+    """A draft server in two shards (a comma list of addresses): each record lives on the shard of its
+    group key, an engine follows both and gets every group it asks for from its shard. One shard killed
+    (SIGKILL) holds up only its own records: the other shard's go on being published and applied;
+    restarted from its data dir, it has every record it acknowledged, and the queued ones arrive."""
+    from histospec_sgl.sync.client import shard_of
+    from histospec_sgl.sync.engine import EngineSync
+
+    dirs = [tmp_path / f"shard-{i}" for i in range(2)]
+    shards = [DraftServerProcess(data_dir=d, log=tmp_path / f"s{i}.log") for i, d in enumerate(dirs)]
+    address = ",".join(s.address for s in shards)
+    recs = _records(80, seed=21, prompts=8)
+    keys = sorted({prompt_key(p) for p, _ in recs})
+    assert {shard_of(k, 2) for k in keys} == {0, 1}
+    idx = HistoryIndex()
+    sync = EngineSync(address, idx, mode="on_demand")
+    try:
+        with HistoryPublisher(address) as pub:
+            for p, r in recs[:40]:
+                pub.publish(p, r, version=0)
+            pub.flush()
+            per_shard = [HistoryPublisher(s.address).stats() for s in shards]
+            assert [st["records"] for st in per_shard] == [
+                sum(shard_of(prompt_key(p), 2) == i for p, _ in recs[:40]) for i in range(2)]
+            st = pub.stats()
+            assert st["records"] == 40 and st["groups"] == 8 and len(st["shards"]) == 2
+        sync.want(keys)
+        deadline = time.monotonic() + 20
+        while idx.stats()["responses"] < 40:
+            assert time.monotonic() < deadline
+            sync.step_boundary()
+            time.sleep(0.02)
+        port = shards[1].port
+        shards[1].kill()
+        for p, r in recs[40:]:
+            sync.finished(p, r, version=1)
+        on_live = sum(shard_of(prompt_key(p), 2) == 0 for p, _ in recs[40:])
+        deadline = time.monotonic() + 20
+        while idx.stats()["responses"] < 40 + on_live:
+            assert time.monotonic() < deadline, "the live shard's records were held up by the dead one"
+            sync.step_boundary()
+            time.sleep(0.02)
+        assert sync.unpublished == 40 - on_live
+        wait_port_free(port)
+        shards[1] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=dirs[1], log=tmp_path / "s1b.log")
+        assert sync.drain(30)
+        deadline = time.monotonic() + 30
+        while idx.stats()["responses"] < 80:
+            assert time.monotonic() < deadline
+            sync.step_boundary()
+            time.sleep(0.02)
+        assert idx.stats()["responses"] == 80
+        with HistoryPublisher(address) as pub:
+            assert pub.stats()["records"] == 80
+    finally:
+        sync.close(timeout=1)
+        for s in shards:
+            s.kill()

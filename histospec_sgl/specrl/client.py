@@ -31,6 +31,7 @@ import dataclasses
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -135,7 +136,7 @@ class PreviousResponses:
     def __init__(self) -> None:
         self._by_key: dict[tuple[Any, int], Previous] = {}
         self._lock = threading.Lock()
-        self._subscriber: Any = None
+        self._subscribers: list[Any] = []  # one per shard of the followed server
 
     def get(self, group: Any, sample_index: int = 0) -> Previous | None:
         """The previous response, or None.
@@ -144,8 +145,9 @@ class PreviousResponses:
             DraftServerError: the followed draft server's subscription stopped for good (it refused
                 this client's token, say): without it every lookup would silently find nothing.
         """
-        if self._subscriber is not None and self._subscriber.error is not None:
-            raise self._subscriber.error
+        for sub in self._subscribers:
+            if sub.error is not None:
+                raise sub.error
         return self._by_key.get((group, sample_index))
 
     def put(self, group: Any, sample_index: int, previous: Previous) -> None:
@@ -177,24 +179,31 @@ class PreviousResponses:
         """A store that mirrors a draft server: its snapshot, then every record published after it,
         applied by a background subscription (reconnecting when the server restarts) until
         :meth:`close`. Every trainer process of a job sees the same previous responses, whichever
-        engine or process sampled them."""
-        from histospec_sgl.sync.client import HistorySubscriber
+        engine or process sampled them. A sharded server (a comma list) is followed shard by shard."""
+        from histospec_sgl.sync.client import HistorySubscriber, shard_addresses
 
         store = cls()
-        store._subscriber = HistorySubscriber(address, store, auth_token=auth_token,
-                                              tls_root_certificates=tls_root_certificates, background=True).start()
+        store._subscribers = [HistorySubscriber(a, store, auth_token=auth_token,
+                                                tls_root_certificates=tls_root_certificates, background=True).start()
+                              for a in shard_addresses(address)]
         return store
 
-    def wait_for(self, sequence: int, timeout: float = 30.0) -> None:
-        """Blocks until the followed server's records up to ``sequence`` are in the store."""
-        if self._subscriber is None:
+    def wait_for(self, sequence: int | Sequence[int], timeout: float = 30.0) -> None:
+        """Blocks until the followed server's records up to ``sequence`` are in the store (for a
+        sharded server, one sequence per shard, as ``HistoryPublisher.last_sequences`` holds them)."""
+        if not self._subscribers:
             raise RuntimeError("wait_for() is for stores made by follow()")
-        self._subscriber.wait_applied(sequence, timeout)
+        wanted = [sequence] if isinstance(sequence, int) else list(sequence)
+        if len(wanted) != len(self._subscribers):
+            raise ValueError(f"{len(wanted)} sequences for {len(self._subscribers)} shards")
+        deadline = time.monotonic() + timeout
+        for sub, q in zip(self._subscribers, wanted):
+            sub.wait_applied(q, max(deadline - time.monotonic(), 0.0))
 
     def close(self) -> None:
-        if self._subscriber is not None:
-            self._subscriber.close()
-            self._subscriber = None
+        for sub in self._subscribers:
+            sub.close()
+        self._subscribers = []
 
     @classmethod
     def from_draft_server(cls, address: str, *, auth_token: str | None = None,

@@ -81,7 +81,8 @@ class PreviousStore:
         if not pub.last_sequence:
             return True
         try:
-            self.follower(address).wait_for(pub.last_sequence, timeout=max(deadline - time.monotonic(), 0.1))
+            self.follower(address).wait_for(pub.publisher.last_sequences,
+                                            timeout=max(deadline - time.monotonic(), 0.1))
         except Exception as e:
             logger.warning("histospec: the mirror of the draft server %s is behind (%s)", address, e)
             return False

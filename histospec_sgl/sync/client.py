@@ -24,6 +24,8 @@ from histospec_sgl import _core, settings
 from histospec_sgl.errors import HistospecError
 
 __all__ = [
+    "shard_addresses",
+    "shard_of",
     "Credentials",
     "DraftServerError",
     "PublishError",
@@ -39,6 +41,20 @@ SERVICE = "histospec.v1.HistoryService"
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 # Codes worth retrying: the server is down or restarting, or the call ran out of time.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+
+
+def shard_addresses(address: str) -> list[str]:
+    """The shards of a draft server: ``host:port``, or a comma list of them, one per shard. A record
+    of group key k lives on shard ``k mod n`` (:func:`shard_of`); every client routes by that rule."""
+    parts = [a.strip() for a in str(address).split(",") if a.strip()]
+    if not parts:
+        raise ValueError(f"no draft server address in {address!r}")
+    return parts
+
+
+def shard_of(group_key: int, shards: int) -> int:
+    """The shard that holds a group's records."""
+    return int(group_key) % shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +180,8 @@ class HistoryPublisher(_Client):
     re-publish idempotent too.
 
     Args:
-        address: ``host:port`` of the server.
+        address: ``host:port`` of the server, or a comma list of shards (each record goes to the shard
+            of its group, :func:`shard_of`; a shard that is down holds up only its own records).
         auth_token: sent as ``authorization: Bearer <token>``.
         tls_root_certificates: PEM roots to verify a TLS server (None: plaintext).
         batch_records, batch_tokens: :meth:`publish` sends once either is reached.
@@ -191,13 +208,13 @@ class HistoryPublisher(_Client):
         channel_options: Sequence[tuple[str, Any]] = (),
         id_prefix: str | None = None,
     ):
-        super().__init__(
-            address,
-            auth_token=auth_token,
-            tls_root_certificates=tls_root_certificates,
-            max_message_bytes=max_message_bytes,
-            channel_options=channel_options,
-        )
+        shards = shard_addresses(address)
+        kw = dict(auth_token=auth_token, tls_root_certificates=tls_root_certificates,
+                  max_message_bytes=max_message_bytes, channel_options=channel_options)
+        super().__init__(shards[0], **kw)  # type: ignore[arg-type]
+        #: One client per shard (this one is the first).
+        self._shards: list[_Client] = [self, *(_Client(a, **kw) for a in shards[1:])]  # type: ignore[arg-type]
+        self.address = ",".join(shards)
         if batch_records < 1 or batch_tokens < 1 or max_attempts < 1:
             raise ValueError("batch_records, batch_tokens and max_attempts must be >= 1")
         self.batch_records = batch_records
@@ -209,12 +226,15 @@ class HistoryPublisher(_Client):
         self._prefix = id_prefix if id_prefix is not None else uuid.uuid4().hex
         self._n = 0
         self._pending: list[tuple] = []
+        self._pending_shard: list[int] = []
         self._pending_tokens = 0
         self._lock = threading.Lock()
         self.published = 0
         self.duplicates = 0
         self.retries = 0
         self.last_sequence = 0
+        #: The highest sequence each shard has acknowledged.
+        self.last_sequences = [0] * len(self._shards)
 
     def publish(
         self,
@@ -236,6 +256,8 @@ class HistoryPublisher(_Client):
             else:
                 rid = record_id.encode() if isinstance(record_id, str) else bytes(record_id)
             self._pending.append((rid, group, prompt_ids, response_ids, version, sample_index, logprobs, reward))
+            n = len(self._shards)
+            self._pending_shard.append(0 if n == 1 else shard_of(_core.group_key(prompt_ids, group), n))
             self._pending_tokens += len(prompt_ids) + len(response_ids)
             full = len(self._pending) >= self.batch_records or self._pending_tokens >= self.batch_tokens
         if full:
@@ -254,31 +276,55 @@ class HistoryPublisher(_Client):
         with self._lock:
             if not self._pending:
                 return None
-            request = _core.encode_publish(self._pending)
-            reply = self._send(request, len(self._pending))
-            self._pending.clear()
-            self._pending_tokens = 0
-            self.published += reply["accepted"]
-            self.duplicates += reply["duplicates"]
-            if reply["sequences"]:
-                self.last_sequence = max(self.last_sequence, max(reply["sequences"]))
+            by: dict[int, list[int]] = {}
+            for i, sh in enumerate(self._pending_shard):
+                by.setdefault(sh, []).append(i)
+            sequences = [0] * len(self._pending)
+            reply: dict[str, Any] = {"accepted": 0, "duplicates": 0, "durable": True}
+            failed: list[int] = []
+            error: PublishError | None = None
+            for sh, at in sorted(by.items()):
+                request = _core.encode_publish([self._pending[i] for i in at])
+                try:
+                    r = self._send(request, len(at), self._shards[sh])
+                except PublishError as e:  # the other shards' records still go out
+                    error = error or e
+                    failed += at
+                    continue
+                for i, q in zip(at, r["sequences"]):
+                    sequences[i] = q
+                reply["accepted"] += r["accepted"]
+                reply["duplicates"] += r["duplicates"]
+                reply["durable"] = reply["durable"] and r["durable"]
+                self.published += r["accepted"]
+                self.duplicates += r["duplicates"]
+                if r["sequences"]:
+                    self.last_sequences[sh] = max(self.last_sequences[sh], max(r["sequences"]))
+            self.last_sequence = max(self.last_sequences)
+            self._pending = [self._pending[i] for i in sorted(failed)]
+            self._pending_shard = [self._pending_shard[i] for i in sorted(failed)]
+            self._pending_tokens = sum(len(p[2]) + len(p[3]) for p in self._pending)
+            if error is not None:
+                raise error
+            reply["sequences"] = sequences
             return reply
 
-    def _send(self, request: bytes, n: int) -> dict[str, Any]:
+    def _send(self, request: bytes, n: int, shard: _Client | None = None) -> dict[str, Any]:
+        shard = shard or self
         pause = self.backoff
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return _core.decode_publish_response(self._unary("Publish", request, self.timeout))
+                return _core.decode_publish_response(shard._unary("Publish", request, self.timeout))
             except grpc.RpcError as e:
                 code, msg = _describe(e)
                 if code not in RETRYABLE:
                     hint = ""
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in msg:
                         hint = " (lower batch_records/batch_tokens, or raise the server's --max-message-bytes)"
-                    raise PublishError(f"Publish of {n} records to {self.address} refused: {msg}{hint}", code) from None
+                    raise PublishError(f"Publish of {n} records to {shard.address} refused: {msg}{hint}", code) from None
                 if attempt == self.max_attempts:
                     raise PublishError(
-                        f"Publish of {n} records to {self.address} failed {attempt} times, last: {msg}; "
+                        f"Publish of {n} records to {shard.address} failed {attempt} times, last: {msg}; "
                         "the records stay queued (call flush() again)",
                         code,
                     ) from None
@@ -293,6 +339,7 @@ class HistoryPublisher(_Client):
         with self._lock:
             n = len(self._pending)
             self._pending.clear()
+            self._pending_shard.clear()
             self._pending_tokens = 0
             return n
 
@@ -302,11 +349,24 @@ class HistoryPublisher(_Client):
         return len(self._pending)
 
     def close(self) -> None:
-        """Flushes what is queued, then closes the channel."""
+        """Flushes what is queued, then closes the channels."""
         try:
             self.flush()
         finally:
+            for c in self._shards[1:]:
+                c.close()
             super().close()
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The server's counters; for shards, summed (``durable``: all are), with each shard's own under
+        ``shards``."""
+        each = [_Client.stats(c, timeout) for c in self._shards]
+        if len(each) == 1:
+            return each[0]
+        out: dict[str, Any] = {k: sum(e[k] for e in each) for k, v in each[0].items() if not isinstance(v, bool)}
+        out["durable"] = all(e["durable"] for e in each)
+        out["shards"] = each
+        return out
 
 
 

@@ -15,7 +15,11 @@ the engine's index, when ``HISTOSPEC_DRAFT_SERVER`` is set).
   engine holds that group's records only. ``mode="mirror"``: every record of the job, in the global
   order (:class:`~histospec_sgl.sync.client.HistorySubscriber`), under the index's memory budget.
 
-Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``), ``HISTOSPEC_DRAFT_SERVER_MODE``
+With a sharded server (``address`` a comma list), each shard is followed on its own and a group is
+asked of the shard that holds it (:func:`~histospec_sgl.sync.client.shard_of`); finished responses
+go to their group's shard.
+
+Environment: ``HISTOSPEC_DRAFT_SERVER`` (``host:port``, or a comma list of shards), ``HISTOSPEC_DRAFT_SERVER_MODE``
 (``on_demand`` or ``mirror``), ``HISTOSPEC_DRAFT_SERVER_TOKEN_FILE`` (bearer token),
 ``HISTOSPEC_DRAFT_SERVER_CA`` (PEM roots: use TLS).
 """
@@ -26,7 +30,14 @@ import logging
 from typing import Any
 
 from histospec_sgl import settings
-from histospec_sgl.sync.client import BackgroundPublisher, Credentials, HistoryPublisher, HistorySubscriber
+from histospec_sgl.sync.client import (
+    BackgroundPublisher,
+    Credentials,
+    HistoryPublisher,
+    HistorySubscriber,
+    shard_addresses,
+    shard_of,
+)
 from histospec_sgl.sync.follow import GroupFollower
 
 MODES = ("on_demand", "mirror")
@@ -60,16 +71,12 @@ class EngineSync:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self.apply_timeout = apply_timeout
-        self.subscriber: HistorySubscriber | None = None
-        self.follower: GroupFollower | None = None
-        if mode == "mirror":
-            self.subscriber = HistorySubscriber(
-                address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
-            ).start()
-        else:
-            self.follower = GroupFollower(
-                address, index, auth_token=auth_token, tls_root_certificates=tls_root_certificates
-            ).start()
+        shards = shard_addresses(address)
+        creds: dict[str, Any] = dict(auth_token=auth_token, tls_root_certificates=tls_root_certificates)
+        #: mirror: one subscriber per shard (each shard's records in its own order).
+        self.subscribers = [HistorySubscriber(a, index, **creds).start() for a in shards] if mode == "mirror" else []
+        #: on_demand: one follower per shard; a group is asked of the shard that holds it.
+        self.followers = [GroupFollower(a, index, **creds).start() for a in shards] if mode == "on_demand" else []
         #: Publishes finished responses in the background; its counters (``publish_failures``,
         #: ``refused_records``, ``dropped``) say what did not go out.
         self.outbox = BackgroundPublisher(
@@ -92,7 +99,15 @@ class EngineSync:
     def want(self, groups: Any) -> int:
         """Asks for these groups' history (on_demand; a mirror holds everything already). Never blocks:
         a request whose group's history has not arrived drafts from its siblings meanwhile."""
-        return self.follower.want(groups) if self.follower is not None else 0
+        if not self.followers:
+            return 0
+        n = len(self.followers)
+        if n == 1:
+            return self.followers[0].want(groups)
+        by: dict[int, list[int]] = {}
+        for g in groups:
+            by.setdefault(shard_of(g, n), []).append(g)
+        return sum(self.followers[i].want(gs) for i, gs in by.items())
 
     def finished(self, prompt_ids: Any, response_ids: Any, *, version: int, sample_index: int = 0,
                  group: int | None = None, logprobs: Any = None, reward: float | None = None) -> None:
@@ -103,13 +118,22 @@ class EngineSync:
     def step_boundary(self) -> int:
         """Applies the server's records up to the point received so far; returns how many were
         applied. Publishing runs beside it and never delays it."""
-        if self.follower is not None:
-            return self.follower.poll()
-        assert self.subscriber is not None
-        if self.subscriber.error is not None:
-            raise self.subscriber.error
-        target = self.subscriber.received_sequence
-        return self.subscriber.poll(through_sequence=target, timeout=self.apply_timeout)
+        n = sum(f.poll() for f in self.followers)
+        for sub in self.subscribers:
+            if sub.error is not None:
+                raise sub.error
+            n += sub.poll(through_sequence=sub.received_sequence, timeout=self.apply_timeout)
+        return n
+
+    @property
+    def received_bytes(self) -> int:
+        """Bytes of records received from the server(s)."""
+        return sum(f.received_bytes for f in self.followers) + sum(s.received_bytes for s in self.subscribers)
+
+    @property
+    def fetch_seconds(self) -> list[float]:
+        """on_demand: each fetched group's time from :meth:`want` to its whole history received."""
+        return [x for f in self.followers for x in f.fetch_seconds]
 
     @property
     def publisher(self) -> HistoryPublisher:
@@ -127,7 +151,5 @@ class EngineSync:
     def close(self, timeout: float = 10.0) -> None:
         """Publishes what is queued (waiting up to ``timeout`` for the server), then closes."""
         self.outbox.close(timeout)
-        if self.subscriber is not None:
-            self.subscriber.close()
-        if self.follower is not None:
-            self.follower.close()
+        for c in (*self.subscribers, *self.followers):
+            c.close()

@@ -84,11 +84,14 @@ class GroupFollower(_Client):
         self._held: dict[int, float] = {}
         # group -> highest sequence received for it (what a re-add after a reconnect starts after).
         self._last: dict[int, int] = {}
+        # group -> highest sequence applied to the index (the index holds the group's records up to it,
+        # unless it has evicted the group since).
+        self._applied: dict[int, int] = {}
         self._asked: dict[int, float] = {}  # added, history not all received yet
         self._ready: set[int] = set()
         self._cursor = 0  # every record of a held group below this has been received
         self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
-        self._messages: queue.Queue[bytes] = queue.Queue(maxsize=max(1, max_buffered))
+        self._messages: queue.Queue[tuple[bytes, dict[int, int]]] = queue.Queue(maxsize=max(1, max_buffered))
         self._stop = threading.Event()
         self._call: Any = None
         self._error: DraftServerError | None = None
@@ -125,20 +128,34 @@ class GroupFollower(_Client):
         """Asks for these groups' history and new records; returns how many were not held yet.
         Never blocks: the history arrives in the background and :meth:`poll` applies it."""
         now = time.monotonic()
-        add = []
+        add, again = [], []
         with self._lock:
             for g in groups:
                 g = int(g)
-                if g not in self._held:
-                    # The index may still hold what was received before the group was let go.
-                    after = self._last.get(g, 0) if self.index.group_len(g) > 0 else 0
+                if g in self._held and self._evicted(g):
+                    # Held, but the index let its history go since: fetch it whole again.
+                    again.append(g)
+                    self._ready.discard(g)
+                    self._applied.pop(g, None)
+                    self._last[g] = 0
+                    self._asked[g] = now
+                    add.append((g, 0))
+                elif g not in self._held:
+                    # The index may still hold what was applied before the group was let go.
+                    after = self._applied.get(g, 0) if not self._evicted(g) else 0
+                    if after == 0:
+                        self._applied.pop(g, None)
                     self._last[g] = after
                     self._asked[g] = now
                     add.append((g, after))
                 self._held[g] = now
             if add and self._requests is not None:
-                self._requests.put(_core.encode_follow(0, add, []))
+                self._requests.put(_core.encode_follow(0, add, again))
         return len(add)
+
+    def _evicted(self, g: int) -> bool:
+        """Records of ``g`` were applied, and the index holds none of them now."""
+        return self._applied.get(g, 0) > 0 and self.index.group_len(g) == 0
 
     def ready(self, group: int) -> bool:
         """Whether the group's whole history has been received (applied at the next :meth:`poll`)."""
@@ -159,9 +176,13 @@ class GroupFollower(_Client):
         n = 0
         while True:
             try:
-                data = self._messages.get_nowait()
+                data, last = self._messages.get_nowait()
             except queue.Empty:
                 break
+            with self._lock:
+                for g, q in last.items():
+                    if g in self._held:
+                        self._applied[g] = max(self._applied.get(g, 0), q)
             try:
                 r = _core.apply_records(self.index, data, "follow")
             except ValueError as e:
@@ -185,6 +206,7 @@ class GroupFollower(_Client):
             for g in gone:
                 del self._held[g]
                 self._last.pop(g, None)
+                self._applied.pop(g, None)
                 self._ready.discard(g)
                 self._asked.pop(g, None)
             if gone and self._requests is not None:
@@ -255,7 +277,7 @@ class GroupFollower(_Client):
             self._cursor = max(self._cursor, span["cursor"])
         while not self._stop.is_set():
             try:
-                self._messages.put(data, timeout=0.1)
+                self._messages.put((data, span["last"]), timeout=0.1)
                 return
             except queue.Full:
                 continue
