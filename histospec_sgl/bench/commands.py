@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl.cliutil import command, counts, floats, fmt, report, write_json
+from histospec_sgl.settings import parse_size
 
 
 def _print_index(result: dict[str, Any]) -> None:
@@ -137,6 +138,20 @@ def _bench_sync(args: argparse.Namespace) -> int:
         durable=args.durable, seed=args.seed, progress=progress,
     )
     report(r, sync_bench.print_table, args.json)
+    return 0
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from histospec_sgl.bench import scale_bench
+
+    def progress(msg: str) -> None:
+        print(f"[bench scale] {msg}", file=sys.stderr, flush=True)
+
+    r = scale_bench.run(groups=args.groups, samples=args.samples, epochs=args.epochs, step_groups=args.step_groups,
+                        engines=args.engines, d=args.draft_tokens, budget=args.budget,
+                        budget_fraction=args.budget_fraction, modes=args.modes, seed=args.seed,
+                        data_root=args.data_dir, tokenizer=args.tokenizer, progress=progress)
+    report(r, scale_bench.print_table, args.json)
     return 0
 
 
@@ -286,6 +301,26 @@ def add_bench(sub: Any) -> None:
     by.add_argument("--durable", action="store_true", help="give the server a data dir (fsync before ack)")
     by.add_argument("--seed", type=int, default=0)
     by.set_defaults(func=_bench_sync)
+    bz = bsub.add_parser("scale", help="history at dataset scale: engines under a memory budget far below the job's "
+                         "history, mirroring every record against following their own groups, over several epochs")
+    bz.add_argument("--json", metavar="PATH")
+    bz.add_argument("--groups", type=int, default=256, help="prompts in the job (each returns once an epoch)")
+    bz.add_argument("--samples", type=int, default=8, help="responses per prompt and step")
+    bz.add_argument("--epochs", type=int, default=3)
+    bz.add_argument("--step-groups", type=int, default=32, help="prompts per RL step")
+    bz.add_argument("--engines", type=int, default=4, help="engines; a prompt is routed to one of them")
+    bz.add_argument("--draft-tokens", "-d", type=int, default=8, help="d, the verify width")
+    bz.add_argument("--budget", type=parse_size, default=None, metavar="SIZE",
+                    help="each engine's index budget (default: the unbounded engine's peak / --budget-fraction)")
+    bz.add_argument("--budget-fraction", type=float, default=8.0,
+                    help="how many times one engine's budget the whole history is, when --budget is not given")
+    bz.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
+                    default=["unbounded", "mirror", "on_demand"], help="comma list of unbounded, mirror, on_demand")
+    bz.add_argument("--data-dir", default=None, help="the rollout logs' root (default: HISTOSPEC_DATA_DIR or "
+                    "../shared/data/rollouts); the shipped HumanEval sample where absent")
+    bz.add_argument("--tokenizer", default=None, help="tokenizer.json for the GRPO log")
+    bz.add_argument("--seed", type=int, default=0)
+    bz.set_defaults(func=_bench_scale)
     be = bsub.add_parser("engine", help="plain decoding, NGRAM and HISTORY on a real SGLang server (CPU or GPU)")
     be.add_argument("--json", metavar="PATH")
     be.add_argument("--model", default="rhyme",

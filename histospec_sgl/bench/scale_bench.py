@@ -1,0 +1,285 @@
+"""``histospec-sgl bench scale``: history at dataset scale, scaled down to this machine.
+
+A GRPO job in which every prompt returns once an epoch, many steps after it was last sampled, with
+each engine's index bounded by a memory budget several times smaller than the job's whole history.
+Three ways for the engines to hold history, each a fresh draft server (a real process, real gRPC over
+loopback) and ``engines`` engines:
+
+- ``mirror``: every engine subscribes to every record (``HISTOSPEC_DRAFT_SERVER_MODE=mirror``) under
+  the budget; the index evicts least-recently-used groups, so a prompt's history is gone when it
+  returns.
+- ``on_demand`` (the default mode): each engine follows the groups it drafts for (``Follow``): the
+  router announces a step's prompts one step ahead, each engine asks for the history of the groups
+  routed to it, and lets evicted groups go.
+- ``unbounded``: mirror with no budget, the ceiling.
+
+An engine here is the engine's own drafting (:class:`~histospec_sgl.engine.drafter.BatchDrafter` at a
+fixed width d, fed by the same :class:`~histospec_sgl.sync.engine.EngineSync` the SGLang worker
+uses) with the model replaced by the logged responses: each decode step drafts for the whole batch
+(the step's groups routed to this engine, ``samples`` siblings each, decoding together), accepts each
+draft along the logged continuation (tree verification's walk), and publishes each response when it
+finishes. Tokens per verify step counts every decode step of every response (the first token comes
+from prefill).
+
+Workload: real rollout responses re-keyed into groups: group i takes the responses of logged prompt
+``i mod P`` (the GRPO log's prompts with at least ``samples * epochs`` responses, or the shipped
+HumanEval sample), a different slice of them each epoch, under its own group key.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from histospec_sgl.engine.config import HistoryConfig
+from histospec_sgl.engine.draft import tree_parents_batch, walk
+from histospec_sgl.engine.drafter import BatchDrafter
+from histospec_sgl.sync.client import HistoryPublisher
+from histospec_sgl.sync.engine import EngineSync
+from histospec_sgl.sync.process import DraftServerProcess
+
+MODES = ("unbounded", "mirror", "on_demand")
+
+
+@dataclass
+class Request:
+    rid: str
+    group: int
+    prompt: list[int]
+    truth: list[int]
+    pos: int = 1  # tokens emitted (the prefill gave the first)
+
+
+@dataclass
+class Engine:
+    """One engine: its drafter, its link to the draft server and its counters."""
+
+    drafter: BatchDrafter
+    sync: EngineSync
+    d: int
+    steps: int = 0
+    emitted: int = 0
+    peak_bytes: int = 0
+    by_epoch: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def index(self) -> Any:
+        return self.drafter.index
+
+    def decode(self, reqs: Sequence[Request], epoch: int) -> None:
+        """Decodes one step's requests together, drafting from whatever history has arrived."""
+        d, drafter = self.d, self.drafter
+        self.sync.want({r.group for r in reqs})  # already announced: a no-op unless it was not
+        self.sync.step_boundary()
+        for r in reqs:
+            drafter.sync(r.rid, r.prompt, r.truth[:1], group=r.group)
+        live = [r for r in reqs if len(r.truth) > 1]
+        tally = self.by_epoch.setdefault(epoch, [0, 0])
+        for r in reqs:
+            if len(r.truth) <= 1:
+                self._finish(r, epoch)
+        while live:
+            self.sync.step_boundary()
+            drafter.sync_batch((r.rid, r.prompt, r.truth[:r.pos], (), None) for r in live)
+            tokens, mask = drafter.draft([r.rid for r in live], width=d)
+            parents = tree_parents_batch(mask, d)
+            still = []
+            for b, r in enumerate(live):
+                n = 1 + drafter.drafted(r.rid)
+                acc = walk(tokens[b * d:b * d + n], parents[b, :n], r.truth[r.pos:])[1]
+                step = min(acc + 1, len(r.truth) - r.pos)
+                r.pos += step
+                self.steps += 1
+                self.emitted += step
+                tally[0] += step
+                tally[1] += 1
+                if r.pos >= len(r.truth):
+                    self._finish(r, epoch)
+                else:
+                    still.append(r)
+            live = still
+        self.sync.drain(60)
+        self.peak_bytes = max(self.peak_bytes, int(self.index.stats()["bytes"]))
+
+    def _finish(self, r: Request, epoch: int) -> None:
+        # As the worker does with a draft server: the response comes back through the server.
+        self.drafter.finish(r.rid, r.truth, keep=False)
+        self.sync.finished(r.prompt, r.truth, version=epoch, group=r.group)
+
+
+def load_groups(samples: int, epochs: int, data_root: Any = None, tokenizer: Any = None,
+                progress: Callable[[str], None] = lambda s: None) -> tuple[str, list[tuple[list[int], list[list[int]]]]]:
+    """(source name, [(prompt_ids, responses)]) of the logged prompts with at least samples x epochs
+    responses: the GRPO log where it is found, else the shipped HumanEval sample."""
+    from histospec_sgl.replay.data import ReplayDataError, default_data_root, default_tokenizer, preset_rows
+
+    need = samples * epochs
+    for preset in ("grpo", "humaneval-sample"):
+        try:
+            progress(f"loading {preset}")
+            rows = preset_rows(preset, data_root or default_data_root(), tokenizer or default_tokenizer())
+        except (ReplayDataError, OSError, ValueError) as e:
+            progress(f"{preset}: {e}")
+            continue
+        by: dict[str, list[Any]] = {}
+        for r in rows:
+            if r.prompt_ids and r.response_ids:
+                by.setdefault(r.group, []).append(r)
+        groups = [(list(v[0].prompt_ids), [list(x.response_ids) for x in v]) for _, v in sorted(by.items())
+                  if len(v) >= need]
+        if groups:
+            return preset, groups
+    raise ReplayDataError("no rollout data with enough responses per prompt (looked for grpo, humaneval-sample)")
+
+
+def make_job(sources: list[tuple[list[int], list[list[int]]]], groups: int, samples: int, epochs: int,
+             step_groups: int, seed: int) -> list[list[list[tuple[int, list[int], list[list[int]]]]]]:
+    """epochs x steps x [(group, prompt_ids, the group's responses this step)]: each epoch visits every
+    group once, in its own seeded order."""
+    rng = random.Random(seed)
+    job = []
+    for e in range(epochs):
+        order = list(range(groups))
+        rng.shuffle(order)
+        steps = []
+        for s in range(0, groups, step_groups):
+            step = []
+            for g in order[s:s + step_groups]:
+                prompt, resp = sources[g % len(sources)]
+                # Copies of one logged prompt (g // len(sources) > 0) start at another response.
+                start = (e * samples + (g // len(sources)) * 7) % len(resp)
+                step.append((g, prompt, [resp[(start + k) % len(resp)] for k in range(samples)]))
+            steps.append(step)
+        job.append(steps)
+    return job
+
+
+def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: str,
+             progress: Callable[[str], None]) -> dict[str, Any]:
+    """One mode on a fresh server: every step of every epoch, groups routed to engine ``g mod engines``."""
+    with DraftServerProcess(log=os.path.join(tmp, f"server-{mode}.log")) as srv:
+        cfg = HistoryConfig(control="fixed", memory_budget=0 if mode == "unbounded" else budget, threads=1)
+        fleet = []
+        for _ in range(engines):
+            drafter = BatchDrafter(d, cfg)
+            sync = EngineSync(srv.address, drafter.index, mode="on_demand" if mode == "on_demand" else "mirror")
+            fleet.append(Engine(drafter, sync, d))
+        t0 = time.monotonic()
+        published = 0
+        flat = [(e, s) for e in range(len(job)) for s in range(len(job[e]))]
+        try:
+            for i, (e, s) in enumerate(flat):
+                step = job[e][s]
+                if i + 1 < len(flat):  # the router announces the next step's prompts
+                    e2, s2 = flat[i + 1]
+                    for eng_i, eng in enumerate(fleet):
+                        eng.sync.want([g for g, _, _ in job[e2][s2] if g % engines == eng_i])
+                for eng_i, eng in enumerate(fleet):
+                    reqs = [Request(f"{e}-{g}-{k}", g, prompt, resp)
+                            for g, prompt, rs in step if g % engines == eng_i
+                            for k, resp in enumerate(rs)]
+                    if reqs:
+                        eng.decode(reqs, e)
+                        published += len(reqs)
+                if s == 0:
+                    progress(f"{mode}: epoch {e} begun ({time.monotonic() - t0:.0f} s)")
+            stats = HistoryPublisher(srv.address).stats()
+        finally:
+            for eng in fleet:
+                eng.sync.close(timeout=5)
+        seconds = time.monotonic() - t0
+    fetch = sorted(x for eng in fleet for x in eng.sync.fetch_seconds)
+
+    def pct(q: float) -> float | None:
+        return 1e3 * fetch[min(len(fetch) - 1, int(q * len(fetch)))] if fetch else None
+
+    received = [eng.sync.received_bytes for eng in fleet]
+    by_epoch: dict[str, float] = {}
+    for e in range(len(job)):
+        em = sum(eng.by_epoch.get(e, [0, 0])[0] for eng in fleet)
+        st = sum(eng.by_epoch.get(e, [0, 0])[1] for eng in fleet)
+        by_epoch[str(e)] = em / max(st, 1)
+    return {
+        "mode": mode,
+        "shards": 1,
+        "engines": engines,
+        "history_tokens": int(stats["tokens"]),
+        "engine_budget_bytes": 0 if mode == "unbounded" else budget,
+        "engine_peak_bytes": max(eng.peak_bytes for eng in fleet),
+        "tokens_per_step": sum(eng.emitted for eng in fleet) / max(sum(eng.steps for eng in fleet), 1),
+        "tokens_per_step_by_epoch": by_epoch,
+        "fetch_p50_ms": pct(0.5),
+        "fetch_p99_ms": pct(0.99),
+        "fetches": len(fetch),
+        "received_bytes_per_engine": statistics.fmean(received),
+        "killed_shard": False,
+        "acked_lost": published - int(stats["records"]),
+        "seconds": seconds,
+    }
+
+
+def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: int = 32, engines: int = 4,
+        d: int = 8, budget: int | None = None, budget_fraction: float = 8.0, modes: Sequence[str] = MODES,
+        seed: int = 0, data_root: Any = None, tokenizer: Any = None,
+        progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Runs each mode; the budget is ``budget`` bytes, or the unbounded engine's peak over
+    ``budget_fraction`` (the whole history then is that many times one engine's budget)."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    source, sources = load_groups(samples, epochs, data_root, tokenizer, progress)
+    job = make_job(sources, groups, samples, epochs, step_groups, seed)
+    rows: list[dict[str, Any]] = []
+    order = sorted(modes, key=MODES.index)  # unbounded first: it sizes the budget
+    with tempfile.TemporaryDirectory(prefix="histospec-bench-scale-") as tmp:
+        for mode in order:
+            if budget is None and mode != "unbounded":
+                ceiling = next((r for r in rows if r["mode"] == "unbounded"), None)
+                if ceiling is None:
+                    raise ValueError("give --budget, or include the unbounded mode (it sizes the budget)")
+                budget = int(ceiling["engine_peak_bytes"] / budget_fraction)
+            progress(f"{mode}: {groups} groups x {samples} samples x {epochs} epochs on {engines} engines")
+            rows.append(run_mode(mode, job, engines=engines, d=d, budget=budget or 0, tmp=tmp, progress=progress))
+    ceiling = next((r for r in rows if r["mode"] == "unbounded"), None)
+    if ceiling:
+        for r in rows:
+            r["vs_unbounded"] = r["tokens_per_step"] / ceiling["tokens_per_step"]
+            r["history_bytes_over_budget"] = (ceiling["engine_peak_bytes"] / r["engine_budget_bytes"]
+                                              if r["engine_budget_bytes"] else None)
+    return {
+        "rows": rows,
+        "config": {"groups": groups, "samples": samples, "epochs": epochs, "step_groups": step_groups,
+                   "engines": engines, "d": d, "budget": budget, "budget_fraction": budget_fraction,
+                   "seed": seed, "data": source, "source_prompts": len(sources), "cpus": os.cpu_count(),
+                   "steps_between_returns": int(np.ceil(groups / step_groups))},
+    }
+
+
+def print_table(r: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from histospec_sgl.console import console
+
+    c = r["config"]
+    t = Table(title=f"bench scale: {c['groups']} groups x {c['samples']} samples x {c['epochs']} epochs "
+              f"({c['data']}), {c['engines']} engines, a group returns every {c['steps_between_returns']} steps")
+    for col in ("mode", "budget MB", "peak MB", "tokens/step", "by epoch", "vs unbounded", "fetch p50/p99 ms",
+                "MB received/engine", "acked lost"):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    for row in r["rows"]:
+        fetch = (f"{row['fetch_p50_ms']:.1f} / {row['fetch_p99_ms']:.1f}" if row["fetch_p50_ms"] is not None
+                 else "-")
+        t.add_row(row["mode"], f"{row['engine_budget_bytes'] / 1e6:.1f}" if row["engine_budget_bytes"] else "none",
+                  f"{row['engine_peak_bytes'] / 1e6:.1f}", f"{row['tokens_per_step']:.3f}",
+                  " ".join(f"{v:.2f}" for v in row["tokens_per_step_by_epoch"].values()),
+                  f"{row.get('vs_unbounded', 0):.3f}", fetch, f"{row['received_bytes_per_engine'] / 1e6:.1f}",
+                  str(row["acked_lost"]))
+    console().print(t)
