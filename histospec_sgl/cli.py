@@ -262,7 +262,7 @@ def _ray_draft_server(args: argparse.Namespace) -> int:
         _, address = rds.get_or_create(name=args.name, namespace=args.namespace, listen=args.listen,
                                        data_dir=args.data_dir, extra=extra, log=args.log,
                                        token_file=args.auth_token_file, tls_cert=args.tls_cert,
-                                       tls_key=args.tls_key, insecure=args.insecure)
+                                       tls_key=args.tls_key, insecure=args.insecure, shards=args.shards)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -290,6 +290,10 @@ def _add_ray(sub: Any) -> None:
     rd.add_argument("--namespace", default="histospec")
     _server_options(rd, "0.0.0.0:50061", " (on the head node)")
     rd.add_argument("--log", metavar="F", help="the server's stderr, on the head node")
+    rd.add_argument("--shards", type=int, default=1, metavar="N",
+                    help="run the server as N shards, each its own actor, process, port (port + i for a fixed "
+                    "--listen port) and --data-dir/shard-i; a group's records live on shard key mod N and "
+                    "clients get the comma list of addresses")
     rd.add_argument("--stop", action="store_true", help="stop the running actor instead")
     rd.add_argument("--status", action="store_true",
                     help="print the running actor's address (exit 0), or that there is none (exit 1); start nothing")

@@ -76,6 +76,9 @@ class EngineActor:
         if sync is None:
             return {"responses": 0, "error": "no HISTOSPEC_DRAFT_SERVER in the engine's environment"}
         try:
+            from histospec_sgl import group_key
+
+            sync.want([group_key(prompt)])  # what the worker does when the prompt's first request arrives
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 sync.step_boundary()

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -103,9 +104,61 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         assert stop.returncode == 0, stop.stderr[-4000:]
         gone = _run(ray_py, greedy_model, *stop_cli)
         assert gone.returncode == 1 and "no actor" in gone.stdout
+        _sharded(ray_py, greedy_model, head, tmp_path / "sharded")
     finally:
         _stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _sharded(ray_py, greedy_model, head: str, data) -> None:
+    """``--shards 2``: two actors with one token, clients given both addresses; records go to the shard
+    of their group; one shard's process killed is started again from its own data dir with every
+    record it acknowledged, the other shard untouched; ``--stop`` stops both."""
+    import psutil
+
+    from histospec_sgl.sync.client import HistoryPublisher, shard_of
+
+    cli = ["-m", "histospec_sgl.cli", "ray", "draft-server", "--address", head, "--name", "sharded",
+           "--listen", "127.0.0.1:0", "--data-dir", str(data), "--shards", "2"]
+    made = _run(ray_py, greedy_model, *cli)
+    assert made.returncode == 0, made.stderr[-4000:]
+    address = made.stdout.strip().splitlines()[-1]
+    assert len(address.split(",")) == 2, address
+    status = _run(ray_py, greedy_model, *cli[:8], "--status")
+    assert status.stdout.strip().splitlines()[-1] == address
+    token = (data / "shard-0" / "ray-actor-token").read_text().strip()
+    assert token and (data / "shard-1" / "ray-actor-token").read_text().strip() == token
+    recs = [([100 + g, 7, 8], [g, g + 1, g + 2]) for g in range(12)]
+    with HistoryPublisher(address, auth_token=token) as pub:
+        for g, (p, r) in enumerate(recs):
+            pub.publish(p, r, group=g, version=1)
+        pub.flush()
+        before = pub.stats()
+    assert [s["records"] for s in before["shards"]] == [sum(shard_of(g, 2) == i for g in range(12)) for i in (0, 1)]
+
+    def servers(shard: int) -> list:
+        home = str(data / f"shard-{shard}")
+        return [p for p in psutil.process_iter(["cmdline"])
+                if "draft-server" in " ".join(p.info["cmdline"] or ()) and home in (p.info["cmdline"] or ())]
+
+    (victim,) = servers(1)
+    (other,) = servers(0)
+    victim.kill()
+    with HistoryPublisher(address, auth_token=token) as pub:  # retries until the shard is back
+        for g in range(12, 16):
+            pub.publish([100 + g, 7, 8], [g], group=g, version=2)
+        pub.flush()
+        after = pub.stats()
+    assert after["records"] == 16 and after["shards"][1]["records"] == before["shards"][1]["records"] + 2
+    assert other.is_running() and servers(0) == [other]
+    (again,) = servers(1)
+    assert again.pid != victim.pid
+    stop = _run(ray_py, greedy_model, *cli[:8], "--stop")
+    assert stop.returncode == 0, stop.stderr[-4000:]
+    deadline = time.monotonic() + 30
+    while servers(0) or servers(1):
+        assert time.monotonic() < deadline, "a shard's server outlived --stop"
+        time.sleep(0.2)
 
 
 def _stop_cluster(temp: str) -> None:

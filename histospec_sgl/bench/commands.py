@@ -149,7 +149,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
 
     r = scale_bench.run(groups=args.groups, samples=args.samples, epochs=args.epochs, step_groups=args.step_groups,
                         engines=args.engines, d=args.draft_tokens, budget=args.budget,
-                        budget_fraction=args.budget_fraction, modes=args.modes, seed=args.seed,
+                        budget_fraction=args.budget_fraction, modes=args.modes, shards=args.shards, load=[] if args.no_load else args.load, seed=args.seed,
                         data_root=args.data_dir, tokenizer=args.tokenizer, progress=progress)
     report(r, scale_bench.print_table, args.json)
     return 0
@@ -316,6 +316,12 @@ def add_bench(sub: Any) -> None:
                     help="how many times one engine's budget the whole history is, when --budget is not given")
     bz.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m],
                     default=["unbounded", "mirror", "on_demand"], help="comma list of unbounded, mirror, on_demand")
+    bz.add_argument("--shards", type=int, default=2,
+                    help="also run on_demand on this many shards, and again with one killed and restarted (<2: no)")
+    bz.add_argument("--load", type=counts, default=[4, 64],
+                    help="engine counts for the load run: one publisher, N receive-only engines following their "
+                    "groups (and N mirrors), the server's CPU per token")
+    bz.add_argument("--no-load", action="store_true", help="skip the load run")
     bz.add_argument("--data-dir", default=None, help="the rollout logs' root (default: HISTOSPEC_DATA_DIR or "
                     "../shared/data/rollouts); the shipped HumanEval sample where absent")
     bz.add_argument("--tokenizer", default=None, help="tokenizer.json for the GRPO log")

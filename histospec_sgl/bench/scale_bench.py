@@ -13,6 +13,11 @@ loopback) and ``engines`` engines:
   routed to it, and lets evicted groups go.
 - ``unbounded``: mirror with no budget, the ceiling.
 
+With ``shards`` > 1, ``on_demand`` runs again on a server of that many shards (a group's records on
+shard ``key mod shards``), and once more with shard 0 killed (SIGKILL) halfway through the job and
+started again from its data dir after a short outage, as its Ray actor does: ``acked_lost`` counts
+records acknowledged to an engine that no shard holds at the end.
+
 An engine here is the engine's own drafting (:class:`~histospec_sgl.engine.drafter.BatchDrafter` at a
 fixed width d, fed by the same :class:`~histospec_sgl.sync.engine.EngineSync` the SGLang worker
 uses) with the model replaced by the logged responses: each decode step drafts for the whole batch
@@ -32,6 +37,7 @@ import os
 import random
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -162,21 +168,76 @@ def make_job(sources: list[tuple[list[int], list[list[int]]]], groups: int, samp
     return job
 
 
+class Shards:
+    """``n`` draft-server processes, each durable under its own data dir; one can be killed and
+    started again on its port, as the Ray actor that owns a shard does when its process dies."""
+
+    def __init__(self, n: int, tmp: str, tag: str):
+        self.dirs = [os.path.join(tmp, f"{tag}-shard-{i}") for i in range(n)]
+        self.tmp, self.tag = tmp, tag
+        self.procs = [DraftServerProcess(data_dir=d, log=os.path.join(tmp, f"{tag}-{i}.log"))
+                      for i, d in enumerate(self.dirs)]
+        self.address = ",".join(p.address for p in self.procs)
+        self.restarts = 0
+
+    def kill_and_restart(self, i: int, outage: float) -> threading.Thread:
+        """SIGKILLs shard ``i`` now and starts it again after ``outage`` seconds (in the background)."""
+        from histospec_sgl.procs import wait_port_free
+
+        port = self.procs[i].port
+        self.procs[i].kill()
+
+        def again() -> None:
+            time.sleep(outage)
+            wait_port_free(port)
+            self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i],
+                                               log=os.path.join(self.tmp, f"{self.tag}-{i}-again.log"))
+            self.restarts += 1
+
+        t = threading.Thread(target=again, daemon=True)
+        t.start()
+        return t
+
+    def rss_bytes(self) -> int:
+        """The shards' resident memory now (Linux; 0 elsewhere)."""
+        total = 0
+        for p in self.procs:
+            try:
+                with open(f"/proc/{p.proc.pid}/status") as f:
+                    total += next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmRSS:"))
+            except (OSError, StopIteration, ValueError):
+                pass
+        return total
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+
+
 def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: str,
-             progress: Callable[[str], None]) -> dict[str, Any]:
-    """One mode on a fresh server: every step of every epoch, groups routed to engine ``g mod engines``."""
-    with DraftServerProcess(log=os.path.join(tmp, f"server-{mode}.log")) as srv:
+             progress: Callable[[str], None], shards: int = 1, kill: bool = False,
+             outage: float = 2.0) -> dict[str, Any]:
+    """One mode on fresh servers: every step of every epoch, groups routed to engine ``g mod engines``.
+    ``kill``: shard 0 is killed (SIGKILL) halfway through the job and started again from its data dir
+    ``outage`` seconds later."""
+    tag = f"{mode}-{shards}{'-kill' if kill else ''}"
+    servers = Shards(shards, tmp, tag)
+    restart: threading.Thread | None = None
+    try:
         cfg = HistoryConfig(control="fixed", memory_budget=0 if mode == "unbounded" else budget, threads=1)
         fleet = []
         for _ in range(engines):
             drafter = BatchDrafter(d, cfg)
-            sync = EngineSync(srv.address, drafter.index, mode="on_demand" if mode == "on_demand" else "mirror")
+            sync = EngineSync(servers.address, drafter.index, mode="on_demand" if mode == "on_demand" else "mirror")
             fleet.append(Engine(drafter, sync, d))
         t0 = time.monotonic()
         published = 0
         flat = [(e, s) for e in range(len(job)) for s in range(len(job[e]))]
         try:
             for i, (e, s) in enumerate(flat):
+                if kill and i == len(flat) // 2:
+                    progress(f"{tag}: killing shard 0 at step {i} of {len(flat)}")
+                    restart = servers.kill_and_restart(0, outage)
                 step = job[e][s]
                 if i + 1 < len(flat):  # the router announces the next step's prompts
                     e2, s2 = flat[i + 1]
@@ -190,12 +251,22 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
                         eng.decode(reqs, e)
                         published += len(reqs)
                 if s == 0:
-                    progress(f"{mode}: epoch {e} begun ({time.monotonic() - t0:.0f} s)")
-            stats = HistoryPublisher(srv.address).stats()
+                    progress(f"{tag}: epoch {e} begun ({time.monotonic() - t0:.0f} s)")
+            if restart is not None:
+                restart.join(60)
+            for eng in fleet:
+                eng.sync.drain(60)
+            with HistoryPublisher(servers.address) as pub:
+                stats = pub.stats()
+            server_rss = servers.rss_bytes()
         finally:
             for eng in fleet:
                 eng.sync.close(timeout=5)
         seconds = time.monotonic() - t0
+    finally:
+        if restart is not None:
+            restart.join(60)
+        servers.close()
     fetch = sorted(x for eng in fleet for x in eng.sync.fetch_seconds)
 
     def pct(q: float) -> float | None:
@@ -209,7 +280,7 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         by_epoch[str(e)] = em / max(st, 1)
     return {
         "mode": mode,
-        "shards": 1,
+        "shards": shards,
         "engines": engines,
         "history_tokens": int(stats["tokens"]),
         "engine_budget_bytes": 0 if mode == "unbounded" else budget,
@@ -220,18 +291,96 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         "fetch_p99_ms": pct(0.99),
         "fetches": len(fetch),
         "received_bytes_per_engine": statistics.fmean(received),
-        "killed_shard": False,
+        "server_rss_bytes": server_rss,
+        "killed_shard": kill,
+        "shard_restarts": servers.restarts,
         "acked_lost": published - int(stats["records"]),
         "seconds": seconds,
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _received_records(sub: Any) -> int:
+    """Records a receive-only follower or subscriber has had (follower: counted per message)."""
+    return int(getattr(sub, "received_records", 0) or getattr(sub, "received_sequence", 0))
+
+
+def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[str], None],
+             settle: float = 120.0) -> list[dict[str, Any]]:
+    """Traffic at cluster scale on loopback: for each count N, a fresh server, N receive-only engines,
+    and one publisher sending the job's records (every epoch) in Publish batches of 256.
+    ``filtered``: each engine follows its groups only (group ``g`` on engine ``g mod N``), as
+    on_demand engines do; ``mirror``: each subscribes to every record. Reports the server's CPU per
+    published token and each engine's received bytes against its groups' share of the history (the
+    bytes all engines received together, over N; a mirror's share is the whole history)."""
+    from histospec_sgl.sync.client import HistorySubscriber
+    from histospec_sgl.sync.follow import GroupFollower
+
+    records = [(g, prompt, resp) for steps in job for step in steps for g, prompt, rs in step for resp in rs]
+    groups = sorted({g for g, _, _ in records})
+    tokens = sum(len(p) + len(r) for _, p, r in records)
+    out: list[dict[str, Any]] = []
+    whole = 0  # bytes of the whole history on the wire: what one mirror subscriber receives
+    for mode in ("mirror", "filtered"):
+        for n in counts:
+            progress(f"load: {n} {mode} engines, {len(records)} records")
+            with DraftServerProcess(log=os.path.join(tmp, f"load-{mode}-{n}.log")) as srv:
+                subs: list[Any]
+                if mode == "filtered":
+                    subs = [GroupFollower(srv.address, None).start() for _ in range(n)]
+                    for i, f in enumerate(subs):
+                        f.want([g for g in groups if g % n == i])
+                    want = [sum(1 for g, _, _ in records if g % n == i) for i in range(n)]
+                else:
+                    subs = [HistorySubscriber(srv.address, None, background=True).start() for _ in range(n)]
+                    want = [len(records)] * n
+                time.sleep(1.0)  # every stream open and its groups added
+                cpu0 = _cpu_seconds(srv.proc.pid)
+                t0 = time.monotonic()
+                with HistoryPublisher(srv.address, batch_records=256) as pub:
+                    for g, prompt, resp in records:
+                        pub.publish(prompt, resp, group=g)
+                    pub.flush()
+                deadline = time.monotonic() + settle
+                while time.monotonic() < deadline and any(_received_records(x) < w for x, w in zip(subs, want)):
+                    time.sleep(0.05)
+                seconds = time.monotonic() - t0
+                cpu = _cpu_seconds(srv.proc.pid) - cpu0
+                delivered = all(_received_records(x) >= w for x, w in zip(subs, want))
+                received = [x.received_bytes for x in subs]
+                for x in subs:
+                    x.close()
+            if mode == "mirror":
+                whole = whole or min(received)
+                share = [whole] * n
+            else:  # each engine's groups' tokens, as a share of the whole history's bytes
+                mine = [sum(len(p) + len(r) for g, p, r in records if g % n == i) for i in range(n)]
+                share = [whole * t / tokens for t in mine]
+            over = max(r / s for r, s in zip(received, share)) if whole else None
+            out.append({
+                "mode": mode, "subscribers": n, "records": len(records), "tokens": tokens, "seconds": seconds,
+                "server_cpu_seconds": cpu, "server_cpu_ns_per_token": 1e9 * cpu / tokens,
+                "received_bytes_per_subscriber": statistics.fmean(received), "received_bytes_max": max(received),
+                "share_bytes": statistics.fmean(share), "max_over_share": over,
+                "delivered": delivered,
+            })
+    return out
+
+
 def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: int = 32, engines: int = 4,
         d: int = 8, budget: int | None = None, budget_fraction: float = 8.0, modes: Sequence[str] = MODES,
-        seed: int = 0, data_root: Any = None, tokenizer: Any = None,
+        shards: int = 2, load: Sequence[int] = (4, 64), seed: int = 0, data_root: Any = None, tokenizer: Any = None,
         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Runs each mode; the budget is ``budget`` bytes, or the unbounded engine's peak over
-    ``budget_fraction`` (the whole history then is that many times one engine's budget)."""
+    ``budget_fraction`` (the whole history then is that many times one engine's budget). With
+    ``shards`` > 1, on_demand runs again on that many shards, and once more with shard 0 killed and
+    restarted halfway through."""
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
@@ -248,6 +397,11 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
                 budget = int(ceiling["engine_peak_bytes"] / budget_fraction)
             progress(f"{mode}: {groups} groups x {samples} samples x {epochs} epochs on {engines} engines")
             rows.append(run_mode(mode, job, engines=engines, d=d, budget=budget or 0, tmp=tmp, progress=progress))
+        load_rows = run_load(load, job, tmp=tmp, progress=progress) if load else []
+        if shards > 1 and "on_demand" in order:
+            for kill in (False, True):
+                rows.append(run_mode("on_demand", job, engines=engines, d=d, budget=budget or 0, tmp=tmp,
+                                     progress=progress, shards=shards, kill=kill))
     ceiling = next((r for r in rows if r["mode"] == "unbounded"), None)
     if ceiling:
         for r in rows:
@@ -256,8 +410,9 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
                                               if r["engine_budget_bytes"] else None)
     return {
         "rows": rows,
+        "load": load_rows,
         "config": {"groups": groups, "samples": samples, "epochs": epochs, "step_groups": step_groups,
-                   "engines": engines, "d": d, "budget": budget, "budget_fraction": budget_fraction,
+                   "engines": engines, "d": d, "budget": budget, "budget_fraction": budget_fraction, "shards": shards,
                    "seed": seed, "data": source, "source_prompts": len(sources), "cpus": os.cpu_count(),
                    "steps_between_returns": int(np.ceil(groups / step_groups))},
     }
@@ -271,15 +426,25 @@ def print_table(r: dict[str, Any]) -> None:
     c = r["config"]
     t = Table(title=f"bench scale: {c['groups']} groups x {c['samples']} samples x {c['epochs']} epochs "
               f"({c['data']}), {c['engines']} engines, a group returns every {c['steps_between_returns']} steps")
-    for col in ("mode", "budget MB", "peak MB", "tokens/step", "by epoch", "vs unbounded", "fetch p50/p99 ms",
+    for col in ("mode", "shards", "budget MB", "peak MB", "tokens/step", "by epoch", "vs unbounded", "fetch p50/p99 ms",
                 "MB received/engine", "acked lost"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for row in r["rows"]:
         fetch = (f"{row['fetch_p50_ms']:.1f} / {row['fetch_p99_ms']:.1f}" if row["fetch_p50_ms"] is not None
                  else "-")
-        t.add_row(row["mode"], f"{row['engine_budget_bytes'] / 1e6:.1f}" if row["engine_budget_bytes"] else "none",
+        shards = f"{row['shards']}{' (one killed)' if row['killed_shard'] else ''}"
+        t.add_row(row["mode"], shards, f"{row['engine_budget_bytes'] / 1e6:.1f}" if row["engine_budget_bytes"] else "none",
                   f"{row['engine_peak_bytes'] / 1e6:.1f}", f"{row['tokens_per_step']:.3f}",
                   " ".join(f"{v:.2f}" for v in row["tokens_per_step_by_epoch"].values()),
                   f"{row.get('vs_unbounded', 0):.3f}", fetch, f"{row['received_bytes_per_engine'] / 1e6:.1f}",
                   str(row["acked_lost"]))
     console().print(t)
+    if r.get("load"):
+        t = Table(title="load: one publisher, N engines receiving on loopback (filtered: each follows its groups)")
+        for col in ("mode", "engines", "server CPU ns/token", "MB/engine", "max / share", "delivered"):
+            t.add_column(col, justify="left" if col == "mode" else "right")
+        for x in r["load"]:
+            t.add_row(x["mode"], str(x["subscribers"]), f"{x['server_cpu_ns_per_token']:.1f}",
+                      f"{x['received_bytes_per_subscriber'] / 1e6:.2f}",
+                      f"{x['max_over_share']:.2f}" if x["max_over_share"] else "-", str(x["delivered"]))
+        console().print(t)

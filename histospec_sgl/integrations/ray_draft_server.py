@@ -12,6 +12,12 @@ an actor that owns the server process:
 - restarted by Ray if its process dies (``max_restarts=-1``), on the same port (a port chosen by
   ``:0`` is kept in ``data_dir``), and the server restarted by the actor if the server alone dies.
 
+**Sharded** (``shards=N``, ``histospec-sgl ray draft-server --shards N``): N such actors, shard 0 named
+``name`` and shard i ``name-shard-i``, each with its own process, port and ``data_dir/shard-i``, one
+token for all; a group's records live on shard ``group_key mod N``, and clients are given the comma
+list of the shards' addresses (in shard order), by which they route. A shard whose process dies is
+started again by its actor from its data dir while the others go on.
+
 It is **secure by default**: unless given a token (``--auth-token-file``) or told ``insecure``, the
 actor makes one (kept in ``data_dir``, so a restart keeps it) and the server requires it. Engines and
 trainers find the server, its token and (for TLS) its certificate through the actor:
@@ -75,14 +81,21 @@ class DraftServerOwner:
 
     def __init__(self, listen: str, data_dir: str | None, extra: list[str] | None = None,
                  log: str | None = None, watch_every: float = 0.5, *, token_file: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, insecure: bool = False):
+                 tls_cert: str | None = None, tls_key: str | None = None, insecure: bool = False,
+                 token: str | None = None, shard: int = 0, shards: int = 1):
         import threading
 
         self._data_dir, self._log = data_dir, log
+        self._shard, self._shards = shard, shards
         self._extra = list(extra or [])
-        # The token: the user's file, else the one this actor made before (a restart), else a new one.
+        # The token: the user's file, else shard 0's (given to the other shards), else the one this
+        # actor made before (a restart), else a new one.
         self._token: str | None = None
-        if token_file:
+        if token and not token_file:
+            home = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="histospec-draft-"))
+            self._token = token
+            token_file = str(_private_file(home, "ray-actor-token", token.encode()))
+        elif token_file:
             self._token = Path(token_file).read_text().strip() or None
             if self._token is None:
                 raise ValueError(f"--auth-token-file {token_file} is empty")
@@ -166,6 +179,10 @@ class DraftServerOwner:
         TLS, else None). Ray hands actor results only to processes of the same cluster."""
         return {"address": self._address, "token": self._token, "ca": self._ca}
 
+    def shard(self) -> tuple[int, int]:
+        """(this shard, how many shards the server has)."""
+        return self._shard, self._shards
+
     def alive(self) -> bool:
         return self._proc.alive()
 
@@ -197,29 +214,52 @@ def get_or_create(*, name: str = NAME, namespace: str = NAMESPACE, listen: str =
                   data_dir: str | os.PathLike[str] | None = None, extra: list[str] | None = None,
                   log: str | os.PathLike[str] | None = None, timeout: float = 60.0,
                   token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                  insecure: bool = False) -> tuple[Any, str]:
+                  insecure: bool = False, shards: int = 1) -> tuple[Any, str]:
     """The running draft-server actor ``namespace/name``, or a new one on the head node.
 
-    Needs ``ray.init()`` first. Returns ``(actor handle, "host:port")``. A second call (from any
-    driver of the cluster) returns the running actor; the other arguments apply only when it is
-    created. The server requires a token unless ``insecure``: ``token_file`` (a path on the head node),
-    else one the actor makes and keeps in ``data_dir``. ``tls_cert``/``tls_key``: serve TLS (paths on
-    the head node).
+    Needs ``ray.init()`` first. Returns ``(actor handle, "host:port")`` (shard 0's handle and every
+    shard's address, comma-separated, when sharded). A second call (from any driver of the cluster)
+    returns the running actor; the other arguments apply only when it is created. The server requires a
+    token unless ``insecure``: ``token_file`` (a path on the head node), else one the actor makes and
+    keeps in ``data_dir``. ``tls_cert``/``tls_key``: serve TLS (paths on the head node). ``shards``:
+    that many servers, a group's records on shard ``group_key mod shards`` (ports ``port + i`` for a
+    fixed ``listen`` port, each its own for ``:0``).
     """
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() (or connect to the cluster) before get_or_create")
-    cls = ray.remote(DraftServerOwner)
-    actor = cls.options(
-        name=name, namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
-        max_restarts=-1, max_task_retries=-1,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head_node_id(), soft=False),
-    ).remote(listen, str(data_dir) if data_dir else None, list(extra or []), str(log) if log else None,
-             token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, insecure=insecure)
-    address = ray.get(actor.address.remote(), timeout=timeout)
-    return actor, address
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+
+    def one(i: int, token: str | None = None) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        host, port = listen.rsplit(":", 1)
+        at = listen if i == 0 or int(port) == 0 else f"{host}:{int(port) + i}"
+        home = data_dir if shards == 1 or not data_dir else Path(data_dir) / f"shard-{i}"
+        return ray.remote(DraftServerOwner).options(
+            name=shard_name(name, i), namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
+            max_restarts=-1, max_task_retries=-1,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head_node_id(), soft=False),
+        ).remote(at, str(home) if home else None, list(extra or []),
+                 f"{log}.shard-{i}" if log and shards > 1 else (str(log) if log else None),
+                 token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, insecure=insecure, token=token,
+                 shard=i, shards=shards)
+
+    actor = one(0)
+    first = ray.get(actor.client_settings.remote(), timeout=timeout)
+    _, running = ray.get(actor.shard.remote(), timeout=timeout)  # a running server keeps its own count
+    for i in range(1, running):
+        ray.get(one(i, first["token"]).address.remote(), timeout=timeout)
+    info = client_settings(name, namespace, timeout)
+    assert info is not None
+    return actor, str(info["address"])
+
+
+def shard_name(name: str, shard: int) -> str:
+    """The actor name of one shard: ``name`` for shard 0, ``name-shard-i`` for the others."""
+    return name if shard == 0 else f"{name}-shard-{shard}"
 
 
 def lookup(name: str = NAME, namespace: str = NAMESPACE, timeout: float = 60.0) -> str | None:
@@ -237,7 +277,19 @@ def client_settings(name: str = NAME, namespace: str = NAMESPACE, timeout: float
         actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return None
-    return dict(ray.get(actor.client_settings.remote(), timeout=timeout))
+    info = dict(ray.get(actor.client_settings.remote(), timeout=timeout))
+    _, shards = ray.get(actor.shard.remote(), timeout=timeout)
+    addresses = [info["address"]]
+    for i in range(1, shards):
+        try:
+            other = ray.get_actor(shard_name(name, i), namespace=namespace)
+        except ValueError:
+            raise RuntimeError(f"the draft server {namespace}/{name} has {shards} shards but shard {i} "
+                               f"({shard_name(name, i)}) is not running; start it again with "
+                               f"`histospec-sgl ray draft-server --shards {shards}`") from None
+        addresses.append(ray.get(other.address.remote(), timeout=timeout))
+    info["address"] = ",".join(addresses)
+    return info
 
 
 def stop(name: str = NAME, namespace: str = NAMESPACE) -> bool:
@@ -248,10 +300,18 @@ def stop(name: str = NAME, namespace: str = NAMESPACE) -> bool:
         actor = ray.get_actor(name, namespace=namespace)
     except ValueError:
         return False
+    actors = [actor]
     try:
-        ray.get(actor.stop.remote(), timeout=60)
+        _, shards = ray.get(actor.shard.remote(), timeout=60)
+        for i in range(1, shards):
+            try:
+                actors.append(ray.get_actor(shard_name(name, i), namespace=namespace))
+            except ValueError:
+                pass
+        ray.get([a.stop.remote() for a in actors], timeout=60)
     finally:
-        ray.kill(actor, no_restart=True)
+        for a in actors:
+            ray.kill(a, no_restart=True)
     return True
 
 

@@ -48,14 +48,15 @@ class GroupFollower(_Client):
 
     Args:
         address: the draft server (``host:port``).
-        index: the index to feed (only :meth:`poll` touches it, from the owner's thread).
+        index: the index to feed (only :meth:`poll` touches it, from the owner's thread); None:
+            receive and count only (for measuring delivery).
         idle_seconds: a held group whose history has arrived, not asked for within this long and no
             longer in the index (evicted under its memory budget), is dropped from the stream.
         sweep_every: :meth:`poll` calls between two looks for groups to drop.
         max_buffered: messages held before the stream is paused (back-pressure to the server).
 
     Counters: ``fetch_seconds`` (each added group's time from :meth:`want` to its whole history
-    received), ``received_bytes``, ``applied_records``, ``reconnects``, ``dropped_groups``.
+    received), ``received_bytes``, ``received_records``, ``applied_records``, ``reconnects``, ``dropped_groups``.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class GroupFollower(_Client):
         self._polls = 0
         self.fetch_seconds: list[float] = []
         self.received_bytes = 0
+        self.received_records = 0
         self.applied_records = 0
         self.rejected_records = 0
         self.reconnects = 0
@@ -155,7 +157,7 @@ class GroupFollower(_Client):
 
     def _evicted(self, g: int) -> bool:
         """Records of ``g`` were applied, and the index holds none of them now."""
-        return self._applied.get(g, 0) > 0 and self.index.group_len(g) == 0
+        return self.index is not None and self._applied.get(g, 0) > 0 and self.index.group_len(g) == 0
 
     def ready(self, group: int) -> bool:
         """Whether the group's whole history has been received (applied at the next :meth:`poll`)."""
@@ -199,6 +201,8 @@ class GroupFollower(_Client):
 
     def _sweep(self) -> None:
         """Drops the groups nobody asked for lately that the index no longer holds."""
+        if self.index is None:
+            return
         cutoff = time.monotonic() - self.idle_seconds
         with self._lock:
             gone = [g for g, t in self._held.items()
@@ -264,6 +268,7 @@ class GroupFollower(_Client):
         span = _core.follow_span(data)
         now = time.monotonic()
         self.received_bytes += len(data)
+        self.received_records += span["records"]
         with self._lock:
             for g, s in span["last"].items():
                 if g in self._held:
@@ -275,6 +280,8 @@ class GroupFollower(_Client):
                     if t is not None:
                         self.fetch_seconds.append(now - t)
             self._cursor = max(self._cursor, span["cursor"])
+        if self.index is None:
+            return
         while not self._stop.is_set():
             try:
                 self._messages.put((data, span["last"]), timeout=0.1)
