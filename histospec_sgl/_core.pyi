@@ -22,7 +22,8 @@ __all__ = [
     "apply_records",
     "wire_span",
     "follow_span",
-    "run_draft_server",
+    "draft_server_main",
+    "draft_server_help",
     "__version__",
     "SNAPSHOT_FORMAT_VERSION",
 ]
@@ -270,18 +271,10 @@ def follow_span(data: bytes) -> dict[str, Any]:
 def wire_span(data: bytes, kind: str) -> tuple[int, int]:
     """(last record sequence or 0, head_sequence / through_sequence) of a message."""
 
-def run_draft_server(
-    listen: str,
-    *,
-    auth_token: str | None = None,
-    data_dir: str | PathLike[str] | None = None,
-    max_tokens: int = 0,
-    max_records: int = 0,
-    max_message_bytes: int = 64 << 20,
-    max_tokens_per_record: int = 1 << 20,
-    snapshot_every_bytes: int = 256 << 20,
-    subscriber_buffer: int = 8,
-    tls_cert: str | PathLike[str] | None = None,
-    tls_key: str | PathLike[str] | None = None,
-) -> None:
-    """Runs the draft server until SIGTERM/SIGINT (blocking). Raises RuntimeError on a start-up failure."""
+def draft_server_main(argv: list[str]) -> int:
+    """Runs the draft server from its command line (``argv[0]``: the program's name; the flags of
+    ``histospec-draft-server``) until SIGTERM/SIGINT; returns the exit status (0 after a graceful stop
+    or ``--help``, 1 when it cannot start, 2 for bad flags)."""
+
+def draft_server_help(name: str) -> str:
+    """The draft server's ``--help`` under the program name ``name``."""

@@ -153,49 +153,12 @@ def _add_replay(sub: Any) -> None:
     rp.set_defaults(func=_replay)
 
 
-def _draft_server(args: argparse.Namespace) -> int:
+def _draft_server(argv: list[str]) -> int:
+    """``histospec-sgl draft-server``: the arguments belong to the server's own parser (the Rust
+    ``clap`` definition the ``histospec-draft-server`` binary uses), so both take the same flags."""
     from histospec_sgl import _core
-    from histospec_sgl.integrations.ray_draft_server import is_loopback
 
-    token = None
-    if args.auth_token_file:
-        try:
-            token = Path(args.auth_token_file).read_text().strip()
-        except OSError as e:
-            print(f"error: --auth-token-file: {e}", file=sys.stderr)
-            return 2
-        if not token:
-            print(f"error: --auth-token-file {args.auth_token_file} is empty", file=sys.stderr)
-            return 2
-    if bool(args.tls_cert) != bool(args.tls_key):
-        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    if not is_loopback(args.listen) and token is None:
-        if not args.insecure:
-            print(f"error: --listen {args.listen} reaches beyond this machine and no --auth-token-file is given: "
-                  "anyone who can reach the port could read every prompt and response of the job and fill the "
-                  "server's memory. Give a token (clients: HISTOSPEC_DRAFT_SERVER_TOKEN_FILE), or pass --insecure "
-                  "on a network you trust", file=sys.stderr)
-            return 2
-        print(f"warning: listening on {args.listen} without a token (--insecure)", file=sys.stderr)
-    try:
-        _core.run_draft_server(
-            args.listen,
-            auth_token=token,
-            data_dir=args.data_dir,
-            max_tokens=args.max_tokens,
-            max_records=args.max_records,
-            max_message_bytes=args.max_message_bytes,
-            max_tokens_per_record=args.max_tokens_per_record,
-            snapshot_every_bytes=args.snapshot_every_bytes,
-            subscriber_buffer=args.subscriber_buffer,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-        )
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return int(_core.draft_server_main([DRAFT_SERVER, *argv]))
 
 
 def _server_options(p: argparse.ArgumentParser, listen: str, where: str = "") -> None:
@@ -215,21 +178,13 @@ def _server_options(p: argparse.ArgumentParser, listen: str, where: str = "") ->
     p.add_argument("--max-records", type=int, default=0, metavar="N", help="retain at most N records (0: no limit)")
 
 
+DRAFT_SERVER = "histospec-sgl draft-server"
+
+
 def _add_draft_server(sub: Any) -> None:
-    ds = sub.add_parser(
-        "draft-server",
-        help="serve history to index replicas over gRPC (histospec.v1)",
-        description="The draft server: trainers and engines publish finished rollouts, index replicas "
-        "subscribe and converge to the same history. Stops gracefully on SIGTERM/SIGINT. Beyond loopback "
-        "it requires --auth-token-file (or --insecure).",
-    )
-    _server_options(ds, "127.0.0.1:50061")
-    ds.add_argument("--max-message-bytes", type=int, default=64 << 20, help="largest gRPC message (default 64 MiB)")
-    ds.add_argument("--max-tokens-per-record", type=int, default=1 << 20)
-    ds.add_argument("--snapshot-every-bytes", type=int, default=256 << 20,
-                    help="compact the log into a snapshot after this much log (default 256 MiB)")
-    ds.add_argument("--subscriber-buffer", type=int, default=8, help="messages buffered per subscriber")
-    ds.set_defaults(func=_draft_server)
+    # A placeholder for the top-level help: main() hands the arguments to the server's own parser.
+    sub.add_parser("draft-server", add_help=False,
+                   help="serve history to engines and trainers over gRPC (histospec.v1; see draft-server --help)")
 
 
 def _ray_draft_server(args: argparse.Namespace) -> int:
@@ -333,8 +288,14 @@ def reference() -> str:
         for path, p in [*walk(build_parser(), "histospec-sgl"), ("histospec-sgl launch-server", launch_parser())]:
             if path == "histospec-sgl launch-server" and not p.description:
                 continue  # the placeholder subcommand; its real parser comes last
-            p.prog = path
-            parts.append(f"## `{path}`\n\n```text\n{p.format_help().rstrip()}\n```\n")
+            if path == DRAFT_SERVER:
+                from histospec_sgl import _core
+
+                text = _core.draft_server_help(DRAFT_SERVER)
+            else:
+                p.prog = path
+                text = p.format_help()
+            parts.append(f"## `{path}`\n\n```text\n{text.rstrip()}\n```\n")
         return "\n".join(parts)
     finally:
         if old is None:
@@ -372,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         from histospec_sgl.plugin.launch import main as launch_server
 
         return launch_server(argv[1:])
+    if argv and argv[0] == "draft-server":
+        return _draft_server(argv[1:])
     args = build_parser().parse_args(argv)
     env = dict(os.environ)
     if hugepages.prepare_children(env) and not hugepages.huge_pages():

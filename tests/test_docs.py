@@ -35,11 +35,13 @@ SGLANG_MESSAGES = {"Unknown speculative algorithm name: HISTORY": "Unknown specu
 
 def test_troubleshooting_quotes_messages_the_code_prints():
     """Each heading of docs/troubleshooting.md quotes a message; every piece between its ``...`` is in
-    the package's source (the message's own file), or in SGLang's for the messages SGLang prints."""
+    the package's source or the draft server's (the message's own file), or in SGLang's for the
+    messages SGLang prints."""
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
     headings = re.findall(r"^### `(.+)`$", text, re.M)
     assert len(headings) >= 15
-    sources = {p: p.read_text() for p in (ROOT / "histospec_sgl").rglob("*.py")}
+    sources = {p: p.read_text() for p in [*(ROOT / "histospec_sgl").rglob("*.py"),
+                                          *(ROOT / "rust" / "histospec-server" / "src").rglob("*.rs")]}
     missing = []
     for h in headings:
         if h in SGLANG_MESSAGES:

@@ -412,6 +412,8 @@ def test_auth_token_is_required_except_for_health(tmp_path):
 
 
 def test_cli_refuses_bad_flags(tmp_path):
+    """``histospec-sgl draft-server`` hands its arguments to the server's own parser (the binary's):
+    bad flags exit 2 with the reason, a server that cannot start exits 1."""
     empty = tmp_path / "empty"
     empty.write_text("")
     run = lambda *a: subprocess.run([sys.executable, "-m", "histospec_sgl.cli", "draft-server", *a],  # noqa: E731
@@ -419,7 +421,11 @@ def test_cli_refuses_bad_flags(tmp_path):
     r = run("--auth-token-file", str(empty))
     assert r.returncode == 2 and "is empty" in r.stderr
     r = run("--tls-cert", "x.pem")
-    assert r.returncode == 2 and "go together" in r.stderr
+    assert r.returncode == 2 and "--tls-key" in r.stderr
+    r = run("--max-records", "many")
+    assert r.returncode == 2 and "--max-records" in r.stderr
+    r = run("--help")
+    assert r.returncode == 0 and "histospec-sgl draft-server" in r.stdout and "--snapshot-every-bytes" in r.stdout
     r = run("--listen", "256.1.1.1:1", "--insecure")
     assert r.returncode == 1 and "cannot listen" in r.stderr
     # Beyond loopback without a token: refused unless the user says so.

@@ -312,9 +312,10 @@ def _received_records(sub: Any) -> int:
 
 
 def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[str], None],
-             settle: float = 120.0) -> list[dict[str, Any]]:
+             repeat: int = 4, settle: float = 120.0) -> list[dict[str, Any]]:
     """Traffic at cluster scale on loopback: for each count N, a fresh server, N receive-only engines,
-    and one publisher sending the job's records (every epoch) in Publish batches of 256.
+    and one publisher sending the job's records (every epoch, ``repeat`` times over, so that the
+    server's CPU time is long against its clock tick) in Publish batches of 256.
     ``filtered``: each engine follows its groups only (group ``g`` on engine ``g mod N``), as
     on_demand engines do; ``mirror``: each subscribes to every record. Reports the server's CPU per
     published token and each engine's received bytes against its groups' share of the history (the
@@ -323,6 +324,7 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
     from histospec_sgl.sync.follow import GroupFollower
 
     records = [(g, prompt, resp) for steps in job for step in steps for g, prompt, rs in step for resp in rs]
+    records *= repeat
     groups = sorted({g for g, _, _ in records})
     tokens = sum(len(p) + len(r) for _, p, r in records)
     out: list[dict[str, Any]] = []

@@ -52,7 +52,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::decode_records, m)?)?;
     m.add_function(wrap_pyfunction!(wire::apply_records, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_span, m)?)?;
-    m.add_function(wrap_pyfunction!(wire::run_draft_server, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::draft_server_main, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::draft_server_help, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("SNAPSHOT_FORMAT_VERSION", histospec_index::FORMAT_VERSION)?;
     Ok(())

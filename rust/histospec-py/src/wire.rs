@@ -5,17 +5,13 @@
 //! trainer's protobuf pin), and a subscriber applies a message to its index without building a Python
 //! object per token.
 
-use std::path::PathBuf;
-
 use histospec_server::proto::{
     FollowGroup, FollowRequest, FollowResponse, PublishRequest, PublishResponse, Record,
     SnapshotChunk, StatsResponse, SubscribeRequest, SubscribeResponse,
 };
-use histospec_server::store::Retention;
-use histospec_server::ServerConfig;
 use numpy::{PyArray1, PyReadonlyArrayDyn};
 use prost::Message;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
@@ -348,49 +344,18 @@ pub fn follow_span<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyD
     Ok(d)
 }
 
-/// Runs the draft server until SIGTERM/SIGINT (blocking, GIL released). Prints
-/// `histospec draft-server listening on HOST:PORT` on stdout once it accepts connections.
+/// Runs the draft server from its command line (`argv[0]` is the program's name, the rest are the
+/// flags of `histospec-draft-server`, parsed by the same definition) until SIGTERM/SIGINT, with the
+/// GIL released. Prints `histospec draft-server listening on HOST:PORT` on stdout once it accepts
+/// connections. Returns the exit status: 0 after a graceful stop or `--help`, 1 when it cannot start,
+/// 2 for bad flags.
 #[pyfunction]
-#[pyo3(signature = (listen, *, auth_token=None, data_dir=None, max_tokens=0, max_records=0,
-    max_message_bytes=64<<20, max_tokens_per_record=1<<20, snapshot_every_bytes=256<<20,
-    subscriber_buffer=8, tls_cert=None, tls_key=None))]
-#[allow(clippy::too_many_arguments)]
-pub fn run_draft_server(
-    py: Python<'_>,
-    listen: String,
-    auth_token: Option<String>,
-    data_dir: Option<PathBuf>,
-    max_tokens: u64,
-    max_records: u64,
-    max_message_bytes: usize,
-    max_tokens_per_record: usize,
-    snapshot_every_bytes: u64,
-    subscriber_buffer: usize,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-) -> PyResult<()> {
-    let tls = match (tls_cert, tls_key) {
-        (Some(c), Some(k)) => Some((c, k)),
-        (None, None) => None,
-        _ => return Err(PyValueError::new_err("tls_cert and tls_key go together")),
-    };
-    let mut cfg = ServerConfig {
-        listen,
-        auth_token,
-        data_dir,
-        retention: Retention {
-            max_tokens,
-            max_records,
-        },
-        snapshot_every_bytes,
-        tls,
-        ..Default::default()
-    }
-    .with_max_message_bytes(max_message_bytes);
-    cfg.limits.max_tokens_per_record = max_tokens_per_record;
-    cfg.limits.subscriber_buffer = subscriber_buffer;
-    py.detach(|| {
-        histospec_server::server::run_until_signal(cfg, histospec_server::server::announce)
-    })
-    .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+pub fn draft_server_main(py: Python<'_>, argv: Vec<String>) -> u8 {
+    py.detach(|| histospec_server::cli::run(argv))
+}
+
+/// The draft server's `--help`, under the program name `name`.
+#[pyfunction]
+pub fn draft_server_help(name: &str) -> String {
+    histospec_server::cli::help(name)
 }

@@ -1,13 +1,16 @@
-//! The histospec draft server: trainers and engines publish finished rollouts, every index replica
-//! subscribes and applies them in one global order (see `proto/histospec/v1/history.proto`).
+//! The histospec draft server: trainers and engines publish finished rollouts; engines follow the
+//! groups they draft for, or mirror every record, in the server's order (see
+//! `proto/histospec/v1/history.proto`).
 //!
+//! - [`cli`]: the command line (the binary's and `histospec-sgl draft-server`'s).
 //! - [`store`]: the retained records in sequence order, with idempotent record ids and retention.
 //! - [`disk`]: the crash-safe log and snapshots under `--data-dir`.
-//! - [`service`]: the gRPC service (Publish, Subscribe, Snapshot, Stats) and auth.
+//! - [`service`]: the gRPC service (Publish, Subscribe, Snapshot, Stats, Follow) and auth.
 //! - [`server`]: configuration, listening, health, TLS, graceful shutdown.
 //! - [`validate`]: checks on untrusted records (the decoding path the fuzz tests drive).
 //! - [`wire`]: records as stored and sent, encoded once.
 
+pub mod cli;
 pub mod disk;
 pub mod server;
 pub mod service;
