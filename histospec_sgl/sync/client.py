@@ -212,8 +212,9 @@ class HistoryPublisher(_Client):
         kw = dict(auth_token=auth_token, tls_root_certificates=tls_root_certificates,
                   max_message_bytes=max_message_bytes, channel_options=channel_options)
         super().__init__(shards[0], **kw)  # type: ignore[arg-type]
-        #: One client per shard (this one is the first).
+        #: One client per shard (this one is the first), and each one's address.
         self._shards: list[_Client] = [self, *(_Client(a, **kw) for a in shards[1:])]  # type: ignore[arg-type]
+        self._shard_addresses = shards
         self.address = ",".join(shards)
         if batch_records < 1 or batch_tokens < 1 or max_attempts < 1:
             raise ValueError("batch_records, batch_tokens and max_attempts must be >= 1")
@@ -286,7 +287,7 @@ class HistoryPublisher(_Client):
             for sh, at in sorted(by.items()):
                 request = _core.encode_publish([self._pending[i] for i in at])
                 try:
-                    r = self._send(request, len(at), self._shards[sh])
+                    r = self._send(request, len(at), sh)
                 except PublishError as e:  # the other shards' records still go out
                     error = error or e
                     failed += at
@@ -309,22 +310,22 @@ class HistoryPublisher(_Client):
             reply["sequences"] = sequences
             return reply
 
-    def _send(self, request: bytes, n: int, shard: _Client | None = None) -> dict[str, Any]:
-        shard = shard or self
+    def _send(self, request: bytes, n: int, shard: int = 0) -> dict[str, Any]:
+        client, address = self._shards[shard], self._shard_addresses[shard]
         pause = self.backoff
         for attempt in range(1, self.max_attempts + 1):
             try:
-                return _core.decode_publish_response(shard._unary("Publish", request, self.timeout))
+                return _core.decode_publish_response(client._unary("Publish", request, self.timeout))
             except grpc.RpcError as e:
                 code, msg = _describe(e)
                 if code not in RETRYABLE:
                     hint = ""
                     if code == grpc.StatusCode.RESOURCE_EXHAUSTED or "too large" in msg:
                         hint = " (lower batch_records/batch_tokens, or raise the server's --max-message-bytes)"
-                    raise PublishError(f"Publish of {n} records to {shard.address} refused: {msg}{hint}", code) from None
+                    raise PublishError(f"Publish of {n} records to {address} refused: {msg}{hint}", code) from None
                 if attempt == self.max_attempts:
                     raise PublishError(
-                        f"Publish of {n} records to {shard.address} failed {attempt} times, last: {msg}; "
+                        f"Publish of {n} records to {address} failed {attempt} times, last: {msg}; "
                         "the records stay queued (call flush() again)",
                         code,
                     ) from None
