@@ -14,6 +14,7 @@ from histospec_sgl import hugepages
 from histospec_sgl.bench.commands import add_bench
 from histospec_sgl.cliutil import command, floats, kv, names, write_json
 from histospec_sgl.install import pip_line
+from histospec_sgl.settings import parse_size
 from histospec_sgl.simulate.cli import add_simulate
 
 
@@ -162,8 +163,9 @@ def _draft_server(argv: list[str]) -> int:
 
 
 def _server_options(p: argparse.ArgumentParser, listen: str, where: str = "") -> None:
-    """The options ``draft-server`` and ``ray draft-server`` share: address, durability, security,
-    retention (``where``: which machine the paths are on)."""
+    """The server options ``ray draft-server`` hands to each shard's server (the flags of
+    ``histospec-sgl draft-server``, which the server's own parser defines): address, durability,
+    security, retention (``where``: which machine the paths are on)."""
     p.add_argument("--listen", default=listen, help=f"host:port (default {listen}; port 0: any free)")
     p.add_argument("--data-dir", metavar="D", help=f"persist the log and snapshots here{where} (fsync before ack)")
     p.add_argument("--auth-token-file", metavar="F",
@@ -176,6 +178,9 @@ def _server_options(p: argparse.ArgumentParser, listen: str, where: str = "") ->
     p.add_argument("--max-tokens", type=int, default=0, metavar="N",
                    help="retain at most N prompt+response tokens, evicting the oldest records (0: no limit)")
     p.add_argument("--max-records", type=int, default=0, metavar="N", help="retain at most N records (0: no limit)")
+    p.add_argument("--memory-bytes", type=parse_size, default=0, metavar="SIZE",
+                   help="hold at most SIZE of encoded records in memory, reading older ones back from --data-dir "
+                   "(0: all in memory)")
 
 
 DRAFT_SERVER = "histospec-sgl draft-server"
@@ -214,6 +219,8 @@ def _ray_draft_server(args: argparse.Namespace) -> int:
             extra += ["--max-tokens", str(args.max_tokens)]
         if args.max_records:
             extra += ["--max-records", str(args.max_records)]
+        if args.memory_bytes:
+            extra += ["--memory-bytes", str(args.memory_bytes)]
         _, address = rds.get_or_create(name=args.name, namespace=args.namespace, listen=args.listen,
                                        data_dir=args.data_dir, extra=extra, log=args.log,
                                        token_file=args.auth_token_file, tls_cert=args.tls_cert,

@@ -765,7 +765,9 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
     from histospec_sgl.sync.engine import EngineSync
 
     dirs = [tmp_path / f"shard-{i}" for i in range(2)]
-    shards = [DraftServerProcess(data_dir=d, log=tmp_path / f"s{i}.log") for i, d in enumerate(dirs)]
+    # Each shard holds 2 KB of records in memory and reads the rest back from its data dir.
+    held = ["--memory-bytes", "2048"]
+    shards = [DraftServerProcess(data_dir=d, log=tmp_path / f"s{i}.log", extra=held) for i, d in enumerate(dirs)]
     address = ",".join(s.address for s in shards)
     recs = _records(80, seed=21, prompts=8)
     keys = sorted({prompt_key(p) for p, _ in recs})
@@ -800,7 +802,7 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
             time.sleep(0.02)
         assert sync.unpublished == 40 - on_live
         wait_port_free(port)
-        shards[1] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=dirs[1], log=tmp_path / "s1b.log")
+        shards[1] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=dirs[1], log=tmp_path / "s1b.log", extra=held)
         assert sync.drain(30)
         deadline = time.monotonic() + 30
         while idx.stats()["responses"] < 80:
@@ -809,7 +811,19 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
             time.sleep(0.02)
         assert idx.stats()["responses"] == 80
         with HistoryPublisher(address) as pub:
-            assert pub.stats()["records"] == 80
+            st = pub.stats()
+            assert st["records"] == 80 and all(s["resident_bytes"] <= 2048 + 200 for s in st["shards"])
+        # A fresh engine fetches every group whole, most records read back from the shards' disks.
+        idx2 = HistoryIndex()
+        with EngineSync(address, idx2) as fresh:
+            fresh.want(keys)
+            deadline = time.monotonic() + 20
+            while idx2.stats()["responses"] < 80:
+                assert time.monotonic() < deadline
+                fresh.step_boundary()
+                time.sleep(0.02)
+        assert checksum(idx2) != "" and sorted(idx2.group_keys()) == keys
+        assert all(idx2.group_len(k) == idx.group_len(k) for k in keys)
     finally:
         sync.close(timeout=1)
         for s in shards:

@@ -149,7 +149,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
 
     r = scale_bench.run(groups=args.groups, samples=args.samples, epochs=args.epochs, step_groups=args.step_groups,
                         engines=args.engines, d=args.draft_tokens, budget=args.budget,
-                        budget_fraction=args.budget_fraction, modes=args.modes, shards=args.shards, load=[] if args.no_load else args.load, seed=args.seed,
+                        budget_fraction=args.budget_fraction, modes=args.modes, shards=args.shards, load=[] if args.no_load else args.load,
+                        server_memory=args.server_memory, seed=args.seed,
                         data_root=args.data_dir, tokenizer=args.tokenizer, progress=progress)
     report(r, scale_bench.print_table, args.json)
     return 0
@@ -322,6 +323,9 @@ def add_bench(sub: Any) -> None:
                     help="engine counts for the load run: one publisher, N receive-only engines following their "
                     "groups (and N mirrors), the server's CPU per token")
     bz.add_argument("--no-load", action="store_true", help="skip the load run")
+    bz.add_argument("--server-memory", type=parse_size, default=1 << 20, metavar="SIZE",
+                    help="each server's --memory-bytes: records past it are read back from its data dir (0: all in "
+                    "memory)")
     bz.add_argument("--data-dir", default=None, help="the rollout logs' root (default: HISTOSPEC_DATA_DIR or "
                     "../shared/data/rollouts); the shipped HumanEval sample where absent")
     bz.add_argument("--tokenizer", default=None, help="tokenizer.json for the GRPO log")

@@ -16,7 +16,9 @@ loopback) and ``engines`` engines:
 With ``shards`` > 1, ``on_demand`` runs again on a server of that many shards (a group's records on
 shard ``key mod shards``), and once more with shard 0 killed (SIGKILL) halfway through the job and
 started again from its data dir after a short outage, as its Ray actor does: ``acked_lost`` counts
-records acknowledged to an engine that no shard holds at the end.
+records acknowledged to an engine that no shard holds at the end. Every server holds at most
+``server_memory`` bytes of records in memory (``--memory-bytes``) and reads older ones back from its
+data dir, as a server holding epochs of a real job does.
 
 An engine here is the engine's own drafting (:class:`~histospec_sgl.engine.drafter.BatchDrafter` at a
 fixed width d, fed by the same :class:`~histospec_sgl.sync.engine.EngineSync` the SGLang worker
@@ -172,10 +174,11 @@ class Shards:
     """``n`` draft-server processes, each durable under its own data dir; one can be killed and
     started again on its port, as the Ray actor that owns a shard does when its process dies."""
 
-    def __init__(self, n: int, tmp: str, tag: str):
+    def __init__(self, n: int, tmp: str, tag: str, memory_bytes: int = 0):
         self.dirs = [os.path.join(tmp, f"{tag}-shard-{i}") for i in range(n)]
         self.tmp, self.tag = tmp, tag
-        self.procs = [DraftServerProcess(data_dir=d, log=os.path.join(tmp, f"{tag}-{i}.log"))
+        self.extra = ["--memory-bytes", str(memory_bytes)] if memory_bytes else []
+        self.procs = [DraftServerProcess(data_dir=d, log=os.path.join(tmp, f"{tag}-{i}.log"), extra=self.extra)
                       for i, d in enumerate(self.dirs)]
         self.address = ",".join(p.address for p in self.procs)
         self.restarts = 0
@@ -190,7 +193,7 @@ class Shards:
         def again() -> None:
             time.sleep(outage)
             wait_port_free(port)
-            self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i],
+            self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i], extra=self.extra,
                                                log=os.path.join(self.tmp, f"{self.tag}-{i}-again.log"))
             self.restarts += 1
 
@@ -216,12 +219,12 @@ class Shards:
 
 def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: str,
              progress: Callable[[str], None], shards: int = 1, kill: bool = False,
-             outage: float = 2.0) -> dict[str, Any]:
+             outage: float = 2.0, server_memory: int = 0) -> dict[str, Any]:
     """One mode on fresh servers: every step of every epoch, groups routed to engine ``g mod engines``.
     ``kill``: shard 0 is killed (SIGKILL) halfway through the job and started again from its data dir
     ``outage`` seconds later."""
     tag = f"{mode}-{shards}{'-kill' if kill else ''}"
-    servers = Shards(shards, tmp, tag)
+    servers = Shards(shards, tmp, tag, server_memory)
     restart: threading.Thread | None = None
     try:
         cfg = HistoryConfig(control="fixed", memory_budget=0 if mode == "unbounded" else budget, threads=1)
@@ -292,6 +295,8 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         "fetches": len(fetch),
         "received_bytes_per_engine": statistics.fmean(received),
         "server_rss_bytes": server_rss,
+        "server_resident_bytes": int(stats["resident_bytes"]),
+        "server_memory_bytes": server_memory * shards,
         "killed_shard": kill,
         "shard_restarts": servers.restarts,
         "acked_lost": published - int(stats["records"]),
@@ -377,7 +382,7 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
 
 def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: int = 32, engines: int = 4,
         d: int = 8, budget: int | None = None, budget_fraction: float = 8.0, modes: Sequence[str] = MODES,
-        shards: int = 2, load: Sequence[int] = (4, 64), seed: int = 0, data_root: Any = None, tokenizer: Any = None,
+        shards: int = 2, load: Sequence[int] = (4, 64), server_memory: int = 1 << 20, seed: int = 0, data_root: Any = None, tokenizer: Any = None,
         progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Runs each mode; the budget is ``budget`` bytes, or the unbounded engine's peak over
     ``budget_fraction`` (the whole history then is that many times one engine's budget). With
@@ -398,12 +403,13 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
                     raise ValueError("give --budget, or include the unbounded mode (it sizes the budget)")
                 budget = int(ceiling["engine_peak_bytes"] / budget_fraction)
             progress(f"{mode}: {groups} groups x {samples} samples x {epochs} epochs on {engines} engines")
-            rows.append(run_mode(mode, job, engines=engines, d=d, budget=budget or 0, tmp=tmp, progress=progress))
+            rows.append(run_mode(mode, job, engines=engines, d=d, budget=budget or 0, tmp=tmp, progress=progress,
+                                 server_memory=server_memory))
         load_rows = run_load(load, job, tmp=tmp, progress=progress) if load else []
         if shards > 1 and "on_demand" in order:
             for kill in (False, True):
                 rows.append(run_mode("on_demand", job, engines=engines, d=d, budget=budget or 0, tmp=tmp,
-                                     progress=progress, shards=shards, kill=kill))
+                                     progress=progress, shards=shards, kill=kill, server_memory=server_memory))
     ceiling = next((r for r in rows if r["mode"] == "unbounded"), None)
     if ceiling:
         for r in rows:
@@ -415,6 +421,7 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
         "load": load_rows,
         "config": {"groups": groups, "samples": samples, "epochs": epochs, "step_groups": step_groups,
                    "engines": engines, "d": d, "budget": budget, "budget_fraction": budget_fraction, "shards": shards,
+                   "server_memory": server_memory,
                    "seed": seed, "data": source, "source_prompts": len(sources), "cpus": os.cpu_count(),
                    "steps_between_returns": int(np.ceil(groups / step_groups))},
     }

@@ -148,6 +148,12 @@ class EngineSync:
         """Waits until everything finished so far is acknowledged; False on timeout."""
         return self.outbox.drain(timeout)
 
+    def __enter__(self) -> EngineSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self, timeout: float = 10.0) -> None:
         """Publishes what is queued (waiting up to ``timeout`` for the server), then closes."""
         self.outbox.close(timeout)

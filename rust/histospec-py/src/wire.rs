@@ -152,6 +152,7 @@ pub fn decode_stats<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, Py
         ("max_tokens", s.max_tokens),
         ("followers", s.followers),
         ("followed_groups", s.followed_groups),
+        ("resident_bytes", s.resident_bytes),
     ] {
         d.set_item(k, v)?;
     }

@@ -36,6 +36,10 @@ pub struct Args {
     /// largest record, in tokens
     #[arg(long, default_value_t = 1 << 20)]
     pub max_tokens_per_record: usize,
+    /// hold at most N bytes of encoded records in memory, reading older ones back from --data-dir
+    /// when a client asks for them (0: all in memory)
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub memory_bytes: u64,
     /// compact the log into a snapshot after this much log
     #[arg(long, default_value_t = 256 << 20)]
     pub snapshot_every_bytes: u64,
@@ -128,6 +132,7 @@ fn serve(args: Args) -> u8 {
             max_records: args.max_records,
         },
         snapshot_every_bytes: args.snapshot_every_bytes,
+        memory_bytes: args.memory_bytes,
         tls: args.tls_cert.zip(args.tls_key),
         ..Default::default()
     }

@@ -10,14 +10,14 @@
 //!   compacts what retention evicted.
 
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Read, Write};
+use std::io::{self, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use prost::Message;
 
 use crate::proto::Record;
-use crate::wire::Stored;
+use crate::wire::{Loc, Segment, Stored};
 
 const LOG_MAGIC: &[u8; 8] = b"HSLOG\x00\x01\x00";
 const SNAP_MAGIC: &[u8; 8] = b"HSSNP\x00\x01\x00";
@@ -40,10 +40,10 @@ fn io_err(path: &Path) -> impl Fn(io::Error) -> DiskError + '_ {
     }
 }
 
-/// What [`Disk::open`] found.
+/// What [`Disk::open`] found (its records went to the caller one by one).
 pub struct Loaded {
-    /// Records in sequence order (snapshot, then logs; nothing at or below the snapshot's head twice).
-    pub records: Vec<Record>,
+    /// Records handed over.
+    pub records: usize,
     /// Highest sequence ever assigned, even if its record was compacted away.
     pub head: u64,
     /// Bytes of torn tail cut from the newest log.
@@ -55,39 +55,65 @@ pub struct Disk {
     dir: PathBuf,
     log: BufWriter<File>,
     log_path: PathBuf,
+    /// The current log, open for reading, and its length (where the next frame goes).
+    log_segment: Arc<Segment>,
+    log_len: u64,
     log_bytes: u64,
     /// Snapshot (compact) once the logs since the last snapshot exceed this.
     pub snapshot_every_bytes: u64,
 }
 
-fn frame_into(buf: &mut Vec<u8>, r: &Stored) {
-    let payload = &r.encoded[..];
+fn frame_into(buf: &mut Vec<u8>, payload: &[u8]) {
     buf.reserve(8 + payload.len());
     buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     buf.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
     buf.extend_from_slice(payload);
 }
 
-/// Reads frames from `data`; returns the records and the offset after the last good frame.
-fn read_frames(data: &[u8], mut at: usize) -> (Vec<Record>, usize) {
-    let mut out = Vec::new();
-    while data.len() - at >= 8 {
-        let len = u32::from_le_bytes(data[at..at + 4].try_into().unwrap()) as usize;
-        let crc = u32::from_le_bytes(data[at + 4..at + 8].try_into().unwrap());
-        if len > MAX_FRAME || data.len() - at - 8 < len {
+/// Reads frames from `r` (at byte `at` of its file), handing each record with its payload's offset
+/// to `each`; returns how many, and the offset after the last good frame. One frame is in memory at
+/// a time, so a data dir of any size loads in the memory of its largest record.
+fn read_frames(
+    r: &mut impl Read,
+    mut at: u64,
+    each: &mut dyn FnMut(Record, u64),
+) -> io::Result<(u64, u64)> {
+    let (mut n, mut head, mut payload) = (0u64, [0u8; 8], Vec::new());
+    loop {
+        if fill(r, &mut head)? < 8 {
             break;
         }
-        let payload = &data[at + 8..at + 8 + len];
-        if crc32fast::hash(payload) != crc {
+        let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
+        let crc = u32::from_le_bytes(head[4..].try_into().unwrap());
+        if len > MAX_FRAME {
             break;
         }
-        match Record::decode(payload) {
-            Ok(r) => out.push(r),
-            Err(_) => break,
+        payload.resize(len, 0);
+        if fill(r, &mut payload)? < len || crc32fast::hash(&payload) != crc {
+            break;
         }
-        at += 8 + len;
+        let Ok(rec) = Record::decode(&payload[..]) else {
+            break;
+        };
+        each(rec, at + 8);
+        n += 1;
+        at += 8 + len as u64;
     }
-    (out, at)
+    Ok((n, at))
+}
+
+/// Reads into `buf` until it is full or the input ends; returns how many bytes.
+fn fill(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 fn fsync_dir(dir: &Path) -> Result<(), DiskError> {
@@ -115,44 +141,58 @@ fn log_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, DiskError> {
 }
 
 impl Disk {
-    /// Opens (creating) `dir`, loads the snapshot and the logs, cuts a torn tail, and starts a new log.
-    pub fn open(dir: &Path, snapshot_every_bytes: u64) -> Result<(Disk, Loaded), DiskError> {
+    /// Opens (creating) `dir`, hands every record of the snapshot and the logs to `each` in
+    /// sequence order (nothing at or below the snapshot's head twice) with where it lies, cuts a torn
+    /// tail, and starts a new log.
+    pub fn open(
+        dir: &Path,
+        snapshot_every_bytes: u64,
+        each: &mut dyn FnMut(Record, Loc),
+    ) -> Result<(Disk, Loaded), DiskError> {
         fs::create_dir_all(dir).map_err(io_err(dir))?;
-        let mut records = Vec::new();
+        let mut records = 0usize;
         let mut head = 0u64;
         let snap = dir.join("snapshot.bin");
         if snap.exists() {
-            let data = fs::read(&snap).map_err(io_err(&snap))?;
             let corrupt = |reason: &str| DiskError::Corrupt {
                 path: snap.display().to_string(),
                 reason: reason.to_string(),
             };
-            if data.len() < 24 || &data[..8] != SNAP_MAGIC {
+            let f = File::open(&snap).map_err(io_err(&snap))?;
+            let size = f.metadata().map_err(io_err(&snap))?.len();
+            let mut r = BufReader::with_capacity(1 << 20, f);
+            let mut header = [0u8; 24];
+            if fill(&mut r, &mut header).map_err(io_err(&snap))? < 24 || &header[..8] != SNAP_MAGIC
+            {
                 return Err(corrupt("not a histospec draft-server snapshot (bad magic)"));
             }
-            head = u64::from_le_bytes(data[8..16].try_into().unwrap());
-            let count = u64::from_le_bytes(data[16..24].try_into().unwrap());
-            let (recs, end) = read_frames(&data, 24);
-            if recs.len() as u64 != count || end != data.len() {
+            head = u64::from_le_bytes(header[8..16].try_into().unwrap());
+            let count = u64::from_le_bytes(header[16..24].try_into().unwrap());
+            let seg = Segment::open(snap.clone()).map_err(io_err(&snap))?;
+            let mut give = |rec: Record, offset: u64| {
+                let segment = Arc::clone(&seg);
+                each(rec, Loc { segment, offset });
+            };
+            let (n, end) = read_frames(&mut r, 24, &mut give).map_err(io_err(&snap))?;
+            if n != count || end != size {
                 return Err(corrupt(&format!(
-                    "holds {} intact records of {count} (snapshots are renamed into place whole: \
-                     this file was damaged after it was written)",
-                    recs.len()
+                    "holds {n} intact records of {count} (snapshots are renamed into place whole: \
+                     this file was damaged after it was written)"
                 )));
             }
-            records = recs;
+            records += n as usize;
         }
         let logs = log_files(dir)?;
         let mut truncated_bytes = 0;
         let mut old_bytes = 0u64;
         for (i, (_, path)) in logs.iter().enumerate() {
-            let mut data = Vec::new();
-            File::open(path)
-                .and_then(|mut f| f.read_to_end(&mut data))
-                .map_err(io_err(path))?;
-            old_bytes += data.len() as u64;
-            if data.len() < 8 || &data[..8] != LOG_MAGIC {
-                if i + 1 == logs.len() && data.len() < 8 {
+            let f = File::open(path).map_err(io_err(path))?;
+            let size = f.metadata().map_err(io_err(path))?.len();
+            old_bytes += size;
+            let mut r = BufReader::with_capacity(1 << 20, f);
+            let mut magic = [0u8; 8];
+            if fill(&mut r, &mut magic).map_err(io_err(path))? < 8 || &magic != LOG_MAGIC {
+                if i + 1 == logs.len() && size < 8 {
                     // Created but the magic never reached the disk: nothing in it was acknowledged.
                     fs::remove_file(path).map_err(io_err(path))?;
                     continue;
@@ -162,8 +202,17 @@ impl Disk {
                     reason: "not a histospec draft-server log (bad magic)".into(),
                 });
             }
-            let (recs, end) = read_frames(&data, 8);
-            if end != data.len() {
+            let seg = Segment::open(path.clone()).map_err(io_err(path))?;
+            let mut give = |rec: Record, offset: u64| {
+                if rec.sequence > head {
+                    head = rec.sequence;
+                    records += 1;
+                    let segment = Arc::clone(&seg);
+                    each(rec, Loc { segment, offset });
+                }
+            };
+            let (_, end) = read_frames(&mut r, 8, &mut give).map_err(io_err(path))?;
+            if end != size {
                 if i + 1 != logs.len() {
                     return Err(DiskError::Corrupt {
                         path: path.display().to_string(),
@@ -176,23 +225,19 @@ impl Disk {
                     .write(true)
                     .open(path)
                     .map_err(io_err(path))?;
-                f.set_len(end as u64)
+                f.set_len(end)
                     .and_then(|_| f.sync_all())
                     .map_err(io_err(path))?;
-                truncated_bytes = (data.len() - end) as u64;
-            }
-            for r in recs {
-                if r.sequence > head {
-                    head = r.sequence;
-                    records.push(r);
-                }
+                truncated_bytes = size - end;
             }
         }
-        let (log, log_path) = Self::new_log(dir, head + 1)?;
+        let (log, log_path, log_segment, log_len) = Self::new_log(dir, head + 1)?;
         let disk = Disk {
             dir: dir.to_path_buf(),
             log,
             log_path,
+            log_segment,
+            log_len,
             log_bytes: old_bytes,
             snapshot_every_bytes,
         };
@@ -206,33 +251,52 @@ impl Disk {
         ))
     }
 
-    fn new_log(dir: &Path, first: u64) -> Result<(BufWriter<File>, PathBuf), DiskError> {
+    /// A log starting at sequence `first`: its writer, path, reading segment and length.
+    #[allow(clippy::type_complexity)]
+    fn new_log(
+        dir: &Path,
+        first: u64,
+    ) -> Result<(BufWriter<File>, PathBuf, Arc<Segment>, u64), DiskError> {
         let path = dir.join(format!("log-{first:020}.bin"));
         let mut f = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .map_err(io_err(&path))?;
-        if f.metadata().map_err(io_err(&path))?.len() == 0 {
+        let mut len = f.metadata().map_err(io_err(&path))?.len();
+        if len == 0 {
             f.write_all(LOG_MAGIC)
                 .and_then(|_| f.sync_all())
                 .map_err(io_err(&path))?;
             fsync_dir(dir)?;
+            len = LOG_MAGIC.len() as u64;
         }
-        Ok((BufWriter::with_capacity(1 << 20, f), path))
+        let seg = Segment::open(path.clone()).map_err(io_err(&path))?;
+        Ok((BufWriter::with_capacity(1 << 20, f), path, seg, len))
     }
 
-    /// Appends records and fsyncs: when this returns Ok they survive a crash.
-    pub fn append(&mut self, records: &[Stored]) -> Result<(), DiskError> {
+    /// Appends records and fsyncs: when this returns Ok they survive a crash. Each record learns
+    /// where it lies (`Stored::at`).
+    pub fn append(&mut self, records: &mut [Stored]) -> Result<(), DiskError> {
         let mut buf = Vec::new();
-        for r in records {
-            frame_into(&mut buf, r);
+        let mut offsets = Vec::with_capacity(records.len());
+        for r in records.iter() {
+            let payload = r.bytes().map_err(io_err(&self.log_path))?;
+            offsets.push(self.log_len + buf.len() as u64 + 8);
+            frame_into(&mut buf, &payload);
         }
         let path = self.log_path.clone();
         self.log.write_all(&buf).map_err(io_err(&path))?;
         self.log.flush().map_err(io_err(&path))?;
         self.log.get_ref().sync_data().map_err(io_err(&path))?;
         self.log_bytes += buf.len() as u64;
+        self.log_len += buf.len() as u64;
+        for (r, offset) in records.iter_mut().zip(offsets) {
+            r.at = Some(Loc {
+                segment: Arc::clone(&self.log_segment),
+                offset,
+            });
+        }
         Ok(())
     }
 
@@ -242,21 +306,27 @@ impl Disk {
     }
 
     /// Writes `records` (every retained record, through `head`) as the snapshot, starts a new log at
-    /// `head + 1` and deletes the logs it covers.
-    pub fn snapshot(&mut self, records: &[Arc<Stored>], head: u64) -> Result<(), DiskError> {
+    /// `head + 1` and deletes the logs it covers. Returns where each record now lies (records held
+    /// on disk only are read from where they were, which stays readable until they are moved).
+    pub fn snapshot(&mut self, records: &[Arc<Stored>], head: u64) -> Result<Vec<Loc>, DiskError> {
         let path = self.dir.join("snapshot.bin");
         let tmp = self.dir.join("snapshot.bin.tmp");
+        let mut offsets = Vec::with_capacity(records.len());
         {
             let f = File::create(&tmp).map_err(io_err(&tmp))?;
             let mut w = BufWriter::with_capacity(1 << 20, f);
             let mut buf = Vec::with_capacity(1 << 20);
+            let mut written = 0u64;
             buf.extend_from_slice(SNAP_MAGIC);
             buf.extend_from_slice(&head.to_le_bytes());
             buf.extend_from_slice(&(records.len() as u64).to_le_bytes());
             for r in records {
-                frame_into(&mut buf, r);
+                let payload = r.bytes().map_err(io_err(&tmp))?;
+                offsets.push(written + buf.len() as u64 + 8);
+                frame_into(&mut buf, &payload);
                 if buf.len() >= 1 << 20 {
                     w.write_all(&buf).map_err(io_err(&tmp))?;
+                    written += buf.len() as u64;
                     buf.clear();
                 }
             }
@@ -266,10 +336,20 @@ impl Disk {
         }
         fs::rename(&tmp, &path).map_err(io_err(&path))?;
         fsync_dir(&self.dir)?;
+        let seg = Segment::open(path.clone()).map_err(io_err(&path))?;
+        let locs = offsets
+            .into_iter()
+            .map(|offset| Loc {
+                segment: Arc::clone(&seg),
+                offset,
+            })
+            .collect();
         // Everything through `head` is in the snapshot: start a fresh log, drop the old ones.
-        let (log, log_path) = Self::new_log(&self.dir, head + 1)?;
+        let (log, log_path, log_segment, log_len) = Self::new_log(&self.dir, head + 1)?;
         self.log = log;
         self.log_path = log_path.clone();
+        self.log_segment = log_segment;
+        self.log_len = log_len;
         for (_, p) in log_files(&self.dir)? {
             if p != log_path {
                 fs::remove_file(&p).map_err(io_err(&p))?;
@@ -277,13 +357,20 @@ impl Disk {
         }
         fsync_dir(&self.dir)?;
         self.log_bytes = 0;
-        Ok(())
+        Ok(locs)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Opens `dir`, collecting the sequences it loads.
+    fn open(dir: &Path) -> Result<(Disk, Loaded, Vec<u64>), DiskError> {
+        let mut seqs = Vec::new();
+        let (d, l) = Disk::open(dir, u64::MAX, &mut |r: Record, _| seqs.push(r.sequence))?;
+        Ok((d, l, seqs))
+    }
 
     fn st(seq: u64) -> Stored {
         Stored::new(&rec(seq))
@@ -303,21 +390,18 @@ mod tests {
     #[test]
     fn log_survives_reopen_and_torn_tail_is_cut() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut d, l) = Disk::open(dir.path(), u64::MAX).unwrap();
-        assert!(l.records.is_empty());
-        d.append(&[st(1), st(2)]).unwrap();
-        d.append(&[st(3)]).unwrap();
+        let (mut d, l, _) = open(dir.path()).unwrap();
+        assert_eq!(l.records, 0);
+        d.append(&mut [st(1), st(2)]).unwrap();
+        d.append(&mut [st(3)]).unwrap();
         let log = d.log_path.clone();
         drop(d);
         // A torn write: half a frame at the end.
         let mut f = OpenOptions::new().append(true).open(&log).unwrap();
         f.write_all(&[40, 0, 0, 0, 1, 2]).unwrap();
         drop(f);
-        let (_d, l) = Disk::open(dir.path(), u64::MAX).unwrap();
-        assert_eq!(
-            l.records.iter().map(|r| r.sequence).collect::<Vec<_>>(),
-            vec![1, 2, 3]
-        );
+        let (_d, l, seqs) = open(dir.path()).unwrap();
+        assert_eq!(seqs, vec![1, 2, 3]);
         assert_eq!(l.head, 3);
         assert_eq!(l.truncated_bytes, 6);
     }
@@ -325,35 +409,32 @@ mod tests {
     #[test]
     fn snapshot_compacts_and_keeps_head() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut d, _) = Disk::open(dir.path(), u64::MAX).unwrap();
-        d.append(&(1..=5).map(st).collect::<Vec<_>>()).unwrap();
+        let (mut d, _, _) = open(dir.path()).unwrap();
+        d.append(&mut (1..=5).map(st).collect::<Vec<_>>()).unwrap();
         // Retention kept only 4 and 5.
         let kept: Vec<Arc<Stored>> = [4, 5].into_iter().map(|s| Arc::new(st(s))).collect();
         d.snapshot(&kept, 5).unwrap();
-        d.append(&[st(6)]).unwrap();
+        d.append(&mut [st(6)]).unwrap();
         drop(d);
         assert_eq!(log_files(dir.path()).unwrap().len(), 1);
-        let (_d, l) = Disk::open(dir.path(), u64::MAX).unwrap();
-        assert_eq!(
-            l.records.iter().map(|r| r.sequence).collect::<Vec<_>>(),
-            vec![4, 5, 6]
-        );
+        let (_d, l, seqs) = open(dir.path()).unwrap();
+        assert_eq!(seqs, vec![4, 5, 6]);
         assert_eq!(l.head, 6);
         // All records evicted: the head still survives in the snapshot.
         let dir2 = tempfile::tempdir().unwrap();
-        let (mut d, _) = Disk::open(dir2.path(), u64::MAX).unwrap();
-        d.append(&[st(1)]).unwrap();
+        let (mut d, _, _) = open(dir2.path()).unwrap();
+        d.append(&mut [st(1)]).unwrap();
         d.snapshot(&[], 1).unwrap();
         drop(d);
-        let (_d, l) = Disk::open(dir2.path(), u64::MAX).unwrap();
-        assert!(l.records.is_empty());
+        let (_d, l, seqs) = open(dir2.path()).unwrap();
+        assert!(seqs.is_empty() && l.records == 0);
         assert_eq!(l.head, 1);
     }
 
     #[test]
     fn damaged_snapshot_is_refused_with_its_path() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut d, _) = Disk::open(dir.path(), u64::MAX).unwrap();
+        let (mut d, _, _) = open(dir.path()).unwrap();
         d.snapshot(&[Arc::new(st(1)), Arc::new(st(2))], 2).unwrap();
         drop(d);
         let p = dir.path().join("snapshot.bin");
@@ -361,7 +442,7 @@ mod tests {
         let n = data.len();
         data[n - 3] ^= 0xff;
         fs::write(&p, data).unwrap();
-        let err = Disk::open(dir.path(), u64::MAX).err().unwrap().to_string();
+        let err = open(dir.path()).err().unwrap().to_string();
         assert!(
             err.contains("snapshot.bin") && err.contains("1 intact records of 2"),
             "{err}"

@@ -33,6 +33,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Compact the log into a snapshot once it grows past this.
     pub snapshot_every_bytes: u64,
+    /// Hold at most this many bytes of encoded records in memory (0: all); older ones are read back
+    /// from the data dir when a client asks for them. Needs `data_dir`.
+    pub memory_bytes: u64,
     /// PEM certificate chain and key: serve TLS.
     pub tls: Option<(PathBuf, PathBuf)>,
     /// How long a graceful shutdown waits for open calls.
@@ -49,6 +52,7 @@ impl Default for ServerConfig {
             max_message_bytes: 64 << 20,
             limits: Limits::default(),
             snapshot_every_bytes: 256 << 20,
+            memory_bytes: 0,
             tls: None,
             drain_timeout: Duration::from_secs(10),
         }
@@ -80,6 +84,8 @@ pub enum ServerError {
     Disk(#[from] crate::disk::DiskError),
     #[error("TLS: {0}")]
     Tls(String),
+    #[error("{0}")]
+    Config(String),
     #[error("server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -146,22 +152,32 @@ fn auth_check(
 
 /// Loads the data dir, binds and starts serving in the current tokio runtime.
 pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
-    let mut store = Store::new(cfg.retention);
+    if cfg.memory_bytes > 0 && cfg.data_dir.is_none() {
+        return Err(ServerError::Config(
+            "--memory-bytes needs --data-dir: records past the memory budget are read back from it"
+                .into(),
+        ));
+    }
+    let mut store = Store::new(cfg.retention).with_memory_bytes(cfg.memory_bytes);
     let mut loaded_records = 0;
     let disk = match &cfg.data_dir {
         Some(dir) => {
-            let (disk, loaded) = Disk::open(dir, cfg.snapshot_every_bytes)?;
+            // One record at a time: the store keeps `memory_bytes` of them in memory as they come.
+            let mut load = |r: crate::proto::Record, at: crate::wire::Loc| {
+                let h = crate::validate::content_hash(&r);
+                let mut stored = crate::wire::Stored::new(&r);
+                stored.at = Some(at);
+                store.push_loaded(stored, h);
+                store.enforce_retention();
+            };
+            let (disk, loaded) = Disk::open(dir, cfg.snapshot_every_bytes, &mut load)?;
             if loaded.truncated_bytes > 0 {
                 tracing::warn!(
                     "cut a torn tail of {} bytes from the newest log (never acknowledged)",
                     loaded.truncated_bytes
                 );
             }
-            loaded_records = loaded.records.len();
-            for r in loaded.records {
-                let h = crate::validate::content_hash(&r);
-                store.push_loaded(crate::wire::Stored::new(&r), h);
-            }
+            loaded_records = loaded.records;
             store.set_head(loaded.head);
             store.enforce_retention();
             store.evicted = 0;

@@ -115,7 +115,7 @@ impl Shared {
             .place(&records, &hashes)
             .map_err(|e| Status::already_exists(e.to_string()))?;
         let mut sequences = Vec::with_capacity(records.len());
-        let mut fresh = Vec::new();
+        let mut fresh: Vec<Stored> = Vec::new();
         let mut fresh_hashes = Vec::new();
         for ((mut r, p), h) in records.into_iter().zip(placements).zip(hashes) {
             match p {
@@ -131,7 +131,7 @@ impl Shared {
         let accepted = fresh.len() as u64;
         let duplicates = sequences.len() as u64 - accepted;
         if let Some(d) = w.disk.as_mut() {
-            if let Err(e) = d.append(&fresh) {
+            if let Err(e) = d.append(&mut fresh) {
                 tracing::error!("log append failed, refusing publishes from now on: {e}");
                 w.failed = Some(e.to_string());
                 return Err(Status::unavailable(format!(
@@ -152,8 +152,13 @@ impl Shared {
         if let Some(d) = w.disk.as_mut().filter(|d| d.wants_snapshot()) {
             let all = self.store.read().map_err(|_| poisoned())?.all();
             // The records are already durable in the log: a failed compaction only costs disk space.
-            if let Err(e) = d.snapshot(&all, head) {
-                tracing::warn!("snapshot failed (the log keeps everything): {e}");
+            match d.snapshot(&all, head) {
+                Ok(locs) => self
+                    .store
+                    .write()
+                    .map_err(|_| poisoned())?
+                    .relocate(&all, locs),
+                Err(e) => tracing::warn!("snapshot failed (the log keeps everything): {e}"),
             }
         }
         Ok(PublishResponse {
@@ -175,7 +180,11 @@ impl Shared {
                 let s = self.store.read().map_err(|_| "poisoned".to_string())?;
                 (s.all(), s.head())
             };
-            d.snapshot(&all, head).map_err(|e| e.to_string())?;
+            let locs = d.snapshot(&all, head).map_err(|e| e.to_string())?;
+            self.store
+                .write()
+                .map_err(|_| "poisoned".to_string())?
+                .relocate(&all, locs);
         }
         Ok(())
     }
@@ -254,12 +263,31 @@ async fn subscribe_loop(
             continue;
         }
         cursor = batch.last().map_or(cursor, |r| r.sequence + 1);
-        let records = batch.iter().map(|r| r.encoded.clone()).collect();
+        let records = match read_bytes(&batch) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = tx.send(Err(e)).await;
+                return;
+            }
+        };
         tokio::select! {
             r = tx.send(Ok(EncodedSubscribeResponse { records, head_sequence: head })) => if r.is_err() { return },
             _ = shutdown.changed() => return,
         }
     }
+}
+
+/// The encodings of `records`, reading those held on disk only.
+fn read_bytes(records: &[Arc<Stored>]) -> Result<Vec<bytes::Bytes>, Status> {
+    records
+        .iter()
+        .map(|r| {
+            r.bytes().map_err(|e| {
+                tracing::error!("reading a record from the data dir failed: {e}");
+                Status::internal(format!("reading a record from the data dir failed: {e}"))
+            })
+        })
+        .collect()
 }
 
 /// One Follow stream's state: the groups it holds, the histories still to send, its live cursor.
@@ -298,9 +326,10 @@ impl Follower {
             head_sequence: head,
             ..Default::default()
         };
+        let mut send: Vec<Arc<Stored>> = Vec::new();
         let mut bytes = 0usize;
         while let Some(&(g, after, before)) = self.pending.front() {
-            let room = lim.batch_records.saturating_sub(msg.records.len());
+            let room = lim.batch_records.saturating_sub(send.len());
             if room == 0 || bytes >= lim.batch_bytes {
                 break;
             }
@@ -308,8 +337,8 @@ impl Follower {
             match batch.last() {
                 Some(last) => {
                     self.pending[0].1 = last.sequence;
-                    bytes += batch.iter().map(|r| r.encoded.len()).sum::<usize>();
-                    msg.records.extend(batch.iter().map(|r| r.encoded.clone()));
+                    bytes += batch.iter().map(|r| r.len).sum::<usize>();
+                    send.extend(batch);
                 }
                 None => {
                     msg.ready_groups.push(g);
@@ -323,15 +352,22 @@ impl Follower {
             let scan = store
                 .read_from(from, lim.batch_records * 8, usize::MAX)
                 .unwrap_or_default();
-            if let Some(last) = scan.last() {
-                self.cursor = last.sequence + 1;
-            }
             for r in scan {
+                let seq = r.sequence;
                 if self.held.contains(&r.group_key.unwrap_or_default()) {
-                    msg.records.push(r.encoded.clone());
+                    if !send.is_empty()
+                        && (bytes >= lim.batch_bytes || send.len() >= lim.batch_records)
+                    {
+                        break; // the message is full: this record goes in the next
+                    }
+                    bytes += r.len;
+                    send.push(r);
                 }
+                self.cursor = seq + 1;
             }
         }
+        drop(store); // records on disk only are read without holding up publishers
+        msg.records = read_bytes(&send)?;
         msg.cursor = self.cursor;
         let moved = !msg.records.is_empty() || !msg.ready_groups.is_empty();
         Ok(moved.then_some(msg))
@@ -525,7 +561,13 @@ impl HistoryService for Service {
             let mut at = 0;
             loop {
                 let n = batch_len(&all[at..], lim.batch_records, lim.batch_bytes);
-                let records = all[at..at + n].iter().map(|r| r.encoded.clone()).collect();
+                let records = match read_bytes(&all[at..at + n]) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        let _ = tx.send(Err(e)).await;
+                        return;
+                    }
+                };
                 at += n;
                 let last = at >= all.len();
                 let chunk = EncodedSnapshotChunk {

@@ -1,11 +1,12 @@
-//! The retained records, in sequence order, with their ids for idempotent publishing and a token
-//! budget that evicts the oldest records first.
+//! The retained records, in sequence order, with their ids for idempotent publishing, a token
+//! budget that evicts the oldest records first, and a memory budget past which the oldest records'
+//! encodings are dropped from memory and read back from the data dir when a client asks for them.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::proto::{Record, StatsResponse};
-use crate::wire::Stored;
+use crate::wire::{Loc, Stored};
 
 /// What a publish did with one record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,10 +33,14 @@ pub struct Retention {
 }
 
 /// Retained records in sequence order, each encoded once. Sequences are consecutive: `records[i]`
-/// has `first + i`.
+/// has `first + i`. `records[..hot_from]` are held on disk only.
 #[derive(Debug, Default)]
 pub struct Store {
     records: VecDeque<Arc<Stored>>,
+    hot_from: usize,
+    /// Encoded bytes held in memory, and the most to hold (0: all).
+    hot_bytes: u64,
+    memory_bytes: u64,
     /// Sequence of `records[0]`; `head + 1` when empty.
     first: u64,
     head: u64,
@@ -60,7 +65,7 @@ pub(crate) fn batch_len<'a>(
         if n >= max_records || (n > 0 && bytes >= max_bytes) {
             break;
         }
-        bytes += r.encoded.len();
+        bytes += r.len;
         n += 1;
     }
     n
@@ -73,6 +78,13 @@ impl Store {
             retention,
             ..Default::default()
         }
+    }
+
+    /// Holds at most `bytes` of encoded records in memory (0: all); past it, the oldest records that
+    /// are on disk are read back from there when a client asks for them.
+    pub fn with_memory_bytes(mut self, bytes: u64) -> Self {
+        self.memory_bytes = bytes;
+        self
     }
 
     /// Where each record of a request would go, without storing anything. `hashes[i]` is the
@@ -128,11 +140,49 @@ impl Store {
         }
         self.head = record.sequence;
         self.tokens += record.tokens;
+        if record.encoded.is_some() {
+            self.hot_bytes += record.len as u64;
+        }
         let g = record.group_key.unwrap_or_default();
         self.groups.entry(g).or_default().push_back(record.sequence);
         self.ids
             .insert(record.record_id.clone(), (record.sequence, hash));
         self.records.push_back(Arc::new(record));
+        self.cool();
+    }
+
+    /// Drops the oldest encodings from memory (records on disk only) until the memory budget holds.
+    fn cool(&mut self) {
+        while self.memory_bytes > 0
+            && self.hot_bytes > self.memory_bytes
+            && self.hot_from < self.records.len()
+        {
+            let Some(cold) = self.records[self.hot_from].cold() else {
+                break; // not on disk (yet): it stays in memory
+            };
+            self.hot_bytes -= cold.len as u64;
+            self.records[self.hot_from] = Arc::new(cold);
+            self.hot_from += 1;
+        }
+    }
+
+    /// Points records at where a snapshot has put them (`locs[i]` for `records[i]`, as the
+    /// snapshot was given them); records evicted since are skipped.
+    pub fn relocate(&mut self, records: &[Arc<Stored>], locs: Vec<Loc>) {
+        for (r, at) in records.iter().zip(locs) {
+            if r.sequence < self.first || r.sequence > self.head {
+                continue;
+            }
+            let i = (r.sequence - self.first) as usize;
+            let mut moved = (*self.records[i]).clone();
+            moved.at = Some(at);
+            self.records[i] = Arc::new(moved);
+        }
+    }
+
+    /// Encoded bytes held in memory.
+    pub fn resident_bytes(&self) -> u64 {
+        self.hot_bytes
     }
 
     /// Evicts the oldest records until the retention limits hold; returns how many.
@@ -157,6 +207,11 @@ impl Store {
                 }
             }
             self.ids.remove(&front.record_id);
+            if self.hot_from > 0 {
+                self.hot_from -= 1;
+            } else if front.encoded.is_some() {
+                self.hot_bytes -= front.len as u64;
+            }
             self.records.pop_front();
             self.first += 1;
             n += 1;
@@ -250,6 +305,7 @@ impl Store {
             evicted_records: self.evicted,
             duplicates: self.duplicates,
             max_tokens: self.retention.max_tokens,
+            resident_bytes: self.hot_bytes,
             ..Default::default()
         }
     }
@@ -352,7 +408,7 @@ mod tests {
         }
         assert_eq!(s.read_from(1, 3, 1 << 20).unwrap().len(), 3);
         // A budget of 2.5 records takes 3 (the one that crosses it included).
-        let each = s.read_from(1, 1, 1).unwrap()[0].encoded.len();
+        let each = s.read_from(1, 1, 1).unwrap()[0].len;
         assert_eq!(s.read_from(1, 100, each * 5 / 2).unwrap().len(), 3);
         assert_eq!(s.read_from(1, 100, 1).unwrap().len(), 1);
     }

@@ -6,10 +6,41 @@
 //! Record` on the other side. Every subscriber then costs a copy of bytes instead of a deep clone and a
 //! varint encoding of every token.
 
+use std::fs::File;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use bytes::Bytes;
 use prost::Message;
 
 use crate::proto::Record;
+
+/// One file of the data dir (a log, or the snapshot), open for reading for as long as a record lies
+/// in it: reads go on after compaction has unlinked the file, whose space the system frees once the
+/// last such record has moved on.
+#[derive(Debug)]
+pub struct Segment {
+    pub file: File,
+    pub path: PathBuf,
+}
+
+impl Segment {
+    pub fn open(path: PathBuf) -> io::Result<Arc<Segment>> {
+        Ok(Arc::new(Segment {
+            file: File::open(&path)?,
+            path,
+        }))
+    }
+}
+
+/// Where a record's frame payload lies on disk.
+#[derive(Debug, Clone)]
+pub struct Loc {
+    pub segment: Arc<Segment>,
+    /// Offset of the payload (its frame header, length and CRC-32, is the 8 bytes before).
+    pub offset: u64,
+}
 
 /// One retained record: what the store, the log and the subscribers need.
 #[derive(Debug, Clone)]
@@ -19,26 +50,86 @@ pub struct Stored {
     pub record_id: Vec<u8>,
     /// Prompt + response tokens.
     pub tokens: u64,
-    /// The record's protobuf encoding.
-    pub encoded: Bytes,
+    /// Bytes of its protobuf encoding.
+    pub len: usize,
+    /// The encoding, while the record is held in memory (None: read it back from `at`).
+    pub encoded: Option<Bytes>,
+    /// Where it is on disk, once appended to the data dir's log.
+    pub at: Option<Loc>,
 }
 
 impl Stored {
     /// Encodes `r` (its `sequence` already assigned).
     pub fn new(r: &Record) -> Self {
+        let encoded = Bytes::from(r.encode_to_vec());
         Stored {
             sequence: r.sequence,
             group_key: r.group_key,
             record_id: r.record_id.clone(),
             tokens: (r.prompt_ids.len() + r.response_ids.len()) as u64,
-            encoded: Bytes::from(r.encode_to_vec()),
+            len: encoded.len(),
+            encoded: Some(encoded),
+            at: None,
         }
+    }
+
+    /// The record's encoding: from memory, or read back from its frame on disk (checked against the
+    /// frame's length and CRC-32).
+    pub fn bytes(&self) -> io::Result<Bytes> {
+        if let Some(b) = &self.encoded {
+            return Ok(b.clone());
+        }
+        let at = self.at.as_ref().ok_or_else(|| {
+            io::Error::other(format!(
+                "record {} is held neither in memory nor on disk",
+                self.sequence
+            ))
+        })?;
+        let mut buf = vec![0u8; 8 + self.len];
+        read_exact_at(&at.segment.file, &mut buf, at.offset - 8)?;
+        let len = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+        let crc = u32::from_le_bytes(buf[4..8].try_into().unwrap());
+        if len != self.len || crc32fast::hash(&buf[8..]) != crc {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{}: the frame of record {} at byte {} is damaged",
+                    at.segment.path.display(),
+                    self.sequence,
+                    at.offset
+                ),
+            ));
+        }
+        Ok(Bytes::from(buf).slice(8..))
+    }
+
+    /// The same record without its encoding in memory, if it is on disk.
+    pub fn cold(&self) -> Option<Stored> {
+        self.at.as_ref()?;
+        Some(Stored {
+            encoded: None,
+            ..self.clone()
+        })
     }
 
     /// The record back (tests, tools).
     pub fn decode(&self) -> Record {
-        Record::decode(self.encoded.clone()).expect("the server encoded this record itself")
+        Record::decode(self.bytes().expect("the record is readable"))
+            .expect("the server encoded this record itself")
     }
+}
+
+#[cfg(unix)]
+fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(f, buf, offset)
+}
+
+#[cfg(not(unix))]
+fn read_exact_at(f: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = f.try_clone()?;
+    f.seek(SeekFrom::Start(offset))?;
+    f.read_exact(buf)
 }
 
 /// `histospec.v1.SubscribeResponse` with its records pre-encoded.
@@ -100,7 +191,7 @@ mod tests {
         let recs: Vec<Record> = (1..=3).map(rec).collect();
         let stored: Vec<Stored> = recs.iter().map(Stored::new).collect();
         let sub = EncodedSubscribeResponse {
-            records: stored.iter().map(|s| s.encoded.clone()).collect(),
+            records: stored.iter().map(|s| s.bytes().unwrap()).collect(),
             head_sequence: 9,
         };
         let want = SubscribeResponse {
@@ -113,7 +204,7 @@ mod tests {
             want
         );
         let chunk = EncodedSnapshotChunk {
-            records: stored.iter().map(|s| s.encoded.clone()).collect(),
+            records: stored.iter().map(|s| s.bytes().unwrap()).collect(),
             through_sequence: 3,
             total_records: 3,
             last: true,

@@ -291,3 +291,109 @@ async fn follow_sends_history_then_only_held_groups_and_resumes_without_duplicat
     assert!(s.message().await.map(|m| m.is_none()).unwrap_or(true));
     h.wait().await.unwrap();
 }
+
+/// Every record of the store, as a Subscribe from the start delivers them.
+async fn subscribe_all(c: &mut HistoryServiceClient<Channel>, want: usize) -> Vec<Record> {
+    let mut s = c
+        .subscribe(SubscribeRequest { from_sequence: 1 })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut got = Vec::new();
+    while got.len() < want {
+        let m = tokio::time::timeout(std::time::Duration::from_secs(10), s.message())
+            .await
+            .expect("subscribe stalled")
+            .unwrap()
+            .unwrap();
+        got.extend(m.records);
+    }
+    got
+}
+
+#[tokio::test]
+async fn records_past_the_memory_budget_are_served_from_the_data_dir() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = || ServerConfig {
+        data_dir: Some(dir.path().to_path_buf()),
+        memory_bytes: 4096,
+        // Compaction moves records into the snapshot while some are held on disk only.
+        snapshot_every_bytes: 20_000,
+        ..cfg()
+    };
+    let h = serve(conf()).await.unwrap();
+    let mut c = client(h.local_addr).await;
+    let want: Vec<Record> = (0..300u32)
+        .map(|i| Record {
+            group_key: Some(u64::from(i % 7)),
+            response_ids: (0..40).map(|t| t * 31 + i).collect(),
+            ..rec(&format!("r{i}"), 0)
+        })
+        .collect();
+    for chunk in want.chunks(25) {
+        c.publish(PublishRequest {
+            records: chunk.to_vec(),
+        })
+        .await
+        .unwrap();
+    }
+    let st = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!(st.records, 300);
+    assert!(
+        st.resident_bytes <= 4096 + 400,
+        "{} bytes resident",
+        st.resident_bytes
+    );
+    let same = |got: &[Record]| {
+        got.iter()
+            .map(|r| (r.record_id.clone(), r.response_ids.clone()))
+            .collect::<Vec<_>>()
+            == want
+                .iter()
+                .map(|r| (r.record_id.clone(), r.response_ids.clone()))
+                .collect::<Vec<_>>()
+    };
+    assert!(same(&subscribe_all(&mut c, 300).await));
+    // A group's history, most of it on disk only, through Follow.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut f = c
+        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(FollowRequest {
+        from_sequence: 0,
+        ..add(&[(3, 0)])
+    })
+    .unwrap();
+    let (got, _, _) = collect(&mut f, 43, &[3]).await;
+    assert_eq!(got.len(), 43);
+    assert!(got.iter().all(|&(g, _)| g == 3));
+    assert_eq!(
+        got.iter().map(|&(_, q)| q).collect::<Vec<_>>(),
+        (1..=300u64)
+            .filter(|q| (q - 1) % 7 == 3)
+            .collect::<Vec<_>>()
+    );
+    drop(tx);
+    drop(f);
+    h.shutdown();
+    h.wait().await.unwrap();
+    // Restarted from the data dir under the same budget: the same records, from disk.
+    let h = serve(conf()).await.unwrap();
+    let mut c = client(h.local_addr).await;
+    let st = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert!(st.records == 300 && st.resident_bytes <= 4096 + 400);
+    assert!(same(&subscribe_all(&mut c, 300).await));
+    h.shutdown();
+    h.wait().await.unwrap();
+    // The budget needs a data dir.
+    let e = serve(ServerConfig {
+        memory_bytes: 1,
+        ..cfg()
+    })
+    .await
+    .err()
+    .unwrap();
+    assert!(e.to_string().contains("--data-dir"), "{e}");
+}
