@@ -661,11 +661,12 @@ def test_subscriber_close_returns_at_once_and_stops_its_thread(tmp_path):
     assert time.monotonic() - t0 < 1.0 and not sub._thread.is_alive()
 
 
-def _follow_until(follower, index, pred, timeout=20.0):
+def _until(poll, pred, timeout=20.0, why="the engine did not get there in time"):
+    """Calls ``poll`` (a follower's poll, an engine's step boundary) until ``pred()`` holds."""
     deadline = time.monotonic() + timeout
     while not pred():
-        assert time.monotonic() < deadline, "the follower did not get there in time"
-        follower.poll()
+        assert time.monotonic() < deadline, why
+        poll()
         time.sleep(0.02)
 
 
@@ -691,13 +692,13 @@ def test_follower_fetches_a_groups_history_follows_only_its_groups_and_resumes_a
                 pub.publish(p, r, version=0)
             pub.flush()
             assert follower.want([mine[0]]) == 1 and follower.want([mine[0]]) == 0
-            _follow_until(follower, idx, lambda: follower.ready(mine[0]) and idx.group_len(mine[0]) == 5)
+            _until(follower.poll, lambda: follower.ready(mine[0]) and idx.group_len(mine[0]) == 5)
             assert idx.group_keys() == [mine[0]] and len(follower.fetch_seconds) == 1
             follower.want([mine[1]])
             for p, r in recs[30:]:
                 pub.publish(p, r, version=1)
             pub.flush()
-            _follow_until(follower, idx, lambda: idx.group_len(mine[0]) == 10 and idx.group_len(mine[1]) == 10)
+            _until(follower.poll, lambda: idx.group_len(mine[0]) == 10 and idx.group_len(mine[1]) == 10)
             st = pub.stats()
             assert (st["followers"], st["followed_groups"]) == (1, 2)
             assert sorted(idx.group_keys()) == sorted(mine)
@@ -711,7 +712,7 @@ def test_follower_fetches_a_groups_history_follows_only_its_groups_and_resumes_a
             for i, (p, r) in enumerate(recs[:12]):
                 pub.publish(p, r, version=2, record_id=f"after-restart-{i}")
             pub.flush()
-        _follow_until(follower, idx, lambda: idx.group_len(mine[0]) == 12 and idx.group_len(mine[1]) == 12)
+        _until(follower.poll, lambda: idx.group_len(mine[0]) == 12 and idx.group_len(mine[1]) == 12)
         assert follower.reconnects >= 1
         time.sleep(0.5)
         follower.poll()
@@ -742,13 +743,13 @@ def test_follower_fetches_again_a_held_group_its_index_evicted(server):
     follower = GroupFollower(server.address, idx, idle_seconds=3600).start()
     try:
         follower.want([g])
-        _follow_until(follower, idx, lambda: idx.group_len(g) == 10)
+        _until(follower.poll, lambda: idx.group_len(g) == 10)
         follower.want([g])
         follower.poll()
         assert idx.group_len(g) == 10 and len(follower.fetch_seconds) == 1
         idx.remove_group(g)  # what the budget's LRU eviction does
         assert follower.want([g]) == 1
-        _follow_until(follower, idx, lambda: idx.group_len(g) == 10)
+        _until(follower.poll, lambda: idx.group_len(g) == 10)
         time.sleep(0.3)
         follower.poll()
         assert idx.group_len(g) == 10 and len(follower.fetch_seconds) == 2
@@ -785,30 +786,19 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
             st = pub.stats()
             assert st["records"] == 40 and st["groups"] == 8 and len(st["shards"]) == 2
         sync.want(keys)
-        deadline = time.monotonic() + 20
-        while idx.stats()["responses"] < 40:
-            assert time.monotonic() < deadline
-            sync.step_boundary()
-            time.sleep(0.02)
+        _until(sync.step_boundary, lambda: idx.stats()["responses"] >= 40)
         port = shards[1].port
         shards[1].kill()
         for p, r in recs[40:]:
             sync.finished(p, r, version=1)
         on_live = sum(shard_of(prompt_key(p), 2) == 0 for p, _ in recs[40:])
-        deadline = time.monotonic() + 20
-        while idx.stats()["responses"] < 40 + on_live:
-            assert time.monotonic() < deadline, "the live shard's records were held up by the dead one"
-            sync.step_boundary()
-            time.sleep(0.02)
+        _until(sync.step_boundary, lambda: idx.stats()["responses"] >= 40 + on_live,
+               why="the live shard's records were held up by the dead one")
         assert sync.unpublished == 40 - on_live
         wait_port_free(port)
         shards[1] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=dirs[1], log=tmp_path / "s1b.log", extra=held)
         assert sync.drain(30)
-        deadline = time.monotonic() + 30
-        while idx.stats()["responses"] < 80:
-            assert time.monotonic() < deadline
-            sync.step_boundary()
-            time.sleep(0.02)
+        _until(sync.step_boundary, lambda: idx.stats()["responses"] >= 80, timeout=30)
         assert idx.stats()["responses"] == 80
         with HistoryPublisher(address) as pub:
             st = pub.stats()
@@ -817,11 +807,7 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
         idx2 = HistoryIndex()
         with EngineSync(address, idx2) as fresh:
             fresh.want(keys)
-            deadline = time.monotonic() + 20
-            while idx2.stats()["responses"] < 80:
-                assert time.monotonic() < deadline
-                fresh.step_boundary()
-                time.sleep(0.02)
+            _until(fresh.step_boundary, lambda: idx2.stats()["responses"] >= 80)
         assert checksum(idx2) != "" and sorted(idx2.group_keys()) == keys
         assert all(idx2.group_len(k) == idx.group_len(k) for k in keys)
     finally:

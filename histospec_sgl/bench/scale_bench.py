@@ -35,6 +35,7 @@ HumanEval sample), a different slice of them each epoch, under its own group key
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import statistics
@@ -332,6 +333,10 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
     records *= repeat
     groups = sorted({g for g, _, _ in records})
     tokens = sum(len(p) + len(r) for _, p, r in records)
+    per_group = collections.Counter(g for g, _, _ in records)  # records of each group
+    group_tokens: collections.Counter[int] = collections.Counter()  # and their tokens
+    for g, p, r in records:
+        group_tokens[g] += len(p) + len(r)
     out: list[dict[str, Any]] = []
     whole = 0  # bytes of the whole history on the wire: what one mirror subscriber receives
     for mode in ("mirror", "filtered"):
@@ -343,7 +348,7 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
                     subs = [GroupFollower(srv.address, None).start() for _ in range(n)]
                     for i, f in enumerate(subs):
                         f.want([g for g in groups if g % n == i])
-                    want = [sum(1 for g, _, _ in records if g % n == i) for i in range(n)]
+                    want = [sum(c for g, c in per_group.items() if g % n == i) for i in range(n)]
                 else:
                     subs = [HistorySubscriber(srv.address, None, background=True).start() for _ in range(n)]
                     want = [len(records)] * n
@@ -367,7 +372,7 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
                 whole = whole or min(received)
                 share = [whole] * n
             else:  # each engine's groups' tokens, as a share of the whole history's bytes
-                mine = [sum(len(p) + len(r) for g, p, r in records if g % n == i) for i in range(n)]
+                mine = [sum(t for g, t in group_tokens.items() if g % n == i) for i in range(n)]
                 share = [whole * t / tokens for t in mine]
             over = max(r / s for r, s in zip(received, share)) if whole else None
             out.append({

@@ -178,21 +178,23 @@ class BatchDrafter:
         self.sync_batch([(rid, prompt_ids, response, pending, group)])
 
     def sync_batch(self, requests: Iterable[tuple[str, Sequence[int], Sequence[int], Sequence[int],
-                                                  int | None]]) -> None:
+                                                  int | None]]) -> list[int]:
         """:meth:`sync` for a whole decode batch, with one call into the index for all the new tokens.
         Each item is ``(rid, prompt_ids, response, pending, group)``; only the tokens past what the
         index already holds are read, so a step costs O(new tokens), not O(response length).
 
         ``group`` is read only when ``rid`` starts; a request whose context got shorter (SGLang
-        retracted it) starts again from its prompt in the group it began in.
+        retracted it) starts again from its prompt in the group it began in. Returns the group keys
+        of the requests that started here (a draft server is asked for those groups' history).
         """
         todo: list[tuple[_Live, int, list[int]]] = []
+        started: list[int] = []
         for rid, prompt_ids, response, pending, group in requests:
             live = self._live.get(rid)
             if live is None:
                 iid = self._next_iid
                 self._next_iid += 1
-                self.index.begin_request(iid, group, prompt_ids)
+                started.append(self.index.begin_request(iid, group, prompt_ids))
                 live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]), group=group)
             head = len(response)
             n = head + len(pending)
@@ -214,11 +216,12 @@ class BatchDrafter:
                 new = list(response[k:]) + list(pending) if k < head else list(pending[k - head:])
                 todo.append((live, n, new))
         if not todo:
-            return
+            return started
         self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
                                 [len(new) for _, _, new in todo])
         for live, n, new in todo:
             self._advanced(live, n, new[-1], new)
+        return started
 
     def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int]) -> None:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the

@@ -46,7 +46,6 @@ from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
-from histospec_sgl import group_key
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import write_empty
 from histospec_sgl.engine.drafter import BatchDrafter, group_of
@@ -376,7 +375,7 @@ class HistoryWorker(NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        rids, items, classes, arrived = [], [], [], []
+        rids, items, classes = [], [], []
         drafter = self.drafter
         for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
             rid = req.rid
@@ -384,18 +383,15 @@ class HistoryWorker(NGRAMWorker):
                 self._done.pop(rid)
                 self._no_keep.add(rid)
             # The group is read only for a request the drafter does not know yet.
-            group = None
-            if not drafter.is_live(rid):
-                group = self._group(req)
-                arrived.append(group_key(req.origin_input_ids, group))
+            group = None if drafter.is_live(rid) else self._group(req)
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
             classes.append(_request_class(req))
-        if arrived and self.sync is not None:
+        started = drafter.sync_batch(items)
+        if started and self.sync is not None:
             # A group's first request asks the draft server for its history (on_demand); it arrives
             # in the background, and the request drafts from its siblings until it has.
-            self.sync.want(arrived)
-        drafter.sync_batch(items)
+            self.sync.want(started)
         if self._free_width:
             tokens, mask = drafter.draft(rids, classes)
         else:

@@ -15,8 +15,8 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -530,7 +530,67 @@ class BackgroundPublisher:
         self.publisher.discard()
         self.publisher.close()
 
-class HistorySubscriber(_Client):
+_R = TypeVar("_R", bound="_Receiver")
+
+
+class _Receiver(_Client):
+    """A client whose background thread receives from one server stream at a time, opening it again
+    with backoff when it ends (:class:`HistorySubscriber`, :class:`~histospec_sgl.sync.follow.GroupFollower`).
+    Subclasses write :meth:`_run`, open their streams with :meth:`_opened` and pause between two
+    with :meth:`_backoff`."""
+
+    def __init__(self, address: str, *, thread_name: str, backoff: float, max_backoff: float, **kw: Any):
+        super().__init__(address, **kw)
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.reconnects = 0
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._call_lock = threading.Lock()  # orders close() against the opening of a stream
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def start(self: _R) -> _R:
+        self._thread.start()
+        return self
+
+    def __enter__(self: _R) -> _R:
+        return self.start()
+
+    def close(self) -> None:
+        """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
+        with self._call_lock:  # no stream opens after this, and the one open is cancelled
+            self._stop.set()
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        super().close()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _opened(self, open_call: Callable[[], Any]) -> Any:
+        """The stream ``open_call`` opens, or None once close() has begun (it cancels the stream it
+        sees)."""
+        with self._call_lock:
+            if self._stop.is_set():
+                return None
+            self._call = open_call()
+            return self._call
+
+    def _backoff(self, pause: float) -> float | None:
+        """After a stream ended: counts the reconnect and waits about ``pause`` seconds (jittered);
+        returns the next pause, or None once close() has begun."""
+        if self._stop.is_set():
+            return None
+        self.reconnects += 1
+        if self._stop.wait(pause * (0.5 + random.random())):
+            return None
+        return min(pause * 2, self.max_backoff)
+
+
+class HistorySubscriber(_Receiver):
     """Follows the server's global record order and applies it to a :class:`HistoryIndex`.
 
     A background thread receives messages (a Snapshot first when starting from nothing or after
@@ -571,6 +631,9 @@ class HistorySubscriber(_Client):
     ):
         super().__init__(
             address,
+            thread_name="histospec-subscriber",
+            backoff=backoff,
+            max_backoff=max_backoff,
             auth_token=auth_token,
             tls_root_certificates=tls_root_certificates,
             max_message_bytes=max_message_bytes,
@@ -578,43 +641,17 @@ class HistorySubscriber(_Client):
         )
         self.index = index
         self.background = background
-        self.backoff = backoff
-        self.max_backoff = max_backoff
         self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=max(1, max_buffered))
         self._held: tuple[str, bytes] | None = None  # a message applied only up to through_sequence
         self._received = after_sequence
         self._applied = after_sequence
         self._head = 0
         self._cond = threading.Condition()
-        self._stop = threading.Event()
-        self._call: Any = None
-        self._call_lock = threading.Lock()  # orders close() against the opening of a stream
         self._error: DraftServerError | None = None
         self.applied_records = 0
         self.rejected_records = 0
         self.received_bytes = 0
         self.snapshots = 0
-        self.reconnects = 0
-        self._thread = threading.Thread(target=self._run, name="histospec-subscriber", daemon=True)
-
-    # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> HistorySubscriber:
-        self._thread.start()
-        return self
-
-    def __enter__(self):
-        return self.start()
-
-    def close(self) -> None:
-        """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
-        with self._call_lock:  # no stream opens after this, and the one open is cancelled
-            self._stop.set()
-            call = self._call
-        if call is not None:
-            call.cancel()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        super().close()
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -700,20 +737,14 @@ class HistorySubscriber(_Client):
             except DraftServerError as e:  # raised by a background apply
                 self._fail(e)
                 return
-            if self._stop.is_set():
+            next_pause = self._backoff(pause)
+            if next_pause is None:
                 return
-            self.reconnects += 1
-            if self._stop.wait(pause * (0.5 + random.random())):
-                return
-            pause = min(pause * 2, self.max_backoff)
+            pause = next_pause
 
     def _open(self, method: str, body: bytes) -> Any:
-        """A new server stream, or None once close() has begun (it cancels the stream it sees)."""
-        with self._call_lock:
-            if self._stop.is_set():
-                return None
-            self._call = self._stream(method, body)
-            return self._call
+        """A new server stream, or None once close() has begun."""
+        return self._opened(lambda: self._stream(method, body))
 
     def _fail(self, e: DraftServerError) -> None:
         log.error("%s", e)

@@ -102,8 +102,6 @@ class EngineSync:
         if not self.followers:
             return 0
         n = len(self.followers)
-        if n == 1:
-            return self.followers[0].want(groups)
         by: dict[int, list[int]] = {}
         for g in groups:
             by.setdefault(shard_of(g, n), []).append(g)

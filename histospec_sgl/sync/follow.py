@@ -18,9 +18,9 @@ group holds the same history of it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -34,8 +34,8 @@ from histospec_sgl.sync.client import (
     RETRYABLE,
     SERVICE,
     DraftServerError,
-    _Client,
     _describe,
+    _Receiver,
 )
 
 __all__ = ["GroupFollower"]
@@ -43,7 +43,7 @@ __all__ = ["GroupFollower"]
 log = logging.getLogger("histospec_sgl.sync")
 
 
-class GroupFollower(_Client):
+class GroupFollower(_Receiver):
     """Feeds a :class:`~histospec_sgl.HistoryIndex` with the records of the groups it is asked for.
 
     Args:
@@ -73,14 +73,13 @@ class GroupFollower(_Client):
         max_backoff: float = 2.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ):
-        super().__init__(address, auth_token=auth_token, tls_root_certificates=tls_root_certificates,
+        super().__init__(address, thread_name="histospec-follower", backoff=backoff, max_backoff=max_backoff,
+                         auth_token=auth_token, tls_root_certificates=tls_root_certificates,
                          max_message_bytes=max_message_bytes)
         self.index = index
         self.idle_seconds = idle_seconds
         self.sweep_every = max(1, sweep_every)
-        self.backoff = backoff
-        self.max_backoff = max_backoff
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the groups' state, shared with the receiving thread
         # group -> last time it was asked for (held: added to the stream, or about to be).
         self._held: dict[int, float] = {}
         # group -> highest sequence received for it (what a re-add after a reconnect starts after).
@@ -93,8 +92,6 @@ class GroupFollower(_Client):
         self._cursor = 0  # every record of a held group below this has been received
         self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
         self._messages: queue.Queue[tuple[bytes, dict[int, int]]] = queue.Queue(maxsize=max(1, max_buffered))
-        self._stop = threading.Event()
-        self._call: Any = None
         self._error: DraftServerError | None = None
         self._polls = 0
         self.fetch_seconds: list[float] = []
@@ -102,28 +99,7 @@ class GroupFollower(_Client):
         self.received_records = 0
         self.applied_records = 0
         self.rejected_records = 0
-        self.reconnects = 0
         self.dropped_groups = 0
-        self._thread = threading.Thread(target=self._run, name="histospec-follower", daemon=True)
-
-    # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> GroupFollower:
-        self._thread.start()
-        return self
-
-    def __enter__(self):
-        return self.start()
-
-    def close(self) -> None:
-        """Stops the receiving thread and closes the channel (records not yet polled are dropped)."""
-        with self._lock:
-            self._stop.set()
-            call = self._call
-        if call is not None:
-            call.cancel()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
-        super().close()
 
     # -- what the engine calls ---------------------------------------------------------------------
     def want(self, groups: Iterable[int]) -> int:
@@ -225,20 +201,22 @@ class GroupFollower(_Client):
             except queue.Empty:
                 continue
 
+    def _open_follow(self, done: threading.Event) -> Any:
+        """A new Follow stream that re-adds every held group after what was received for it (so
+        nothing comes twice), its requests fed from :attr:`_requests` until ``done``."""
+        with self._lock:
+            q: queue.Queue[bytes] = queue.Queue()
+            q.put(_core.encode_follow(self._cursor, [(g, self._last.get(g, 0)) for g in self._held], []))
+            self._requests = q
+        return self._channel.stream_stream(f"/{SERVICE}/Follow")(self._outgoing(q, done), metadata=self._metadata)
+
     def _run(self) -> None:
         pause = self.backoff
         while not self._stop.is_set():
-            done = threading.Event()
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                q: queue.Queue[bytes] = queue.Queue()
-                # Re-adds every held group after what was received for it: nothing comes twice.
-                q.put(_core.encode_follow(self._cursor, [(g, self._last.get(g, 0)) for g in self._held], []))
-                self._requests = q
-                call = self._channel.stream_stream(f"/{SERVICE}/Follow")(
-                    self._outgoing(q, done), metadata=self._metadata)
-                self._call = call
+            done = threading.Event()  # set when this stream ends: its request iterator stops
+            call = self._opened(functools.partial(self._open_follow, done))
+            if call is None:
+                return
             try:
                 for data in call:
                     if self._stop.is_set():
@@ -257,12 +235,10 @@ class GroupFollower(_Client):
                 done.set()
                 with self._lock:
                     self._requests = None
-            if self._stop.is_set():
+            next_pause = self._backoff(pause)
+            if next_pause is None:
                 return
-            self.reconnects += 1
-            if self._stop.wait(pause * (0.5 + random.random())):
-                return
-            pause = min(pause * 2, self.max_backoff)
+            pause = next_pause
 
     def _received(self, data: bytes) -> None:
         span = _core.follow_span(data)

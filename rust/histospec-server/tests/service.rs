@@ -185,6 +185,24 @@ fn add(groups: &[(u64, u64)]) -> FollowRequest {
     }
 }
 
+/// Opens a Follow stream with `first` as its first request; returns the sender of the later ones.
+async fn follow(
+    c: &mut HistoryServiceClient<Channel>,
+    first: FollowRequest,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<FollowRequest>,
+    tonic::Streaming<FollowResponse>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let s = c
+        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(first).unwrap();
+    (tx, s)
+}
+
 /// Reads Follow messages until `want` records and every group of `ready` have come.
 async fn collect(
     s: &mut tonic::Streaming<FollowResponse>,
@@ -212,17 +230,14 @@ async fn follow_sends_history_then_only_held_groups_and_resumes_without_duplicat
     // History: groups 1 and 2 interleaved, 3 records each.
     let records = (0..6).map(|i| grec(&format!("h{i}"), 1 + i % 2)).collect();
     c.publish(PublishRequest { records }).await.unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut s = c
-        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(FollowRequest {
-        from_sequence: 0,
-        ..add(&[(1, 0)])
-    })
-    .unwrap();
+    let (tx, mut s) = follow(
+        &mut c,
+        FollowRequest {
+            from_sequence: 0,
+            ..add(&[(1, 0)])
+        },
+    )
+    .await;
     let (got, ready, _) = collect(&mut s, 3, &[1]).await;
     assert_eq!(
         got,
@@ -260,31 +275,25 @@ async fn follow_sends_history_then_only_held_groups_and_resumes_without_duplicat
     })
     .await
     .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut s = c
-        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(FollowRequest {
-        from_sequence: cursor,
-        ..add(&[(2, cursor - 1)])
-    })
-    .unwrap();
+    let (_tx, mut s) = follow(
+        &mut c,
+        FollowRequest {
+            from_sequence: cursor,
+            ..add(&[(2, cursor - 1)])
+        },
+    )
+    .await;
     let (got, _, _) = collect(&mut s, 1, &[2]).await;
     assert_eq!(got, vec![(2, 12)]);
     // A from_sequence past the head is refused.
-    let (tx2, rx2) = tokio::sync::mpsc::unbounded_channel();
-    let mut bad = c
-        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx2))
-        .await
-        .unwrap()
-        .into_inner();
-    tx2.send(FollowRequest {
-        from_sequence: 99,
-        ..Default::default()
-    })
-    .unwrap();
+    let (_tx2, mut bad) = follow(
+        &mut c,
+        FollowRequest {
+            from_sequence: 99,
+            ..Default::default()
+        },
+    )
+    .await;
     let e = bad.message().await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition);
     h.shutdown();
@@ -355,17 +364,14 @@ async fn records_past_the_memory_budget_are_served_from_the_data_dir() {
     };
     assert!(same(&subscribe_all(&mut c, 300).await));
     // A group's history, most of it on disk only, through Follow.
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let mut f = c
-        .follow(tokio_stream::wrappers::UnboundedReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    tx.send(FollowRequest {
-        from_sequence: 0,
-        ..add(&[(3, 0)])
-    })
-    .unwrap();
+    let (tx, mut f) = follow(
+        &mut c,
+        FollowRequest {
+            from_sequence: 0,
+            ..add(&[(3, 0)])
+        },
+    )
+    .await;
     let (got, _, _) = collect(&mut f, 43, &[3]).await;
     assert_eq!(got.len(), 43);
     assert!(got.iter().all(|&(g, _)| g == 3));
