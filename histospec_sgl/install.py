@@ -2,7 +2,7 @@
 
 histospec-sgl is not on PyPI, so a line names a checkout (``./histospec-sgl``), which pip builds
 (the Rust core, about 3 minutes on two cores), or the wheel ``maturin build --release`` writes.
-``tests/test_install.py`` checks that every extra a message or page names exists in pyproject.toml.
+``tests/docs/test_install.py`` checks that every extra a message or page names exists in pyproject.toml.
 """
 
 from __future__ import annotations

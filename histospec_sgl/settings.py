@@ -3,7 +3,7 @@
 Each :class:`Setting` names its variable, its scope (who reads it), its parser, default and help.
 Everything in the package reads these variables through :func:`value` (or :class:`HistoryConfig
 <histospec_sgl.engine.config.HistoryConfig>` for the engine's); nothing else calls ``os.environ`` for
-a ``HISTOSPEC_*`` name (``tests/test_settings.py`` scans the tree for it). The launcher's
+a ``HISTOSPEC_*`` name (``tests/unit/test_settings.py`` scans the tree for it). The launcher's
 ``--history-*`` options, the tables in docs/settings.md and docs/plugin.md and the unknown-name check
 all come from this table.
 
@@ -306,10 +306,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_REQUIRE_SGLANG", _X, _choice("0", "1"), "0",
             "1: tests that need the SGLang environment fail instead of skipping (scripts/test.sh sets it)"),
     Setting("HISTOSPEC_TEST_MEMORY_GB", _X, _float(1.0, 1e6), 13.0,
-            "the memory the test workers share for servers they start (tests/_lanes.py)"),
+            "the memory the test workers share for servers they start (tests/helpers/_lanes.py)"),
     Setting("HISTOSPEC_TEST_MODEL", _X, _path, None, "the model a Ray cluster test's engines load"),
     Setting("HISTOSPEC_TEST_ACTOR", _X, _text, None, "set in a test actor's runtime env"),
-    Setting("HISTOSPEC_TINY_MODEL", _X, _path, None, "tests/test_gpu.py: the tiny model to run on a GPU"),
+    Setting("HISTOSPEC_TINY_MODEL", _X, _path, None, "tests/engine/test_gpu.py: the tiny model to run on a GPU"),
     Setting("HISTOSPEC_SHARED", _X, _path, None, "the shared data, trainers and device folder (default ../shared)"),
     Setting("HISTOSPEC_SLIME_SRC", _X, _path, None, "slime's source for its tests (default ../shared/trainers/slime)"),
     Setting("HISTOSPEC_FUZZ_EXAMPLES", _X, _int(1), 150, "examples of the index's stateful property test"),

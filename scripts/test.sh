@@ -28,5 +28,5 @@ echo "[test] lint: ruff, mypy, stubtest"
 bash scripts/lint_python.sh
 echo "[test] Python"
 # Two workers, a module (or class) whole on one, the longest modules first (tests/conftest.py); tests
-# that start servers wait for memory the other worker holds (tests/_lanes.py).
+# that start servers wait for memory the other worker holds (tests/helpers/_lanes.py).
 .venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --record-durations "$@"

@@ -18,6 +18,10 @@ from _lanes import MemoryGate
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Scripts the tests run in subprocesses (trainer drivers, SGLang-side checks); importable helpers are
+#: in tests/helpers, on the path through pyproject's ``pythonpath``.
+DRIVERS = ROOT / "tests" / "drivers"
+HELPERS = ROOT / "tests" / "helpers"
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 #: SGLang 0.5.23 unpacked beside 0.5.17 by scripts/setup_sglang_env.sh, laid over it on PYTHONPATH.
 SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"
@@ -72,7 +76,7 @@ TEXT_ENGINE_GB = 3.0
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """A test marked ``memory(gb)`` waits, before its fixtures start servers, until its peak fits
-    beside what the other workers' tests hold (tests/_lanes.py)."""
+    beside what the other workers' tests hold (tests/helpers/_lanes.py)."""
     mark = item.get_closest_marker("memory")
     if _GATE is not None and mark is not None:
         waited = _GATE.acquire(float(mark.args[0]))

@@ -4,7 +4,7 @@ per request, ``d`` node tokens in BFS order (the root, the last context token, f
 with a chain of token-0 nodes, each the child of the one before. The conversions between that layout
 and parent positions live here once (:func:`tree_mask`, :func:`tree_parents`,
 :func:`tree_parents_batch`, :func:`write_empty`);
-tests/test_index.py holds them equal to what the index writes."""
+tests/unit/test_index.py holds them equal to what the index writes."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 :class:`BatchDrafter` owns the :class:`~histospec_sgl.HistoryIndex` of one engine and turns a decode
 batch (request ids, prompt ids, generated ids) into the two host arrays SGLang's NGRAM verify path
 consumes: ``tokens`` int64 ``[bs*d]`` and ``mask`` int64 ``[bs*d*d]``. The contract (checked by
-``tests/test_plugin.py`` against SGLang's own host-side tree reconstruction):
+``tests/engine/test_plugin.py`` against SGLang's own host-side tree reconstruction):
 
 - node 0 of each request is the root, the request's last token (its KV is not computed yet);
 - nodes are in BFS order, every parent before its children;

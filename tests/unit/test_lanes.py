@@ -1,0 +1,96 @@
+"""The memory budget two pytest workers share (tests/helpers/_lanes.py): a test waits only while the other
+worker holds memory it would not fit beside, a worker that asked first goes first, and a dead
+worker's reservation is dropped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from _lanes import MemoryGate
+
+
+def _acquire_in_thread(gate: MemoryGate, gb: float) -> tuple[threading.Thread, list[float]]:
+    got: list[float] = []
+    t = threading.Thread(target=lambda: got.append(gate.acquire(gb)), daemon=True)
+    t.start()
+    return t, got
+
+
+def test_a_test_waits_until_it_fits_and_not_longer(tmp_path):
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    assert a.acquire(6) < 0.5
+    assert b.acquire(4) < 0.5  # 6 + 4 fits
+    b.release()
+    t, got = _acquire_in_thread(b, 5)  # 6 + 5 does not
+    time.sleep(0.3)
+    assert not got
+    a.release()
+    t.join(5)
+    assert got and 0.2 < got[0] < 5
+    # Alone, a test larger than the whole budget still runs rather than waiting forever.
+    b.release()
+    assert a.acquire(30) < 0.5
+
+
+def test_the_worker_that_asked_first_goes_first(tmp_path):
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    b.acquire(4)
+    t, got = _acquire_in_thread(a, 8)  # waits for b's 4
+    time.sleep(0.2)
+    b.release()
+    # b asks again at once: its 4 would fit beside nothing held, but not beside a's waiting 8.
+    tb, got_b = _acquire_in_thread(b, 4)
+    t.join(5)
+    assert got
+    time.sleep(0.2)
+    assert not got_b
+    a.release()
+    tb.join(5)
+    assert got_b
+
+
+def test_a_standing_server_counts_against_later_tests(tmp_path):
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    with a.standing(4):
+        assert b.acquire(5) < 0.5  # no test of a runs: b waits for nothing
+        t, got = _acquire_in_thread(a, 3)  # 4 standing + 5 + 3 > 10
+        time.sleep(0.3)
+        assert not got
+        b.release()
+        t.join(5)
+        assert got
+        a.release()
+    assert json.loads(path.read_text())["gw0"]["standing"] == 0
+
+
+def test_a_dead_workers_reservation_is_dropped(tmp_path):
+    path = tmp_path / "gate.json"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    path.write_text(json.dumps({"gw1": {"pid": int(dead.stdout), "held": 9.0, "standing": 3.0, "waiting": 0.0,
+                                        "ticket": 1.0}}))
+    assert MemoryGate(path, "gw0", budget=10, poll_s=0.02).acquire(8) < 0.5
+    assert "gw1" not in json.loads(path.read_text())
+
+
+def test_the_last_worker_to_leave_removes_the_file(tmp_path):
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    a.acquire(1)
+    b.acquire(1)
+    a.leave()
+    assert list(json.loads(path.read_text())) == ["gw1"]
+    b.leave()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_outside_xdist_nothing_waits(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert MemoryGate.for_this_worker() is None
