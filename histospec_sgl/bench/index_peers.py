@@ -10,7 +10,9 @@ Needs sglang (``.venv-sglang``) and a C++ compiler: the corpus is JIT-built on f
 Metrics as for ours (``index_bench``): ingest and RSS growth, the 256-request batch draft per step
 (one ``batch_get`` per request from Python, as SGLang's worker calls it per batch; binding overhead
 included), greedy chain acceptance at k=16 at every position and simulated tokens per verify step
-with 16-node trees.
+with 16-node trees. Acceptance drives each peer through its replay adapter (``replay.methods``
+``SGLangNgram`` over the bench's corpora, ``replay.arctic.ArcticMethod`` over its stores), the one
+``histospec-sgl replay`` drives; the timed per-step calls are each peer's own batch calls.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from histospec_sgl.bench.workload import Workload
 from histospec_sgl.engine.draft import tree_parents
 from histospec_sgl.replay.measure import accept_greedy
-from histospec_sgl.replay.methods import sglang_ngram_corpus_class
+from histospec_sgl.replay.methods import Method, SGLangNgram, sglang_ngram_corpus_class
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.
@@ -60,35 +62,38 @@ def _matching(chain: Any, truth: np.ndarray, pos: int) -> int:
     return acc
 
 
-def replay_acceptance(w: Workload, prompts: int, peer: Any) -> dict[str, float]:
+def replay_acceptance(w: Workload, prompts: int, method: Callable[[int, str], Method],
+                      chain_nodes: int = K + 1, tree_nodes: int = D) -> dict[str, float]:
     """``accepted_per_position_k16`` and ``tokens_per_verify_step_d16`` of a peer on 2 epoch-2
     responses of each of the first ``prompts`` prompts, as ``index_bench.acceptance`` measures ours.
-    ``peer`` drives one response: ``open(p, j, kind)`` a handle (``kind`` "chain" or "tree"),
-    ``chain(p, h, ctx)`` the k=16 chain after the context ``ctx``, ``tree(p, h, ctx)`` the d=16 tree
-    (tokens and parents, root first), ``advance(p, h, tokens)`` the tokens that followed, and
-    ``close(p, h)``."""
+    ``method(p, kind)``: the peer's replay adapter (:class:`~histospec_sgl.replay.methods.Method`,
+    the one the replay drives) holding prompt ``p``'s history, for one response; ``kind`` "chain"
+    (its ``chain_nodes``-node draft's longest path is read at every position) or "tree" (a
+    ``tree_nodes``-node tree per verify step, accepted greedily)."""
     acc_sum = positions = steps = toks = 0
     for p in range(min(prompts, len(w.prompts))):
+        prompt = w.prompts[p].tolist()
         for j in range(2):
             truth = w.epoch2(p, j)
-            ctx = np.concatenate([w.prompts[p], truth])
-            base = len(w.prompts[p])
-            h = peer.open(p, j, "chain")
+            rid = 2 * p + j
+            m = method(p, "chain")
+            m.begin(rid, prompt)
             for i in range(len(truth)):
-                acc_sum += _matching(peer.chain(p, h, ctx[: base + i])[:K], truth, i)
+                acc_sum += _matching(_longest_path(*m.draft(rid, chain_nodes))[:K], truth, i)
                 positions += 1
-                peer.advance(p, h, truth[i : i + 1])
-            peer.close(p, h)
-            h = peer.open(p, j, "tree")
+                m.extend(rid, truth[i : i + 1].tolist())
+            m.finish(rid)
+            m = method(p, "tree")
+            m.begin(rid, prompt)
             i = 0
             while i < len(truth):
-                t, par = peer.tree(p, h, ctx[: base + i])
+                t, par = m.draft(rid, tree_nodes)
                 adv = min(accept_greedy(np.asarray(t), np.asarray(par), truth, i) + 1, len(truth) - i)
-                peer.advance(p, h, truth[i : i + adv])
+                m.extend(rid, truth[i : i + adv].tolist())
                 toks += adv
                 steps += 1
                 i += adv
-            peer.close(p, h)
+            m.finish(rid)
     return {
         "accepted_per_position_k16": acc_sum / positions,
         "tokens_per_verify_step_d16": toks / steps,
@@ -171,44 +176,10 @@ class SGLangSAM:
 
     def _acceptance(self, w: Workload, tree: list[Any], chain: list[Any], prompts: int) -> dict[str, float]:
         # The SAM cannot take the request's own output (immutable after its build).
-        drive = _CorpusDrive(lambda p, kind: (chain if kind == "chain" else tree)[p], insert_own=False)
-        return replay_acceptance(w, prompts, drive)
+        def method(p: int, kind: str) -> SGLangNgram:
+            return SGLangNgram(corpus=(chain if kind == "chain" else tree)[p], nodes=SGLANG_NODES, insert_own=False)
 
-
-class _CorpusDrive:
-    """``replay_acceptance``'s driver for SGLang ``NgramCorpus`` objects: ``corpus(p, kind)`` gives
-    the corpus of prompt ``p`` for ``kind`` ("chain": breadth 1, or "tree"); each draft is one
-    ``batch_get`` on the last 18 tokens; with ``insert_own`` the request's last window is inserted
-    first whenever it grew, as SGLang's worker inserts it every step. A handle is [corpus,
-    request id, context length inserted]."""
-
-    def __init__(self, corpus: Callable[[int, str], Any], insert_own: bool) -> None:
-        self.corpus = corpus
-        self.insert_own = insert_own
-
-    def open(self, p: int, j: int, kind: str) -> list[Any]:
-        return [self.corpus(p, kind), f"acc-{p}-{j}", 0]
-
-    def _get(self, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
-        win = ctx[-DEPTH:].tolist()
-        if self.insert_own and h[2] < len(ctx):
-            h[0].batch_put([win])
-            h[0].synchronize()
-            h[2] = len(ctx)
-        t, m = h[0].batch_get([h[1]], [win], [len(ctx)])
-        return np.asarray(t), tree_parents(m, SGLANG_NODES)
-
-    def chain(self, p: int, h: list[Any], ctx: np.ndarray) -> list[int]:
-        return _longest_path(*self._get(h, ctx))
-
-    def tree(self, p: int, h: list[Any], ctx: np.ndarray) -> tuple[Any, Any]:
-        return self._get(h, ctx)
-
-    def advance(self, p: int, h: list[Any], toks: np.ndarray) -> None:
-        pass  # the window moves with the context given to the next draft
-
-    def close(self, p: int, h: list[Any]) -> None:
-        h[0].erase_match_state([h[1]])
+        return replay_acceptance(w, prompts, method, SGLANG_NODES, SGLANG_NODES)
 
 
 class SGLangTriePeer:
@@ -289,12 +260,12 @@ class SGLangTriePeer:
         return {"batch_draft_ms_per_step": ms(t_tree), "update_ms_per_step": ms(t_upd)}
 
     def _acceptance(self, w: Workload, prompts: int) -> dict[str, float]:
-        def corpus(p: int, kind: str) -> Any:
+        def method(p: int, kind: str) -> SGLangNgram:
             c = self._corpus((1, 1) if kind == "chain" else (1, 10), 1_000_000)
             self._history(c, w, p)
-            return c
+            return SGLangNgram(corpus=c, nodes=SGLANG_NODES)  # the output goes in as the worker inserts it
 
-        return replay_acceptance(w, prompts, _CorpusDrive(corpus, insert_own=True))
+        return replay_acceptance(w, prompts, method, SGLANG_NODES, SGLANG_NODES)
 
 
 class ArcticPeer:
@@ -385,22 +356,10 @@ class ArcticPeer:
         }
 
     def _acceptance(self, w: Workload, stores: list[Any], prompts: int) -> dict[str, float]:
-        peer = self
+        def method(p: int, kind: str) -> Any:
+            settings = self.chain_s if kind == "chain" else self.tree_s
+            m = self.arctic.ArcticMethod(self.name, lambda: stores[p], settings, "", keep=False)
+            m.reset(True)
+            return m
 
-        class Drive:
-            def open(self, p: int, j: int, kind: str) -> Any:
-                return stores[p].begin(w.prompts[p])
-
-            def chain(self, p: int, h: Any, ctx: np.ndarray) -> list[int]:
-                return list(stores[p].speculate(h, ctx, K, peer.chain_s).token_ids)
-
-            def tree(self, p: int, h: Any, ctx: np.ndarray) -> tuple[list[int], list[int]]:
-                return peer.arctic.nodes(int(ctx[-1]), stores[p].speculate(h, ctx, D - 1, peer.tree_s))
-
-            def advance(self, p: int, h: Any, toks: np.ndarray) -> None:
-                stores[p].extend(h, toks)
-
-            def close(self, p: int, h: Any) -> None:
-                stores[p].finish(h, keep=False)
-
-        return replay_acceptance(w, prompts, Drive())
+        return replay_acceptance(w, prompts, method)

@@ -208,12 +208,15 @@ class ArcticMethod:
     """Replay method over one Arctic store per case (``PerPromptTrees`` or ``SharedCache``). It
     starts empty at every case: a case's responses appear as history in other cases of the
     leave-one-out scenarios, so a store kept across cases would hold the very response being
-    replayed. A finished request stays, as history for the others."""
+    replayed. A finished request stays, as history for the others, unless ``keep`` is False (``bench
+    index`` replays epoch-2 responses that must not draft for the next one)."""
 
-    def __init__(self, name: str, store: Callable[[], Any], settings: SpecSettings, description: str):
+    def __init__(self, name: str, store: Callable[[], Any], settings: SpecSettings, description: str,
+                 keep: bool = True):
         self.name = name
         self.make = store
         self.s = settings
+        self.keep = keep
         self.description = f"{description}, {settings.label()}"
         self.store: Any = None
         self.reqs: dict[int, tuple[int, list[int]]] = {}
@@ -238,7 +241,7 @@ class ArcticMethod:
         ctx.extend(tokens)
 
     def finish(self, rid: int) -> None:
-        self.store.finish(self.reqs.pop(rid)[0])
+        self.store.finish(self.reqs.pop(rid)[0], keep=self.keep)
 
 
 def per_prompt_method(settings: SpecSettings = BEST) -> ArcticMethod:

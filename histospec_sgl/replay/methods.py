@@ -274,26 +274,37 @@ class SGLangNgram:
     name = "sglang_ngram_global"
 
     def __init__(self, depth: int = 18, min_breadth: int = 1, max_breadth: int = 10,
-                 match_type: str = "BFS", capacity: int = 1_000_000):
+                 match_type: str = "BFS", capacity: int = 1_000_000, *, corpus: Any = None, nodes: int = 0,
+                 insert_own: bool = True):
+        """``corpus``: drive this ``NgramCorpus`` (built for ``nodes`` draft tokens, loaded by the
+        caller, kept by :meth:`reset`) instead of one made per draft size (``bench index`` drives its
+        per-prompt corpora this way). ``insert_own``: insert each request's window as it grows, as the
+        worker does (False for a corpus that takes no request output, like the external-corpus SAM)."""
         self._cls = sglang_ngram_corpus_class()
         self.kw = dict(min_bfs_breadth=min_breadth, max_bfs_breadth=max_breadth, match_type=match_type,
                        capacity=capacity, max_trie_depth=depth, external_sam_budget=0,
                        external_corpus_max_tokens=0)
         self.depth = depth
         self.description = f"SGLang's NGRAM C++ corpus ({match_type}, depth {depth}), global, online"
-        self.corpus: Any = None
-        self.d = 0
+        self.bound = corpus is not None
+        self.corpus: Any = corpus
+        self.d = nodes if self.bound else 0
+        self.insert_own = insert_own
         self.visible = True
         self.ctx: dict[int, list[int]] = {}
         self.inserted: dict[int, int] = {}
 
     def _ensure(self, d: int) -> None:
+        if self.bound:
+            if d != self.d:
+                raise ValueError(f"this corpus drafts {self.d} nodes, not {d}")
+            return
         if self.corpus is None or self.d != d:
             self.corpus = self._cls(draft_token_num=d, **self.kw)
             self.d = d
 
     def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
-        if self.corpus is not None:
+        if self.corpus is not None and not self.bound:
             self.corpus.reset()
         self.visible = case_online_visible
         self.ctx.clear()
@@ -313,7 +324,7 @@ class SGLangNgram:
         self._ensure(num_nodes)
         ctx = self.ctx[rid]
         window = ctx[-self.depth:]
-        if self.inserted[rid] < len(ctx):
+        if self.insert_own and self.inserted[rid] < len(ctx):
             self.corpus.batch_put([window])
             self.inserted[rid] = len(ctx)
         self.corpus.synchronize()
