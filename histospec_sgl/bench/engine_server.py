@@ -179,25 +179,27 @@ class EngineServer:
 
     def _wait(self) -> bool:
         """True once the server answers, False if its port was taken; raises if it exits or does not
-        come up in time."""
+        come up in time (:func:`histospec_sgl.procs.wait_ready`)."""
         assert self.proc is not None
-        deadline = self._launched + self.startup_timeout
-        while time.monotonic() < deadline:
+        taken = False
+
+        def answers() -> bool:
+            nonlocal taken
+            taken = self._port_taken()
+            if taken:
+                return True
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:  # OSError: not yet
+                return bool(r.status == 200)
+
+        left = self._launched + self.startup_timeout - time.monotonic()
+        try:
+            procs.wait_ready(self.proc, answers, max(left, 0.0), what=f"the {self.method} server", log=self.log_tail)
+        except procs.ChildError as e:
+            self.stop()
             if self._port_taken():
                 return False
-            if self.proc.poll() is not None:
-                raise EngineError(f"the {self.method} server exited with {self.proc.returncode} while starting:\n"
-                                  f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
-                    if r.status == 200:
-                        return True
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise EngineError(f"the {self.method} server did not come up in {self.startup_timeout:.0f} s:\n"
-                          f"{self.log_tail()}")
+            raise EngineError(str(e)) from None
+        return not taken
 
     def log_tail(self, n: int = 4000) -> str:
         try:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -105,3 +106,58 @@ def test_free_port_and_wait_port_free():
         with pytest.raises(TimeoutError, match=str(port)):
             procs.wait_port_free(port, timeout=0.2)
     procs.wait_port_free(port, timeout=5)
+
+
+#: An engine stood in for the harness (``EngineServer``): run as ``<python> -m sglang.launch_server
+#: ... --port N``; FAKE_ENGINE "taken" logs a bind failure on its first launch and stays up (as
+#: SGLang's launcher does), "exit" fails at once, otherwise it answers /health_generate.
+FAKE_ENGINE = r'''
+import http.server, os, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+mode, marker = os.environ["FAKE_ENGINE"], os.environ["FAKE_ENGINE_MARKER"]
+if mode == "exit":
+    print("no model here", flush=True)
+    sys.exit(3)
+if mode == "taken" and not os.path.exists(marker):
+    open(marker, "w").close()
+    print("OSError: [Errno 98] error while attempting to bind: address already in use", flush=True)
+    time.sleep(600)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health_generate" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+@pytest.mark.parametrize("mode", ["up", "taken", "exit"])
+def test_engine_harness_waits_relaunches_on_a_taken_port_and_names_an_exit(tmp_path, mode):
+    """The engine harness waits through the process helper: a server that answers is ready; one whose
+    port was taken (it logs the bind failure and stays up) is stopped and launched on a new port; one
+    that exits raises with its log."""
+    from histospec_sgl.bench.engine_server import EngineError, EngineServer
+
+    (tmp_path / "engine.py").write_text(FAKE_ENGINE)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "engine.py"}" "$@"\n')
+    python.chmod(0o755)
+    env = {"FAKE_ENGINE": mode, "FAKE_ENGINE_MARKER": str(tmp_path / "launched")}
+    srv = EngineServer(tmp_path, "plain", python=str(python), device="cuda", env=env, startup_timeout=30,
+                       log_path=tmp_path / "server.log")
+    first_port = srv.port
+    if mode == "exit":
+        with pytest.raises(EngineError, match="the plain server exited with 3 while starting:\n.*no model here"):
+            srv.start()
+        assert srv.proc is None
+        return
+    with srv:
+        pid = srv.proc.pid
+        assert (srv.port != first_port) == (mode == "taken")
+        with urllib.request.urlopen(srv.url + "/health_generate", timeout=5) as r:
+            assert r.status == 200
+    assert _gone(pid)
