@@ -2,7 +2,7 @@
 through a real SGLang engine, with the target's choice at every position forced to the logged token.
 
 The step is drawn from the GRPO log as ``histospec-sgl simulate`` draws one
-(:func:`histospec_sgl.simulate.step.choose_groups`): ``groups`` prompts of one policy's run, 8
+(:func:`histospec_sgl.replay.scenarios.choose_groups`): ``groups`` prompts of one policy's run, 8
 logged samples each, and as each prompt's history the same prompt's responses from
 ``history_policies`` other policies at that step (what an earlier epoch of a closely related policy
 answered). Prompts (the logged prompt strings) and responses are tokenized with the model's own

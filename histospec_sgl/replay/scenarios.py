@@ -2,7 +2,8 @@
 
 Every scenario yields :class:`Case` objects: a set of responses decoded together (``replay`` are
 measured, ``siblings`` decode alongside them but are not measured) over a history of finished
-responses. Selection is seeded (``random.Random(seed)``), so the same command replays the same
+responses. :func:`choose_groups` draws a whole rollout step the same way (one policy's groups, other
+policies' responses as history), for ``histospec-sgl simulate`` and ``bench engine --trace``. Selection is seeded (``random.Random(seed)``), so the same command replays the same
 responses, and ``cold`` replays exactly the responses of the scenario it mirrors.
 """
 
@@ -39,12 +40,26 @@ class Selection:
     seed: int = 0
 
 
-def _buckets(rows: Sequence[Rollout], key: Callable[[Rollout], Any]) -> dict[Any, list[Rollout]]:
+def _buckets(rows: Sequence[Rollout], key: Callable[[Rollout], Any], *, in_log_order: bool = False
+             ) -> dict[Any, list[Rollout]]:
+    """``rows`` by ``key``; each bucket by (sample, source) unless ``in_log_order``."""
     out: dict[Any, list[Rollout]] = defaultdict(list)
     for r in rows:
         out[key(r)].append(r)
-    for v in out.values():
-        v.sort(key=lambda r: (r.sample, r.source))
+    if not in_log_order:
+        for v in out.values():
+            v.sort(key=lambda r: (r.sample, r.source))
+    return out
+
+
+def _answered(by_prompt_step: dict[Any, list[Rollout]], policies: int) -> dict[Any, list[Any]]:
+    """The (prompt, step) keys that ``policies`` or more policies answered, in key order, each with
+    its policies (sorted): the prompts whose step has other policies' responses as history."""
+    out = {}
+    for key, members in sorted(by_prompt_step.items(), key=lambda kv: repr(kv[0])):
+        pols = sorted({m.policy for m in members}, key=repr)
+        if len(pols) >= policies:
+            out[key] = pols
     return out
 
 
@@ -128,7 +143,7 @@ def cross_policy(rows: Sequence[Rollout], sel: Selection) -> list[Case]:
     """History: other policies' responses to the same prompt at the same step."""
     rng = random.Random(sel.seed)
     b = _buckets([r for r in rows if _step_ok(r, sel)], lambda r: (r.group, r.step))
-    eligible = [k for k, v in b.items() if len({r.policy for r in v}) >= 2]
+    eligible = list(_answered(b, 2))
     if not eligible:
         raise ReplayDataError(
             "no prompt was answered by two policies at one step: cross-policy needs a policy field (--policy-field)"
@@ -146,6 +161,83 @@ def cross_policy(rows: Sequence[Rollout], sel: Selection) -> list[Case]:
             hist = _choose(hist, sel.history_size, rng)
         cases += [Case(hist, [r], label=k[1]) for r in _choose(by_pol[target], sel.per_group, rng)]
     return cases
+
+
+# -- a rollout step drawn from a log (the simulator and trace mode) --------------------------------
+
+
+#: How a simulated step's groups are drawn from a log (``StepSpec.kind``).
+STEP_KINDS = ("one-policy", "mixed")
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """``one-policy``: the groups are ``groups`` consecutive logged steps of one policy (a run logs
+    a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
+    ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
+    share the step). ``siblings``: a group's samples draft from each other while they decode
+    (:func:`group_traces`), as HISTORY does; off, from the history alone."""
+
+    groups: int = 32
+    history_policies: int = 2
+    seed: int = 0
+    kind: str = "one-policy"
+    siblings: bool = True
+
+
+@dataclass
+class ChosenGroup:
+    """One group of a step drawn from a log: ``samples``, one policy's responses to a prompt at a
+    logged step (by sample index), and ``history``, the same prompt's responses from other policies
+    at that step."""
+
+    key: tuple[Any, Any]
+    policy: Any
+    samples: list[Any]
+    history: list[Any]
+
+
+def choose_groups(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
+    """The ``spec.groups`` groups of a step from a log with several policies (``Rollout`` rows):
+    each group is one policy's samples of one prompt at one logged step, its history the same
+    prompt's responses from ``spec.history_policies`` other policies at that step (the responses
+    an earlier epoch of a closely related policy gives). ``spec.kind`` says how the groups are
+    drawn (:class:`StepSpec`). The same ``spec`` draws the same groups, for the simulator and for
+    ``bench engine --trace``."""
+    if spec.kind not in STEP_KINDS:
+        raise ValueError(f"unknown step kind {spec.kind!r}; choose from {', '.join(STEP_KINDS)}")
+    by_key = _buckets(rows, lambda r: (r.group, r.step), in_log_order=True)
+    # The policies of each (prompt, step) that has enough other policies' responses at that step.
+    policies = _answered(by_key, 1 + spec.history_policies)
+    eligible = [(grp, step, pol) for (grp, step), pols in policies.items() for pol in pols]
+    rng = random.Random(spec.seed)
+    if spec.kind == "mixed":
+        if len(policies) < spec.groups:
+            raise ValueError(f"only {len(policies)} prompts have {spec.history_policies} other policies' "
+                             f"responses at their step; asked for {spec.groups} groups")
+        chosen = [(g, s, rng.choice(policies[(g, s)])) for g, s in rng.sample(list(policies), spec.groups)]
+    else:
+        by_policy: dict[Any, list[tuple[Any, Any, Any]]] = defaultdict(list)
+        for e in eligible:
+            by_policy[e[2]].append(e)
+        runs = sorted((p for p, es in by_policy.items() if len(es) >= spec.groups), key=repr)
+        if not runs:
+            raise ValueError(f"no policy has {spec.groups} prompts with {spec.history_policies} other policies' "
+                             "responses at their step; ask for fewer groups or --step-kind mixed")
+        run = rng.choice(runs)
+        entries = sorted(by_policy[run], key=lambda e: (e[1] if e[1] is not None else -1, repr(e[0])))
+        first = rng.randrange(len(entries) - spec.groups + 1)
+        chosen = entries[first:first + spec.groups]
+    out = []
+    for grp, step, target in chosen:
+        members = by_key[(grp, step)]
+        others = rng.sample(sorted({m.policy for m in members if m.policy != target}, key=repr),
+                            spec.history_policies)
+        out.append(ChosenGroup((grp, step), target, sorted((m for m in members if m.policy == target),
+                                                           key=lambda m: m.sample),
+                               [m for m in members if m.policy in others]))
+    return out
+
 
 
 BUILDERS = {

@@ -24,7 +24,6 @@ Every figure is a simulation on the named profile; an analytic profile is labell
 from __future__ import annotations
 
 import dataclasses
-import random
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Sequence
@@ -37,6 +36,7 @@ from histospec_sgl.engine.costmodel import EngineControl
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import accept_greedy
+from histospec_sgl.replay.scenarios import StepSpec, choose_groups
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
@@ -354,85 +354,6 @@ def aggregate(steps: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
 
 
 # -- a step from the rollout logs -------------------------------------------------------------------
-
-
-#: How a simulated step's groups are drawn from a log (``StepSpec.kind``).
-STEP_KINDS = ("one-policy", "mixed")
-
-
-@dataclass(frozen=True)
-class StepSpec:
-    """``one-policy``: the groups are ``groups`` consecutive logged steps of one policy (a run logs
-    a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
-    ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
-    share the step). ``siblings``: a group's samples draft from each other while they decode
-    (:func:`group_traces`), as HISTORY does; off, from the history alone."""
-
-    groups: int = 32
-    history_policies: int = 2
-    seed: int = 0
-    kind: str = "one-policy"
-    siblings: bool = True
-
-
-@dataclass
-class ChosenGroup:
-    """One group of a step drawn from a log: ``samples``, one policy's responses to a prompt at a
-    logged step (by sample index), and ``history``, the same prompt's responses from other policies
-    at that step."""
-
-    key: tuple[Any, Any]
-    policy: Any
-    samples: list[Any]
-    history: list[Any]
-
-
-def choose_groups(rows: Sequence[Any], spec: StepSpec) -> list[ChosenGroup]:
-    """The ``spec.groups`` groups of a step from a log with several policies (``Rollout`` rows):
-    each group is one policy's samples of one prompt at one logged step, its history the same
-    prompt's responses from ``spec.history_policies`` other policies at that step (the responses
-    an earlier epoch of a closely related policy gives). ``spec.kind`` says how the groups are
-    drawn (:class:`StepSpec`). The same ``spec`` draws the same groups, for the simulator and for
-    ``bench engine --trace``."""
-    if spec.kind not in STEP_KINDS:
-        raise ValueError(f"unknown step kind {spec.kind!r}; choose from {', '.join(STEP_KINDS)}")
-    by_key: dict[Any, list[Any]] = defaultdict(list)
-    for r in rows:
-        by_key[(r.group, r.step)].append(r)
-    # The policies of each (prompt, step) that has enough other policies' responses at that step.
-    policies: dict[Any, list[Any]] = {}
-    for key, members in sorted(by_key.items(), key=lambda kv: repr(kv[0])):
-        pols = sorted({m.policy for m in members}, key=repr)
-        if len(pols) >= 1 + spec.history_policies:
-            policies[key] = pols
-    eligible = [(grp, step, pol) for (grp, step), pols in policies.items() for pol in pols]
-    rng = random.Random(spec.seed)
-    if spec.kind == "mixed":
-        if len(policies) < spec.groups:
-            raise ValueError(f"only {len(policies)} prompts have {spec.history_policies} other policies' "
-                             f"responses at their step; asked for {spec.groups} groups")
-        chosen = [(g, s, rng.choice(policies[(g, s)])) for g, s in rng.sample(list(policies), spec.groups)]
-    else:
-        by_policy: dict[Any, list[tuple[Any, Any, Any]]] = defaultdict(list)
-        for e in eligible:
-            by_policy[e[2]].append(e)
-        runs = sorted((p for p, es in by_policy.items() if len(es) >= spec.groups), key=repr)
-        if not runs:
-            raise ValueError(f"no policy has {spec.groups} prompts with {spec.history_policies} other policies' "
-                             "responses at their step; ask for fewer groups or --step-kind mixed")
-        run = rng.choice(runs)
-        entries = sorted(by_policy[run], key=lambda e: (e[1] if e[1] is not None else -1, repr(e[0])))
-        first = rng.randrange(len(entries) - spec.groups + 1)
-        chosen = entries[first:first + spec.groups]
-    out = []
-    for grp, step, target in chosen:
-        members = by_key[(grp, step)]
-        others = rng.sample(sorted({m.policy for m in members if m.policy != target}, key=repr),
-                            spec.history_policies)
-        out.append(ChosenGroup((grp, step), target, sorted((m for m in members if m.policy == target),
-                                                           key=lambda m: m.sample),
-                               [m for m in members if m.policy in others]))
-    return out
 
 
 def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,

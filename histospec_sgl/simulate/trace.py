@@ -1,6 +1,6 @@
 """A logged RL step as trace mode decodes it (``histospec-sgl bench engine --trace``) and as
 ``simulate --check`` re-runs it: the step drawn from the log as the simulator draws one
-(:func:`histospec_sgl.simulate.step.choose_groups`), tokenized with the model's own tokenizer, and
+(:func:`histospec_sgl.replay.scenarios.choose_groups`), tokenized with the model's own tokenizer, and
 which of its requests a row of a given batch size runs. The engine side (forcing the logged tokens)
 is :mod:`histospec_sgl.bench.engine_trace`.
 """
@@ -52,7 +52,7 @@ def eos_of(model_dir: Path) -> int:
 def workload(spec: TraceSpec, model_dir: Path, data_root: Path | None) -> list[TraceGroup]:
     """The step's groups, tokenized with ``model_dir``'s ``tokenizer.json``."""
     from histospec_sgl.replay.data import ReplayDataError, Tokenization, preset_rows
-    from histospec_sgl.simulate.step import StepSpec, choose_groups
+    from histospec_sgl.replay.scenarios import StepSpec, choose_groups
 
     if spec.preset not in TRACE_PRESETS:
         raise ReplayDataError(f"--trace {spec.preset!r}: trace mode decodes {', '.join(TRACE_PRESETS)}")

@@ -16,12 +16,12 @@ from histospec_sgl.engine.costmodel import CostModel, EngineControl
 from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout, default_data_root
+from histospec_sgl.replay.scenarios import StepSpec
 from histospec_sgl.simulate.profile import H100_8B, Measured, resolve
 from histospec_sgl.simulate.step import (
     GROUP_ORACLE,
     ORACLE,
     SimRequest,
-    StepSpec,
     aggregate,
     build_step,
     draft_traces,
