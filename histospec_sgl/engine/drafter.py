@@ -20,7 +20,6 @@ and asks its step policy (:mod:`histospec_sgl.engine.policy`) whether each step 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gzip
 import json
@@ -36,6 +35,7 @@ from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.engine.draft import tree_parents_batch
+from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
@@ -86,7 +86,6 @@ class _Live:
     offered: int = 0  # draft nodes offered so far
     steps: int = 0  # verify steps it took part in
     group: int | None = None  # the group it was started in (None: its prompt's key)
-    shadow: ShadowDraft | None = None  # an unverified draft being measured (the cost model)
     klass: str | None = None  # its request class at its last draft (greedy, sampled)
 
 
@@ -120,11 +119,10 @@ class BatchDrafter:
         self.drafting = True
         #: The verify width of the last :meth:`draft` (1: plain decoding; d: the widest).
         self.width = draft_tokens
-        # Each drafted-for step not yet verified: its width (1: plain), and per request class what its
-        # drafts promised and which requests it held (overlap scheduling verifies a step after the
-        # next one is drafted).
-        self._drafted_steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
-            collections.deque(maxlen=4)
+        #: What the policy learns from: the promises of each step's drafts, the verified steps'
+        #: acceptance (overlap scheduling verifies a step after the next one is drafted) and the
+        #: shadow drafts of plain steps, by request (its index id).
+        self.feedback = Feedback(self.policy, draft_tokens)
         self._live: dict[str, _Live] = {}
         self._next_iid = 1
         self._tokens = np.zeros(0, dtype=np.int64)
@@ -210,7 +208,7 @@ class BatchDrafter:
                 live.known = 0
                 live.last = int(prompt_ids[-1])
                 live.drafted = 0
-                live.shadow = None
+                self.feedback.finished(live.iid, complete=False)
             if n > live.known:
                 k = live.known
                 new = list(response[k:]) + list(pending) if k < head else list(pending[k - head:])
@@ -226,10 +224,7 @@ class BatchDrafter:
     def _advanced(self, live: _Live, n: int, last: int, new: Sequence[int]) -> None:
         """The index now holds ``n`` response tokens of ``live``, the last one ``last`` (``new``: the
         tokens added, which a shadow draft follows)."""
-        if live.shadow is not None and live.shadow.advance(new):
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass,
-                                width=live.shadow.width)
-            live.shadow = None
+        self.feedback.advanced(live.iid, new)
         if live.steps:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
             acc = max(min(n - live.known - 1, live.drafted), 0)
@@ -252,10 +247,7 @@ class BatchDrafter:
             new = response[live.known:]
             self.index.extend_request(live.iid, new)
             self._advanced(live, len(response), response[-1], new)
-        if live.shadow is not None and response is not None:
-            # Verifying it would have accepted up to the response's end, as the walk did.
-            self.policy.observe(live.shadow.promised, live.shadow.accepted, 1, shadow=True, klass=live.klass,
-                                width=live.shadow.width)
+        self.feedback.finished(live.iid, complete=response is not None)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
         self.totals["finished"] += 1
         self.totals["kept"] += int(keep)
@@ -324,17 +316,8 @@ class BatchDrafter:
             p = probs.reshape(bs, d)[:, 1:].astype(np.float64)
             order = np.argsort(-p, axis=1, kind="stable")
             cum = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)  # cum[:, w-2]: width w's promise
-            calibrate = getattr(self.policy, "calibration", None)
-            promised: dict[int, float] = {}
-            for cand in self.policy.widths:
-                if not 1 < cand <= d:
-                    continue
-                if calibrate is not None and classes is not None:
-                    cal = {k: calibrate(k, cand) for k in set(klasses)}
-                    factor = np.array([cal[k] for k in klasses])
-                    promised[cand] = float((factor * cum[:, cand - 2]).sum())
-                else:
-                    promised[cand] = float(cum[:, cand - 2].sum())
+            promised = self.feedback.promises({w: cum[:, w - 2] for w in self.policy.widths if 1 < w <= d},
+                                              klasses if classes is not None else None)
             chosen = self.policy.choose(promised, bs)
             width = chosen if forced is None else forced
             if width > 1:
@@ -351,10 +334,7 @@ class BatchDrafter:
         self.drafting = drafting
         self.width = width
         self.width_steps[width] = self.width_steps.get(width, 0) + 1
-        by_class: dict[str, float] = {}
-        for k, v in zip(klasses, per_request.tolist()):
-            by_class[k or ""] = by_class.get(k or "", 0.0) + v
-        self._drafted_steps.append((width, by_class, klasses))
+        self.feedback.drafted(width, per_request.tolist(), klasses)
         if not drafting:
             # A plain step: each request's root alone.
             roots = np.fromiter((lv.last for lv in lives), dtype=np.int64, count=bs)
@@ -396,34 +376,20 @@ class BatchDrafter:
         parents = None
         p = probs.reshape(bs, d)
         for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
-            if lv.shadow is not None or not c:
+            if not c or self.feedback.shadowing(lv.iid):
                 continue
             if parents is None:
                 parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
             n = min(c, width - 1)
             row = slice(b * width, b * width + n + 1)
             promised = float(np.sort(p[b, 1:])[::-1][:n].sum())
-            lv.shadow = ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised, width=width)
+            self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised,
+                                                     width=width), lv.klass)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's
         ``on_verify_complete_cpu``); feeds the step policy."""
-        acc = list(accepted)
-        # Only drafted steps measure acceptance (a step verified without drafts accepts nothing).
-        width, promised, klasses = (self._drafted_steps.popleft() if self._drafted_steps
-                                    else (self.d, {"": 0.0}, [None] * len(acc)))
-        if width <= 1:
-            return
-        if len(klasses) != len(acc):  # not the step drafted for: count it as one class
-            klasses = [None for _ in acc]
-            promised = {"": sum(promised.values())}
-        by_class: dict[str, list[float]] = {}
-        for k, a in zip(klasses, acc):
-            e = by_class.setdefault(k or "", [0.0, 0.0])
-            e[0] += 1
-            e[1] += a
-        for k, (n, got) in by_class.items():
-            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None, width=width)
+        self.feedback.verified(accepted)
 
     def take_window(self) -> dict[str, float]:
         """Counters since the last call (for the periodic log line), then resets them."""

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import EngineControl
+from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import accept_greedy
@@ -173,13 +174,12 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         return {i: by_group[reqs[i].group] for i in queue}
 
     # A policy that times steps itself (the engine's, :class:`EngineControl`) is fed the simulated
-    # clock as the engine's worker feeds it the real one, and calibrates promises per request class
-    # (every logged sample is a sampled request) and width, as the engine's drafter does.
+    # clock as the engine's worker feeds it the real one, and learns from the engine's own feedback
+    # (:class:`Feedback`: promises calibrated per request class and width, every logged sample a
+    # sampled request; verified steps; shadow drafts of plain steps, known here from the log).
     timed = policy if isinstance(policy, EngineControl) else None
     klass = "sampled" if timed else None
-
-    def calibrate(width: int) -> float:
-        return timed.calibration(klass, width) if timed else 1.0
+    feedback = Feedback(policy, max(policy.widths, default=1))
 
     running: list[list[int]] = []  # [request index, tokens generated]
     t, steps = 0.0, 0
@@ -199,8 +199,10 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         bs = len(running)
         context = sum(reqs[i].prompt_len + pos for i, pos in running) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
-        promised = ({w: calibrate(w) * float(sum(reqs[i].promised[w][pos] for i, pos in decoding))
-                     for w in policy.widths if w > 1} if policy.reads_promises else {})
+        klasses = [klass] * len(decoding)
+        promised = (feedback.promises({w: np.array([reqs[i].promised[w][pos] for i, pos in decoding], np.float64)
+                                       for w in policy.widths if w > 1}, klasses if timed else None)
+                    if policy.reads_promises else {})
         if timed:
             # The engine's policy times its own steps: the step before this one ends now, and this
             # one's decode forward starts after the prompts joining it are prefilled.
@@ -214,8 +216,19 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         steps += 1
         t += cost
         used[w] = used.get(w, 0) + 1
+        if decoding:
+            feedback.drafted(w, [float(reqs[i].promised[w][pos]) if w > 1 else 0.0 for i, pos in decoding],
+                             klasses)
+            shadow = policy.shadow_width() if w == 1 else 1
+            if shadow > 1:
+                # A plain step: its drafts at the width the policy names are followed as shadow drafts,
+                # one per request at a time, their outcome known from the logged tokens.
+                for i, pos in decoding:
+                    p = float(reqs[i].promised[shadow][pos])
+                    if p > 0 and not feedback.shadowing(i):
+                        feedback.shadow(i, KnownShadow(p, int(reqs[i].accepted[shadow][pos]), shadow), klass)
         emitted = 0
-        got = promised_now = 0.0
+        accepted = []
         for entry in running:
             i, pos = entry
             r = reqs[i]
@@ -223,24 +236,17 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             if pos > 0 and w > 1:
                 acc = int(r.accepted[w][pos])
                 adv += acc
-                got += acc
-                promised_now += float(r.promised[w][pos])
+                accepted.append(acc)
             adv = min(adv, r.length - pos)
             entry[1] += adv
             emitted += adv
-        shadow = policy.shadow_width() if w == 1 and decoding else 1
-        if shadow > 1:
-            # A plain step: the drafts it did not verify (at the width the policy names) are
-            # measured as shadow drafts would be, against the logged tokens.
-            promised_now = float(sum(reqs[i].promised[shadow][pos] for i, pos in decoding))
-            got = float(sum(int(reqs[i].accepted[shadow][pos]) for i, pos in decoding))
-        # A policy that reads promises learns from the steps that promised something.
-        if (shadow > 1 or w > 1) and decoding and (promised_now or not policy.reads_promises):
-            policy.observe(promised_now, got, len(decoding), shadow=shadow > 1, klass=klass,
-                           width=shadow if shadow > 1 else w)
+            feedback.advanced(i, range(adv))
+        if decoding:
+            feedback.verified(accepted if w > 1 else [0] * len(decoding))
         timeline.append((t, bs, w, emitted / bs))
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
+            feedback.finished(entry[0])
             finish.append(t)
             finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
     if timed:

@@ -509,6 +509,78 @@ def test_shadow_draft_measures_what_verifying_would_have_accepted():
     assert s.advance([3]) and s.accepted == 0
 
 
+class _Recorder:
+    """A step policy that records what it is fed."""
+
+    widths = (4,)
+    reads_promises = True
+
+    def __init__(self) -> None:
+        self.seen: list[tuple] = []
+
+    def calibration(self, klass=None, width=None) -> float:
+        return {"greedy": 2.0, "sampled": 0.5}.get(klass, 1.0)
+
+    def observe(self, promised, accepted, requests=0, *, shadow=False, klass=None, width=None) -> None:
+        self.seen.append((promised, accepted, shadow, klass, width))
+
+
+def test_feedback_prices_by_class_observes_verified_steps_and_follows_one_shadow_a_request():
+    from histospec_sgl.engine.feedback import Feedback, KnownShadow
+
+    rec = _Recorder()
+    fb = Feedback(rec, 4)
+    # Each request's promise times its class's calibration at the width.
+    assert fb.promises({4: np.array([1.0, 1.0, 2.0])}, ["greedy", "sampled", None]) == {4: 2.0 + 0.5 + 2.0}
+    assert fb.promises({4: np.array([1.0, 1.0])}, None) == {4: 2.0}  # no classes: the sum as it is
+    # A verified step is observed by class, after the next one was drafted; a plain one measures nothing.
+    fb.drafted(4, [0.5, 1.0], ["greedy", "sampled"])
+    fb.drafted(1, [0.0, 0.0], ["greedy", "sampled"])
+    fb.verified([1, 0])
+    fb.verified([0, 0])
+    assert rec.seen == [(0.5, 1, False, "greedy", 4), (1.0, 0, False, "sampled", 4)]
+    rec.seen.clear()
+    # One shadow per request at a time, observed when its walk ends (2 accepted: the third token misses).
+    fb.shadow("a", KnownShadow(2.0, 2, 4), "sampled")
+    assert fb.shadowing("a") and not fb.shadowing("b")
+    fb.advanced("a", [7, 8])
+    assert rec.seen == []
+    fb.advanced("a", [9])
+    assert rec.seen == [(2.0, 2, True, "sampled", 4)] and not fb.shadowing("a")
+    # A request that ends on its draft counts as far as it got; one dropped (rewound) counts nothing.
+    fb.shadow("b", KnownShadow(1.0, 5, 4), None)
+    fb.advanced("b", [1, 2])
+    fb.finished("b")
+    fb.shadow("c", KnownShadow(1.0, 5, 4), None)
+    fb.finished("c", complete=False)
+    assert rec.seen[1:] == [(1.0, 2, True, None, 4)]
+
+
+def test_simulator_follows_plain_steps_drafts_as_the_engine_does():
+    """Where verifying never pays, the simulated engine decodes plainly and follows its drafts as
+    shadow drafts one at a time, each until its walk ends: 3 accepted, so one observation per 4
+    tokens, not one per plain step."""
+    prof = Measured("slow-verify", "test", {1: [(1, 1.0)], 4: [(1, 100.0)]})
+    n = 200
+    r = SimRequest("g", n, prompt_len=3, accepted={4: np.full(n, 3, np.int32)},
+                   promised={4: np.full(n, 2.0, np.float32)})
+    ec = EngineControl(4, widths=(4,))
+    seen: list[tuple[float, float]] = []
+    observe = ec.observe
+
+    def spy(promised, accepted, requests=0, *, shadow=False, klass=None, width=None):
+        if shadow:
+            seen.append((promised, accepted))
+        observe(promised, accepted, requests, shadow=shadow, klass=klass, width=width)
+
+    ec.observe = spy  # type: ignore[method-assign]
+    out = run_step([r], prof, max_running=1, length_first=False, policy=ec)
+    plain = out.widths[1]
+    assert plain > 150
+    assert abs(len(seen) - plain / 4) <= 2, (len(seen), plain)
+    assert all(s == (2.0, 3) for s in seen[:-1])
+
+
 def test_calibration_forgets_and_the_engine_never_probes():
     cm = CostModel(FLAT, [4], forget_after=100.0)
     cm.observe(promised=80.0, accepted=80.0)
