@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: in tests/helpers, on the path through pyproject's ``pythonpath``.
 DRIVERS = ROOT / "tests" / "drivers"
 HELPERS = ROOT / "tests" / "helpers"
+
+
+def driver_path(*extra: str | os.PathLike[str]) -> str:
+    """``PYTHONPATH`` for a driver in another interpreter: the checkout, the tests' helpers (the
+    drivers import them by name, as the tests do) and the drivers, then ``extra``."""
+    return os.pathsep.join(str(p) for p in (ROOT, HELPERS, DRIVERS, *extra))
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
 #: SGLang 0.5.23 unpacked beside 0.5.17 by scripts/setup_sglang_env.sh, laid over it on PYTHONPATH.
 SGLANG_0523 = ROOT / ".venv-sglang" / "sglang-0.5.23"

@@ -27,7 +27,7 @@ import pytest
 from _engine_checks import FIXED, greedy_passes, same_distribution, sample, server
 from _scopes import other_scopes
 
-from conftest import ROOT, build_model
+from conftest import DRIVERS, ROOT, build_model
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, running, verify_steps
 
 D = 8
@@ -221,7 +221,7 @@ def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = 
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     base.update({**FIXED, **(extra_env or {})})
-    r = subprocess.run([str(py), str(ROOT / "tests" / "cpu_engine_api.py"), json.dumps(spec)], capture_output=True,
+    r = subprocess.run([str(py), str(DRIVERS / "cpu_engine_api.py"), json.dumps(spec)], capture_output=True,
                        text=True, timeout=900, env=cpu_engine_env(str(py), base=base), cwd=str(tmp_path))
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     assert lines, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"

@@ -257,8 +257,8 @@ def _cpu_verify(py: Path, model: Path, *argv: str) -> tuple[list[str], dict]:
     """The command line and keywords that run tests/drivers/sglang_cpu_verify.py in the SGLang environment."""
     env = sglang_env(PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT / "bench" / "cpu_engine" / "stubs"),
                       SGLANG_USE_CPU_ENGINE="1")
-    return [str(py), str(ROOT / "tests" / "sglang_cpu_verify.py"), str(model), *argv], dict(
-        cwd=str(ROOT / "tests"), env=env)
+    return [str(py), str(DRIVERS / "sglang_cpu_verify.py"), str(model), *argv], dict(
+        cwd=str(DRIVERS), env=env)
 
 
 def test_sglang_0_5_15_registers_resolves_and_drafts(sglang_py, tiny_model, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DRIVERS, ROOT, require_modules
+from conftest import DRIVERS, ROOT, driver_path, require_modules
 
 pytestmark = pytest.mark.timeout(600)
 DRIVER = DRIVERS / "openrlhf_driver.py"
@@ -33,7 +33,7 @@ def openrlhf_py(sglang_py) -> Path:
 def test_specrl_executor_three_episodes_and_a_dead_draft_server(openrlhf_py, text_engine, tmp_path):
     srv = text_engine["server"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT))
+    env.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=driver_path())
     out_path = tmp_path / "out.json"
     r = subprocess.run([str(openrlhf_py), str(DRIVER), str(text_engine["model"]), srv.url, str(tmp_path / "draft"),
                         str(out_path)], capture_output=True, text=True, timeout=540, env=env, cwd=ROOT)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DRIVERS, ROOT, require_modules
+from conftest import DRIVERS, ROOT, driver_path, require_modules
 from histospec_sgl.procs import free_port
 
 SCRIPT = DRIVERS / "ray_cluster_script.py"
@@ -34,7 +34,7 @@ def _env(model: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     # A loopback test cluster: no token auth (Ray 2.60 turns it on by default), no usage reporting.
     env.update(RAY_USAGE_STATS_ENABLED="0", RAY_DISABLE_DOCKER_CPU_WARNING="1", RAY_AUTH_MODE="disabled",
-               PYTHONPATH=str(ROOT), HISTOSPEC_TEST_MODEL=str(model))
+               PYTHONPATH=driver_path(), HISTOSPEC_TEST_MODEL=str(model))
     return env
 
 

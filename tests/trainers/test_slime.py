@@ -32,7 +32,7 @@ import pytest
 from _engine_checks import FIXED
 from _greedy import check_phases, run_in_group
 
-from conftest import DRIVERS, HELPERS, ROOT, require_modules, sglang_missing, shared_path
+from conftest import DRIVERS, ROOT, driver_path, require_modules, sglang_missing, shared_path
 from histospec_sgl import group_key, procs
 from histospec_sgl.bench.engine_server import verify_steps
 from histospec_sgl.procs import free_port
@@ -112,7 +112,7 @@ def _run(sglang_py: Path, stack: dict, mode: str, prompts: list[str], *, router:
     data.write_text("".join(json.dumps({"prompt": p, "label": "x"}) + "\n" for p in prompts))
     out = tmp / f"out-{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(stack["slime"]), str(DRIVER.parent)])
+    env["PYTHONPATH"] = driver_path(stack["slime"])
     # HISTORY mode syncs with the engine's draft server; SPEC-RL's store is the driver's own (a data dir).
     if draft is None:
         draft = stack["draft_server"].address if mode == "history" else str(tmp / "specrl-draft")
@@ -259,7 +259,7 @@ def test_slime_engine_code_starts_history_and_keeps_it_through_weight_updates(sg
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
     env.update(FIXED)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent), str(HELPERS)])
+    env["PYTHONPATH"] = driver_path(slime_src)
     out = tmp_path / "out.json"
     run_in_group([str(sglang_py), str(DRIVER.with_name("slime_engine_driver.py")), str(greedy_model), str(out)],
                  cpu_engine_env(str(sglang_py), base=env), tmp_path, 600)
@@ -329,7 +329,7 @@ def test_specrl_hands_what_it_cannot_score_to_the_inner_generate(sglang_py, slim
     generate untouched, although the slot has a previous response: the scoring pass would not give
     the sampling distribution's log-probs (the rule every trainer adapter shares)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(slime_src), str(DRIVER.parent)])
+    env["PYTHONPATH"] = driver_path(slime_src)
     r = subprocess.run([str(sglang_py), "-c", GUARD, str(text_model)], capture_output=True, text=True, timeout=300,
                        env=env, cwd=DRIVER.parent)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-5000:]

@@ -26,7 +26,7 @@ import pytest
 from _engine_checks import FIXED
 from _greedy import check_phases, run_in_group
 
-from conftest import DRIVERS, ROOT, require_modules
+from conftest import DRIVERS, ROOT, driver_path, require_modules
 
 pytestmark = pytest.mark.timeout(600)
 DRIVER = DRIVERS / "verl_driver.py"
@@ -39,7 +39,7 @@ def verl_py(sglang_py) -> Path:
 
 def _driver(py: Path, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HISTOSPEC_", "VERL_"))}
-    base.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), **(env or {}))
+    base.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=driver_path(), **(env or {}))
     out = Path(args[-1])
     r = subprocess.run([str(py), str(DRIVER), *args], capture_output=True, text=True, timeout=540, env=base, cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-8000:]
@@ -64,7 +64,7 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_a
     from histospec_sgl.bench.engine_server import cpu_engine_env
 
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HISTOSPEC_", "VERL_"))}
-    base.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=os.pathsep.join([str(ROOT), str(DRIVER.parent)]),
+    base.update(RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=driver_path(),
                 **FIXED)
     out = tmp_path / "out.json"
     run_in_group([str(verl_py), str(DRIVER), "launch", str(text_model), str(out)],
