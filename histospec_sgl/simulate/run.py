@@ -140,7 +140,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         # of its requests are still running (the interpolation to the running batch would count the
         # tail's smaller batches twice: the measurement already averages over them).
         row_profile = AtBatch(profile, batch)
-        base_s, base_steps, tokens = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
+        base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
         if method == "history_cost":
             # The engine's policy lives as long as the server: the row's runs one after the other
             # (the first explores and calibrates, the later ones use what it learned), their median
@@ -148,17 +148,21 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             from histospec_sgl.engine.costmodel import EngineControl
 
             control = EngineControl(d)
-            runs = sorted(_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)[:2]
-                          for _ in range(max(1, int(settings.get("repeats", 1)))))
-            s, steps = runs[len(runs) // 2]
+            runs = sorted((s, steps, used) for s, steps, _, used in
+                          (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)
+                           for _ in range(max(1, int(settings.get("repeats", 1))))))
+            s, steps, used = runs[len(runs) // 2]
         else:
-            s, steps, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None)
+            s, steps, _, used = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None)
         out.append({"method": method, "batch_size": batch, "temperature": temp,
                     "predicted_speedup": round(base_s / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
                     "measured_tokens_per_step": row.get("tokens_per_step"),
                     "predicted_passes": steps, "measured_passes": round(1000 * row["wall_s"] / row["step_ms"]),
-                    "predicted_plain_passes": base_steps})
+                    "predicted_plain_passes": base_steps,
+                    # Steps per verify width, simulated and as the engine ran them (all of its runs).
+                    "predicted_width_steps": {str(w): n for w, n in sorted(used.items())},
+                    "measured_width_steps": row.get("width_steps", {})})
     for c in out:
         p, m = c["predicted_speedup"], c["measured_speedup"]
         c["error"] = round(p / m - 1, 3) if p and m else None
@@ -190,15 +194,16 @@ class AtBatch:
 
 
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
-               width: int | None, control: Any) -> tuple[float, int, int]:
+               width: int | None, control: Any) -> tuple[float, int, int, dict[int, int]]:
     """Simulated seconds of a trace row under one policy (a fixed ``width``, the engine's default
     policy ``control`` at widths up to ``d``, or plain decoding): its requests in batches of
     ``batch`` one after the other, each group's samples of earlier batches in the row added to its
     history, as the engine keeps them (``control`` keeps its clock and calibration over the row's
-    batches, as the server does)."""
+    batches, as the server does). Returns its seconds, steps, tokens and steps per width."""
     from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens = 0.0, 0, 0
+    used: dict[int, int] = {}
     done: dict[int, list[list[int]]] = {}
     widths = list(control.widths) if control is not None else [d]
     for k in range(0, len(reqs), batch):
@@ -213,7 +218,9 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)
-    return seconds, steps, tokens
+        for w, n in o.widths.items():
+            used[w] = used.get(w, 0) + n
+    return seconds, steps, tokens, used
 
 
 def print_check(result: dict[str, Any]) -> None:

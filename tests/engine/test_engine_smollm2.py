@@ -105,6 +105,9 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     for c in check:
         assert c["measured_speedup"] == rows[("history", c["batch_size"], c["temperature"])]["vs_plain"]
         assert c["predicted_speedup"] > 0
+        # Steps per verify width, simulated and measured: HISTORY at a fixed width verifies at d.
+        assert c["predicted_width_steps"] == {str(D): c["predicted_passes"]}
+        assert set(c["measured_width_steps"]) == {str(D)}
 
 
 def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
