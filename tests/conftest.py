@@ -181,16 +181,17 @@ def text_model() -> Path:
 
 @pytest.fixture(scope="session")
 def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One SGLang server on CPU decoding with HISTORY under the default step policy (what a user's
-    engine runs: each step's width chosen by the costs it times), with the text model's tokenizer,
-    synced with a draft server; shared by the trainer tests."""
+    """One SGLang server on CPU decoding with HISTORY, with the text model's tokenizer, synced with a
+    draft server; shared by the trainer tests."""
     from histospec_sgl.bench.engine_server import EngineServer
     from histospec_sgl.sync.process import DraftServerProcess
 
     tmp = tmp_path_factory.mktemp("text-engine")
     ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
+    from _engine_checks import FIXED
+
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
-                       env={"HISTOSPEC_DRAFT_SERVER": ds.address}, log_path=tmp / "sglang.log")
+                       env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED}, log_path=tmp / "sglang.log")
     # It stays up for the rest of this worker's run: every later test's memory budget counts it.
     standing = _GATE.standing(TEXT_ENGINE_GB) if _GATE is not None else contextlib.nullcontext()
     try:

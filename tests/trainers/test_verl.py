@@ -116,8 +116,7 @@ def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
         assert r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0
         assert r["generated"] == len(r["response_ids"]) > 0
     # HISTORY's acceptance reaches verl's own metrics: every request carries the three fields, and
-    # the repeated greedy validation drafts the first one's responses whole, under the engine's
-    # default step policy (greedy requests calibrated apart from the sampled epochs before them).
+    # the repeated greedy validation drafts the first one's responses whole.
     assert all(r["spec"] is not None for rows in out["epochs"] for r in rows)
     assert [r["response_ids"] for r in again] == [r["response_ids"] for r in validation]
     m = out["spec_metrics"]
