@@ -259,8 +259,11 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
     worker.enable_overlap = overlap
     if worker.drafter is not None and worker.drafter.control is not None:
         # Every width measured up front (the engine measures d and plain decoding, and the others
-        # once chosen), so that each width's verify runs here whatever the costs say.
+        # once chosen), so that each width's verify runs here whatever the costs say; no timing left
+        # out as an outlier, so that which steps count as measured does not depend on the machine's
+        # load (a dropped timing would stretch the exploration past the short-lived batch sizes).
         worker.drafter.control.explore = (*worker.drafter.control.widths, 1)
+        worker.drafter.control.clock.outlier = float("inf")
     import sglang
 
     out: dict = {"epochs": [], "sglang": sglang.__version__}
