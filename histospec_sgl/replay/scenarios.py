@@ -3,8 +3,9 @@
 Every scenario yields :class:`Case` objects: a set of responses decoded together (``replay`` are
 measured, ``siblings`` decode alongside them but are not measured) over a history of finished
 responses. :func:`choose_groups` draws a whole rollout step the same way (one policy's groups, other
-policies' responses as history), for ``histospec-sgl simulate`` and ``bench engine --trace``. Selection is seeded (``random.Random(seed)``), so the same command replays the same
-responses, and ``cold`` replays exactly the responses of the scenario it mirrors.
+policies' responses as history), for ``histospec-sgl simulate`` and ``bench engine --trace``.
+Selection is seeded (``random.Random(seed)``), so the same command replays the same responses, and
+``cold`` replays exactly the responses of the scenario it mirrors.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class StepSpec:
     a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
     ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
     share the step). ``siblings``: a group's samples draft from each other while they decode
-    (:func:`group_traces`), as HISTORY does; off, from the history alone."""
+    (:func:`histospec_sgl.simulate.step.group_traces`), as HISTORY does; off, from the history alone."""
 
     groups: int = 32
     history_policies: int = 2
@@ -237,7 +238,6 @@ def choose_groups(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
                                                            key=lambda m: m.sample),
                                [m for m in members if m.policy in others]))
     return out
-
 
 
 BUILDERS = {

@@ -148,9 +148,10 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             from histospec_sgl.engine.costmodel import EngineControl
 
             control = EngineControl(d)
-            runs = sorted((s, steps, used) for s, steps, _, used in
-                          (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)
-                           for _ in range(max(1, int(settings.get("repeats", 1))))))
+            runs = sorted(((s, steps, used) for s, steps, _, used in
+                           (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)
+                            for _ in range(max(1, int(settings.get("repeats", 1)))))),
+                          key=lambda run: run[:2])  # by time and steps (the width counts do not order)
             s, steps, used = runs[len(runs) // 2]
         else:
             s, steps, _, used = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None)
