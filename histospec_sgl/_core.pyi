@@ -211,14 +211,6 @@ class HistoryIndex:
 
     def load(self, path: str | PathLike[str]) -> None:
         """Replaces the history with a snapshot file. Raises SnapshotError."""
-    def replay(
-        self, rid: int, truth: _Tokens, num_nodes: int = 16, chain: bool = False, every_position: bool = False
-    ) -> dict[str, Any]:
-        """Simulates speculative decoding of ``truth`` as ``rid``'s continuation (see the README).
-
-        Returns ``{"accepted", "drafted", "emitted": uint32[steps], "draft_ns": int, "update_ns": int}``;
-        ``emitted`` is accepted + 1 except on a final step that accepts the whole rest.
-        """
 
 
 @final

@@ -237,40 +237,21 @@ def unkept_wave(w: Workload, index_kwargs: dict[str, Any], groups: int = 32, ste
     return out
 
 
-def acceptance(ix: HistoryIndex, w: Workload, prompts: int, per_prompt: int = 2) -> dict[str, float]:
-    """Greedy chain acceptance at every position (k=16) and simulated SD tokens per step (d=16)."""
-    acc_sum = 0
-    positions = 0
-    steps = 0
-    toks = 0
-    nonempty = 0
-    draft_ns = 0
-    rid = 20_000_000
-    for p in range(min(prompts, len(w.prompts))):
-        for j in range(per_prompt):
-            truth = w.epoch2(p, j)
-            ix.begin_request(rid, p, w.prompts[p])
-            r = ix.replay(rid, truth, K + 1, chain=True, every_position=True)
-            ix.finish_request(rid, keep=False)
-            acc_sum += int(r["accepted"].sum())
-            positions += len(r["accepted"])
-            rid += 1
-            ix.begin_request(rid, p, w.prompts[p])
-            r = ix.replay(rid, truth, D)
-            ix.finish_request(rid, keep=False)
-            steps += len(r["accepted"])
-            toks += int(r["emitted"].sum())
-            nonempty += int((r["drafted"] > 0).sum())
-            draft_ns += int(r["draft_ns"])
-            rid += 1
-    return {
-        "accepted_per_position_k16": acc_sum / positions,
-        "tokens_per_verify_step_d16": toks / steps,
-        "draft_coverage_d16": nonempty / steps,
-        "replay_draft_us_per_call": draft_ns / steps / 1e3,
-        "positions": positions,
-        "verify_steps": steps,
-    }
+def acceptance(w: Workload, prompts: int) -> dict[str, float]:
+    """Ours through the replay's loop as the peers are (:func:`~histospec_sgl.bench.index_peers.replay_acceptance`):
+    the replay's adapter (:class:`~histospec_sgl.replay.methods.Ours`, the SGLang worker's
+    ``BatchDrafter``) holding the prompt's epoch-1 responses; chains from the index's own chain draft."""
+    from histospec_sgl.bench.index_peers import replay_acceptance
+    from histospec_sgl.replay.methods import Ours
+
+    def method(p: int, kind: str) -> Ours:
+        m = Ours(chain=kind == "chain")
+        m.reset(True, K + 1 if kind == "chain" else D)
+        for r in w.epoch1[p]:
+            m.add_history(w.prompts[p].tolist(), r.tolist())
+        return m
+
+    return replay_acceptance(w, prompts, method)
 
 
 def peers_status() -> dict[str, dict[str, Any]]:
@@ -359,7 +340,7 @@ def run(
             res.update(unkept_wave(w, kw))
         if progress:
             progress(f"{name}: acceptance replay, {acc_prompts} prompts x 2 epoch-2 responses")
-        res.update(acceptance(ix, w, acc_prompts))
+        res.update(acceptance(w, acc_prompts))
         result["workloads"][name] = res
         del ix
         first_sam = True

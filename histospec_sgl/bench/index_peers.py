@@ -26,7 +26,7 @@ import numpy as np
 
 from histospec_sgl.bench.workload import Workload
 from histospec_sgl.engine.draft import tree_parents
-from histospec_sgl.replay.measure import accept_greedy
+from histospec_sgl.replay.measure import Clocks, Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Method, SGLangNgram, sglang_ngram_corpus_class
 
 DEPTH = 18
@@ -52,7 +52,7 @@ def _longest_path(tokens: Any, parents: Any) -> list[int]:
     return path
 
 
-def _matching(chain: Any, truth: np.ndarray, pos: int) -> int:
+def _matching(chain: Any, truth: Any, pos: int) -> int:
     """How many leading tokens of ``chain`` equal ``truth[pos:]``."""
     acc = 0
     for t in chain:
@@ -62,41 +62,47 @@ def _matching(chain: Any, truth: np.ndarray, pos: int) -> int:
     return acc
 
 
+def _chain_accept(draft: tuple, truth: Any, pos: int) -> int:
+    """How many leading tokens of the draft's longest path (at most ``K``) equal ``truth[pos:]``."""
+    return _matching(_longest_path(draft[0], draft[1])[:K], truth, pos)
+
+
 def replay_acceptance(w: Workload, prompts: int, method: Callable[[int, str], Method],
                       chain_nodes: int = K + 1, tree_nodes: int = D) -> dict[str, float]:
-    """``accepted_per_position_k16`` and ``tokens_per_verify_step_d16`` of a peer on 2 epoch-2
-    responses of each of the first ``prompts`` prompts, as ``index_bench.acceptance`` measures ours.
-    ``method(p, kind)``: the peer's replay adapter (:class:`~histospec_sgl.replay.methods.Method`,
-    the one the replay drives) holding prompt ``p``'s history, for one response; ``kind`` "chain"
-    (its ``chain_nodes``-node draft's longest path is read at every position) or "tree" (a
-    ``tree_nodes``-node tree per verify step, accepted greedily)."""
-    acc_sum = positions = steps = toks = 0
+    """Acceptance of ours or a peer on 2 epoch-2 responses of each of the first ``prompts`` prompts,
+    through the replay's loop (:func:`~histospec_sgl.replay.measure.replay`), each response alone
+    and from its first decoded token (the prefill's token is known, as in the engine).
+    ``method(p, kind)``: the replay adapter (:class:`~histospec_sgl.replay.methods.Method`) holding
+    prompt ``p``'s history, for one response; ``kind`` "chain" (its ``chain_nodes``-node draft's
+    longest path, at most k = 16 tokens, is read at every position: ``accepted_per_position_k16``)
+    or "tree" (a ``tree_nodes``-node tree per verify step, accepted greedily and advanced by
+    accepted + 1: ``tokens_per_verify_step_d16``, ``draft_coverage_d16`` and the drafting time per
+    call, ``replay_draft_us_per_call``)."""
+    acc_sum = positions = steps = toks = nonempty = 0
+    clocks: list[Clocks] = []
     for p in range(min(prompts, len(w.prompts))):
         prompt = w.prompts[p].tolist()
         for j in range(2):
-            truth = w.epoch2(p, j)
+            truth = w.epoch2(p, j).tolist()
             rid = 2 * p + j
             m = method(p, "chain")
-            m.begin(rid, prompt)
-            for i in range(len(truth)):
-                acc_sum += _matching(_longest_path(*m.draft(rid, chain_nodes))[:K], truth, i)
-                positions += 1
-                m.extend(rid, truth[i : i + 1].tolist())
-            m.finish(rid)
+            for batch in replay(m, [Track(rid, prompt, truth)], chain_nodes, every_position=True,
+                                accept=_chain_accept):
+                acc_sum += sum(s.accepted for s in batch)
+                positions += len(batch)
             m = method(p, "tree")
-            m.begin(rid, prompt)
-            i = 0
-            while i < len(truth):
-                t, par = m.draft(rid, tree_nodes)
-                adv = min(accept_greedy(np.asarray(t), np.asarray(par), truth, i) + 1, len(truth) - i)
-                m.extend(rid, truth[i : i + adv].tolist())
-                toks += adv
-                steps += 1
-                i += adv
-            m.finish(rid)
+            clocks.append(Clocks(m))
+            for batch in replay(m, [Track(rid, prompt, truth)], tree_nodes, clocks=clocks[-1]):
+                steps += len(batch)
+                toks += sum(s.emit for s in batch)
+                nonempty += sum(len(s.draft[0]) > 1 for s in batch)
     return {
         "accepted_per_position_k16": acc_sum / positions,
         "tokens_per_verify_step_d16": toks / steps,
+        "draft_coverage_d16": nonempty / steps,
+        "replay_draft_us_per_call": sum(c.draft_ns for c in clocks) / steps / 1e3,
+        "positions": positions,
+        "verify_steps": steps,
     }
 
 

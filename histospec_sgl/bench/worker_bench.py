@@ -5,8 +5,10 @@ then drafts the whole batch (:class:`~histospec_sgl.engine.drafter.BatchDrafter`
 SGLang worker runs). This benchmark replays that loop without a GPU, on W1 (RL-shaped synthetic,
 2000-token responses): ``--groups`` prompts hold their 16 epoch-1 responses as history, and
 ``bs / groups`` epoch-2 responses of each prompt decode together, as siblings of a GRPO group do.
-Each step drafts, accepts greedily along the tree against the logged continuation (exact match) and
-advances by accepted + 1, like the replay.
+The steps run through the replay's loop (:func:`~histospec_sgl.replay.measure.replay`) on its
+adapter of the worker's drafter (:class:`~histospec_sgl.replay.methods.Ours`): each step drafts,
+accepts greedily along the tree against the logged continuation (exact match) and advances by
+accepted + 1.
 
 SGLang's overlap scheduler hands the worker a request's context in two parts: ``output_ids``, one step
 behind, and the tokens accepted last step. Two ways of syncing are timed on the same steps, each on
@@ -32,63 +34,48 @@ import numpy as np
 
 from histospec_sgl.bench.workload import W1, generate
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.draft import tree_parents
 from histospec_sgl.engine.drafter import BatchDrafter
-from histospec_sgl.replay.measure import accept_greedy
+from histospec_sgl.replay.measure import Track, replay
+from histospec_sgl.replay.methods import Ours
 
 
-def _sync_one_by_one(dr: BatchDrafter, rids: list[str], prompts: list[list[int]], outputs: list[list[int]],
-                     pending: list[list[int]], reqs: list[tuple[int, int]]) -> float:
+def _sync_one_by_one(dr: BatchDrafter, tracks: list[Track]) -> float:
     """The earlier worker loop: one call per request, with its whole context copied into one list."""
     t0 = time.perf_counter()
-    for i in range(len(reqs)):
-        dr.sync(rids[i], prompts[i], list(outputs[i]) + pending[i], reqs[i][0])
+    for tr in tracks:
+        dr.sync(str(tr.rid), tr.prompt, list(tr.truth[: tr.pos]))
     return time.perf_counter() - t0
 
 
 def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int, threads: int) -> dict[str, float]:
     per = max(1, bs // groups)
     reqs = [(g, j) for g in range(groups) for j in range(per)][:bs]
-    drafters = []
-    for _ in range(2):
-        dr = BatchDrafter(d, HistoryConfig(threads=threads, control="fixed"))
-        for g in range(groups):
-            for resp in w.epoch1[g]:
-                dr.index.add_response(g, w.prompts[g], resp)
-        drafters.append(dr)
-    fast, slow = drafters
-    rids = [f"g{g}-{j}" for g, j in reqs]
-    prompts = [w.prompts[g].tolist() for g, _ in reqs]
-    truths = [w.epoch2(g, j).tolist() for g, j in reqs]
-    # After prefill: `warm` tokens are in output_ids, the last prefill token is pending.
-    outputs = [t[:warm] for t in truths]
-    pending = [[t[warm]] for t in truths]
+    # The worker's drafter, driven by the replay's loop (the overlap scheduler's two-part context,
+    # timed per step), and the earlier way's drafter, holding the same history.
+    fast = Ours(threads=threads)
+    fast.reset(True, d)
+    slow = BatchDrafter(d, HistoryConfig(threads=threads, control="fixed"))
+    for g in range(groups):
+        for resp in w.epoch1[g]:
+            fast.add_history(w.prompts[g].tolist(), resp.tolist())
+            slow.add_finished(w.prompts[g].tolist(), resp.tolist())
+    # Each request joins `warm` response tokens in, the last of them not yet seen by the drafter.
+    tracks = [Track(i, w.prompts[g].tolist(), w.epoch2(g, j).tolist(), start=warm + 1)
+              for i, (g, j) in enumerate(reqs)]
+    loop = replay(fast, tracks, d)
     t_sync, t_slow, t_draft, advanced = [], [], [], []
     for step in range(steps):
         # The two ways alternate which goes first, so neither always finds the caches warmer.
         if step % 2:
-            t_slow.append(_sync_one_by_one(slow, rids, prompts, outputs, pending, reqs))
-        t0 = time.perf_counter()
-        fast.sync_batch([(rids[i], prompts[i], outputs[i], pending[i], reqs[i][0]) for i in range(len(reqs))])
-        t1 = time.perf_counter()
-        tokens, mask = fast.draft(rids)
-        t2 = time.perf_counter()
+            t_slow.append(_sync_one_by_one(slow, tracks))
+        batch = next(loop, None)
+        if batch is None:
+            break
         if not step % 2:
-            t_slow.append(_sync_one_by_one(slow, rids, prompts, outputs, pending, reqs))
-        t_sync.append(t1 - t0)
-        t_draft.append(t2 - t1)
-        adv = 0
-        for i, truth in enumerate(truths):
-            outputs[i] = outputs[i] + pending[i]  # result processing catches up, one step late
-            pos = len(outputs[i])
-            if pos >= len(truth):
-                pending[i] = []
-                continue
-            t = tokens[i * d:(i + 1) * d]
-            acc = accept_greedy(t, tree_parents(mask[i * d * d:(i + 1) * d * d], d), truth, pos)
-            pending[i] = truth[pos:pos + acc + 1]
-            adv += len(pending[i])
-        advanced.append(adv / len(reqs))
+            t_slow.append(_sync_one_by_one(slow, tracks))
+        t_sync.append(fast.last_sync_s)
+        t_draft.append(fast.last_draft_s)
+        advanced.append(sum(s.emit for s in batch) / len(tracks))
     ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
     return {
         "sync_ms_per_step": ms(t_sync),
@@ -96,10 +83,10 @@ def _run_batch(w: Any, bs: int, groups: int, d: int, warm: int, steps: int, thre
         "host_ms_per_step": ms(np.add(t_sync, t_draft)),
         "sync_one_by_one_ms_per_step": ms(t_slow),
         "tokens_per_request_step": float(np.mean(advanced)),
-        "response_tokens_at_end": float(np.mean([len(o) for o in outputs])),
+        "response_tokens_at_end": float(np.mean([tr.pos for tr in tracks])),
         "requests": len(reqs),
         "groups": groups,
-        "steps": steps,
+        "steps": len(t_sync),
     }
 
 

@@ -295,13 +295,7 @@ class BatchDrafter:
         verify path runs only d, e.g. SGLang's grammar batches)."""
         bs, d = len(rids), self.d
         t0 = time.perf_counter()
-        if self._tokens.size < bs * d:
-            cap = max(bs, 8) * 2
-            self._tokens = np.zeros(cap * d, dtype=np.int64)
-            self._mask = np.zeros(cap * d * d, dtype=np.int64)
-            self._counts = np.zeros(cap, dtype=np.int64)
-            self._probs = np.zeros(cap * d, dtype=np.float32)
-        tokens, mask, counts = self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
+        tokens, mask, counts = self._buffers(bs)
         lives = [self._live[r] for r in rids]
         klasses: list[str | None] = list(classes) if classes is not None else [None] * bs
         for lv, k in zip(lives, klasses):
@@ -364,6 +358,30 @@ class BatchDrafter:
         tot["offered"] += int(counts.sum())
         tot["draft_seconds"] += dt
         return tokens, mask
+
+    def _buffers(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The draft buffers for ``bs`` requests (tokens, mask, counts; :attr:`_probs` beside them),
+        grown when the batch outgrows them."""
+        d = self.d
+        if self._tokens.size < bs * d:
+            cap = max(bs, 8) * 2
+            self._tokens = np.zeros(cap * d, dtype=np.int64)
+            self._mask = np.zeros(cap * d * d, dtype=np.int64)
+            self._counts = np.zeros(cap, dtype=np.int64)
+            self._probs = np.zeros(cap * d, dtype=np.float32)
+        return self._tokens[: bs * d], self._mask[: bs * d * d], self._counts[:bs]
+
+    def draft_nodes(self, rids: Sequence[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every request's d-node draft with its nodes' path probabilities, the drafts the step policy
+        reads before it chooses a width, without choosing one or counting a step (the offline
+        simulator narrows them to each width itself). Returns ``(tokens [bs*d], mask [bs*d*d],
+        probs [bs*d], counts [bs])``, views into buffers the next call reuses."""
+        bs, d = len(rids), self.d
+        tokens, mask, counts = self._buffers(bs)
+        probs = self._probs[: bs * d]
+        iids = np.fromiter((self._live[r].iid for r in rids), dtype=np.int64, count=bs)
+        self.index.draft_batch(iids, d, tokens, mask, probs, counts)
+        return tokens, mask, probs, counts
 
     def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, probs: np.ndarray,
                 counts: np.ndarray, order: np.ndarray, width: int) -> None:

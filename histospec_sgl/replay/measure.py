@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,98 +82,161 @@ class Tally:
         }
 
 
+@dataclass
+class Track:
+    """A logged response replayed as one request: ``truth`` its tokens, of which it starts with
+    ``start`` known (1: the prefill's token, which no verify step checks). ``measured``: counted by
+    the caller (a case's siblings decode but are not); ``label``: the caller's tag. The loop keeps
+    ``pos`` (tokens known so far), ``steps`` and ``emitted`` (its verify steps and their tokens)."""
+
+    rid: int
+    prompt: Sequence[int]
+    truth: Sequence[int]
+    measured: bool = True
+    label: Any = None
+    start: int = 1
+    pos: int = 0
+    steps: int = 0
+    emitted: int = 0
+
+
+@dataclass
+class Step:
+    """One request's verify step: its draft (the method's tuple, ``(tokens, parents, ...)``), the
+    draft tokens accepted and the tokens the step emits (accepted + 1, or what is left)."""
+
+    track: Track
+    draft: tuple
+    accepted: int
+    emit: int
+
+
+@dataclass
+class Clocks:
+    """Where a replay's time goes, counted for measured requests only: ``draft_ns`` drafting and
+    ``update_ns`` bringing the index up to the emitted tokens. A method that counts its index's own
+    time (``index_ns()``: ours) is read from that, others by wall time around each call."""
+
+    method: Any
+    draft_ns: int = 0
+    update_ns: int = 0
+
+    def __post_init__(self) -> None:
+        index_ns = getattr(self.method, "index_ns", None)
+        self.own = index_ns is not None
+        self.draft = (lambda: index_ns()[0]) if index_ns else time.perf_counter_ns
+        self.update = (lambda: index_ns()[1]) if index_ns else time.perf_counter_ns
+
+
+def replay(method: Method, tracks: Sequence[Track], num_nodes: int, *, every_position: bool = False,
+           accept: Callable[[tuple, Sequence[int], int], int] | None = None,
+           clocks: Clocks | None = None) -> Iterator[list[Step]]:
+    """The replay loop, written once: ``tracks`` decode together as one batch, a verify step at a
+    time. Each step every live request drafts ``num_nodes`` nodes (one ``draft_batch`` call where the
+    method has it, as the worker drafts a decode batch), the draft is accepted along the logged
+    continuation (``accept(draft, truth, pos)``; default the tree walk, :func:`accept_greedy`), the
+    step is yielded to the caller, and each request advances by its step's tokens (one token with
+    ``every_position``, so acceptance is read at every position), which the method is told; a
+    request whose response is complete finishes. Methods that are bounds, not drafters, are shown
+    the logged response first (``reveal``)."""
+    if num_nodes < 2:
+        raise ValueError("a draft needs at least 2 nodes (the root and one draft token)")
+    walk_ = accept or (lambda d, truth, pos: accept_greedy(d[0], d[1], truth, pos))
+    clk = clocks if clocks is not None else Clocks(method)
+    reveal = getattr(method, "reveal", None)
+    batch = getattr(method, "draft_batch", None)
+    live: list[Track] = []
+    for tr in tracks:
+        method.begin(tr.rid, tr.prompt)  # type: ignore[arg-type]
+        if reveal is not None:
+            reveal(tr.rid, tr.truth)
+        tr.pos = min(tr.start, len(tr.truth))
+        if tr.pos:
+            method.extend(tr.rid, list(tr.truth[: tr.pos]))  # type: ignore[arg-type]
+        if tr.pos >= len(tr.truth):
+            method.finish(tr.rid)
+        else:
+            live.append(tr)
+    while live:
+        if batch is not None:
+            # One call for the whole batch (which also brings the index up to the last step's
+            # tokens, as the worker does); its time is shared out over the measured requests.
+            share = sum(tr.measured for tr in live) / len(live)
+            t0, u0 = clk.draft(), clk.update()
+            drafts = batch([tr.rid for tr in live], num_nodes)
+            clk.draft_ns += int((clk.draft() - t0) * share)
+            clk.update_ns += int((clk.update() - u0) * share)
+        else:
+            drafts = []
+            for tr in live:
+                t0 = clk.draft()
+                drafts.append(method.draft(tr.rid, num_nodes))
+                if tr.measured:
+                    clk.draft_ns += clk.draft() - t0
+        steps = []
+        for tr, d in zip(live, drafts):
+            acc = walk_(d, tr.truth, tr.pos)
+            steps.append(Step(tr, d, acc, min(acc + 1, len(tr.truth) - tr.pos)))
+        yield steps
+        for s in steps:
+            tr = s.track
+            adv = 1 if every_position else s.emit
+            t0 = clk.update()
+            method.extend(tr.rid, list(tr.truth[tr.pos : tr.pos + adv]))  # type: ignore[arg-type]
+            if tr.measured:
+                clk.update_ns += clk.update() - t0
+            tr.pos += adv
+            tr.steps += 1
+            tr.emitted += s.emit
+        for tr in [tr for tr in live if tr.pos >= len(tr.truth)]:
+            live.remove(tr)
+            u0 = clk.update()
+            method.finish(tr.rid)
+            if tr.measured and clk.own:
+                clk.update_ns += clk.update() - u0  # its last tokens reach the index here
+
+
 def run_method(
     method: Method,
     cases: Sequence[Case],
     num_nodes: int,
     on_case: Callable[[], None] | None = None,
 ) -> Tally:
-    """Replays every case with ``method``; only the cases' ``replay`` responses are measured."""
+    """Replays every case with ``method`` (:func:`replay`); only the cases' ``replay`` responses are
+    measured."""
     if num_nodes < 2:
         raise ValueError("a draft needs at least 2 nodes (the root and one draft token)")
     tally = Tally(num_nodes)
     rid_base = 0
-    clock = time.perf_counter_ns
-    reveal = getattr(method, "reveal", None)  # bounds (not drafters) are told the logged response
-    batch = getattr(method, "draft_batch", None)  # a decode batch's drafts in one call (ours)
-    # Time inside the index alone where the method counts it (ours), else wall time around the call.
-    index_ns = getattr(method, "index_ns", None)
-    draft_clock = (lambda: index_ns()[0]) if index_ns else clock
-    update_clock = (lambda: index_ns()[1]) if index_ns else clock
     for case in cases:
         method.reset(case.online_visible, num_nodes)
         for h in case.history:
             method.add_history(h.prompt_ids, h.response_ids)  # type: ignore[arg-type]
-        reqs = [(r, True) for r in case.replay] + [(r, False) for r in case.siblings]
-        # rid -> [truth, pos, measured, steps, emitted]
-        state: dict[int, list] = {}
-        for i, (row, measured) in enumerate(reqs):
-            rid = rid_base + i
-            truth = row.response_ids or []
-            method.begin(rid, row.prompt_ids)  # type: ignore[arg-type]
-            if reveal is not None:
-                reveal(rid, truth)
-            if not truth:
-                method.finish(rid)
-                continue
-            method.extend(rid, truth[:1])  # the prefill's token
-            if len(truth) == 1:
-                method.finish(rid)
-                if measured:
-                    tally.responses += 1
-                continue
-            state[rid] = [truth, 1, measured, 0, 0, row.step]
-        rid_base += len(reqs)
-        while state:
-            drafts = {}
-            if batch is not None:
-                # One call for the step's whole batch (which also brings the index up to the last
-                # step's tokens, as the worker does); the index's time is shared out over its requests.
-                rids = list(state)
-                share = sum(st[2] for st in state.values()) / len(rids)
-                t0, u0 = draft_clock(), update_clock()
-                drafts = dict(zip(rids, batch(rids, num_nodes)))
-                tally.draft_ns += int((draft_clock() - t0) * share)
-                tally.update_ns += int((update_clock() - u0) * share)
-            else:
-                for rid, st in state.items():
-                    t0 = draft_clock()
-                    drafts[rid] = method.draft(rid, num_nodes)
-                    if st[2]:
-                        tally.draft_ns += draft_clock() - t0
-            done = []
-            for rid, st in state.items():
-                truth, pos, measured = st[0], st[1], st[2]
-                toks, parents = drafts[rid]
-                acc = accept_greedy(toks, parents, truth, pos)
-                emit = min(acc + 1, len(truth) - pos)
-                t0 = update_clock()
-                method.extend(rid, truth[pos : pos + emit])
-                if measured:
-                    tally.update_ns += update_clock() - t0
+        rows = [(r, True) for r in case.replay] + [(r, False) for r in case.siblings]
+        tracks = [Track(rid_base + i, row.prompt_ids, row.response_ids or [], measured, row.step)  # type: ignore[arg-type]
+                  for i, (row, measured) in enumerate(rows)]
+        rid_base += len(rows)
+        clocks = Clocks(method)
+        for steps in replay(method, tracks, num_nodes, clocks=clocks):
+            for s in steps:
+                if s.track.measured:
                     tally.steps += 1
-                    tally.emitted += emit
-                    tally.accepted += acc
-                    tally.covered += len(toks) > 1
-                    tally.hist[min(acc, num_nodes - 1)] += 1
-                    st[3] += 1
-                    st[4] += emit
-                st[1] = pos + emit
-                if st[1] >= len(truth):
-                    done.append(rid)
-            for rid in done:
-                st = state.pop(rid)
-                u0 = update_clock()
-                method.finish(rid)
-                if st[2] and index_ns:
-                    tally.update_ns += update_clock() - u0  # its last tokens reach the index here
-                if st[2]:
-                    tally.responses += 1
-                    tally.per_response.append(st[4] / max(st[3], 1))
-                    if st[5] is not None:
-                        lab = tally.by_label.setdefault(st[5], [0, 0])
-                        lab[0] += st[4]
-                        lab[1] += st[3]
+                    tally.emitted += s.emit
+                    tally.accepted += s.accepted
+                    tally.covered += len(s.draft[0]) > 1
+                    tally.hist[min(s.accepted, num_nodes - 1)] += 1
+        tally.draft_ns += clocks.draft_ns
+        tally.update_ns += clocks.update_ns
+        for tr in tracks:
+            if not tr.measured or not tr.truth:
+                continue
+            tally.responses += 1
+            if tr.steps:
+                tally.per_response.append(tr.emitted / tr.steps)
+                if tr.label is not None:
+                    lab = tally.by_label.setdefault(tr.label, [0, 0])
+                    lab[0] += tr.emitted
+                    lab[1] += tr.steps
         if on_case:
             on_case()
     return tally

@@ -27,7 +27,7 @@ class Method(Protocol):
     def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None: ...
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None: ...
     def begin(self, rid: int, prompt: Sequence[int]) -> None: ...
-    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]: ...
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], ...]: ...
     def extend(self, rid: int, tokens: Sequence[int]) -> None: ...
     def finish(self, rid: int) -> None: ...
 
@@ -84,20 +84,29 @@ class Ours:
 
     name = "ours"
 
-    def __init__(self, chain: bool = False, draft_config: dict[str, Any] | None = None, finish: str = "keep"):
+    def __init__(self, chain: bool = False, draft_config: dict[str, Any] | None = None, finish: str = "keep",
+                 probs: bool = False, threads: int = 0):
         if finish not in FINISH_MODES:
             raise ValueError(f"finish must be one of {', '.join(FINISH_MODES)}, got {finish!r}")
         self.chain = chain
         self.draft_config = dict(draft_config or {})
         self.finish_mode = finish
+        #: Drafts come with their nodes' path probabilities, ``(tokens, parents, probs)``, at the full
+        #: width (``BatchDrafter.draft_nodes``: what the step policy reads), for the simulator.
+        self.probs = probs
+        self.threads = threads  # the index's threads (0: HISTOSPEC_THREADS' default)
+        #: Wall seconds of the last batch's sync (``sync_batch``) and draft (``BatchDrafter.draft``).
+        self.last_sync_s = 0.0
+        self.last_draft_s = 0.0
         self.description = "histospec-sgl HistoryIndex, per-prompt GSAM, " + ("chain" if chain else "tree")
         if finish != "keep":
             self.description += f", finish={finish}"
         self.drafter: BatchDrafter | None = None
         self.timed: _TimedIndex | None = None  # the drafter's index, timed
-        # Each request's prompt and the tokens it emitted so far (what SGLang hands the worker), and
-        # the requests with tokens the drafter has not seen yet.
-        self.texts: dict[int, tuple[list[int], list[int]]] = {}
+        # Each request's prompt, the tokens it emitted that the drafter has seen and those it has not
+        # (SGLang's overlap scheduler hands the worker ``output_ids``, a step behind, and the tokens
+        # accepted last step), and the requests with tokens the drafter has not seen yet.
+        self.texts: dict[int, tuple[list[int], list[int], list[int]]] = {}
         self.pending: set[int] = set()
 
     @property
@@ -107,7 +116,7 @@ class Ours:
 
     def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
         knobs = tuple(self.draft_config.items()) or None
-        self.drafter = BatchDrafter(num_nodes, HistoryConfig(draft_knobs=knobs, control="fixed"))
+        self.drafter = BatchDrafter(num_nodes, HistoryConfig(draft_knobs=knobs, control="fixed", threads=self.threads))
         self.timed = _TimedIndex(self.drafter.index)
         self.drafter.index = self.timed  # type: ignore[assignment]
         self.texts.clear()
@@ -124,11 +133,12 @@ class Ours:
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
         assert self.drafter is not None
-        self.texts[rid] = (list(prompt), [])
+        self.texts[rid] = (list(prompt), [], [])
         self.drafter.sync(str(rid), prompt, [])
 
-    def draft_batch(self, rids: Sequence[int], num_nodes: int) -> list[tuple[Sequence[int], Sequence[int]]]:
-        """One decode step's drafts for every request in ``rids``, as the worker draws them."""
+    def draft_batch(self, rids: Sequence[int], num_nodes: int) -> list[tuple[Sequence[int], ...]]:
+        """One decode step's drafts for every request in ``rids``, as the worker draws them:
+        ``(tokens, parents)``, or with ``probs`` ``(tokens, parents, probs)`` at the full width."""
         assert self.drafter is not None
         if num_nodes != self.drafter.d:
             raise ValueError(f"this case was reset for {self.drafter.d}-node drafts, not {num_nodes}")
@@ -136,16 +146,23 @@ class Ours:
             return [self.draft(rid, num_nodes) for rid in rids]
         self._sync()
         keys = [str(r) for r in rids]
-        tokens, mask = self.drafter.draft(keys)
         d = num_nodes
+        if self.probs:
+            tokens, mask, probs, counts = self.drafter.draft_nodes(keys)
+            parents = tree_parents_batch(mask[: len(keys) * d * d], d)
+            return [(tokens[b * d:b * d + 1 + c].tolist(), parents[b, :1 + c].tolist(),
+                     probs[b * d:b * d + 1 + c].tolist()) for b, c in enumerate(counts.tolist())]
+        t0 = time.perf_counter()
+        tokens, mask = self.drafter.draft(keys)
+        self.last_draft_s = time.perf_counter() - t0
         parents = tree_parents_batch(mask, d)
-        out = []
+        out: list[tuple[Sequence[int], ...]] = []
         for b, key in enumerate(keys):
             n = 1 + self.drafter.drafted(key)
             out.append((tokens[b * d:b * d + n].tolist(), parents[b, :n].tolist()))
         return out
 
-    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], ...]:
         assert self.drafter is not None
         if not self.chain:
             return self.draft_batch([rid], num_nodes)[0]
@@ -156,18 +173,27 @@ class Ours:
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
         # The worker learns a step's tokens at its next draft, for the whole batch at once.
-        self.texts[rid][1].extend(tokens)
+        self.texts[rid][2].extend(tokens)
         self.pending.add(rid)
 
     def _sync(self) -> None:
         assert self.drafter is not None
         if self.pending:
-            self.drafter.sync_batch((str(r), *self.texts[r], (), None) for r in sorted(self.pending))
+            rids = sorted(self.pending)
+            batch = [(str(r), *self.texts[r], None) for r in rids]
+            t0 = time.perf_counter()
+            self.drafter.sync_batch(batch)
+            self.last_sync_s = time.perf_counter() - t0
+            for r in rids:
+                _, seen, new = self.texts[r]
+                seen.extend(new)
+                new.clear()
             self.pending.clear()
 
     def finish(self, rid: int) -> None:
         assert self.drafter is not None
-        prompt, response = self.texts.pop(rid)
+        prompt, seen, new = self.texts.pop(rid)
+        response = seen + new
         self.pending.discard(rid)
         keep = self.finish_mode == "keep"
         self.drafter.finish(str(rid), response, keep=keep)

@@ -36,7 +36,8 @@ from histospec_sgl.engine.costmodel import EngineControl
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
-from histospec_sgl.replay.measure import accept_greedy
+from histospec_sgl.replay.measure import Track, accept_greedy, replay
+from histospec_sgl.replay.methods import Ours
 from histospec_sgl.replay.scenarios import StepSpec, choose_groups
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
@@ -76,49 +77,39 @@ def draft_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
 def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], responses: Sequence[Sequence[int]],
                  widths: Sequence[int], siblings: bool = True) -> list[Traces]:
     """:func:`draft_traces` for a group's samples decoding together, as the engine runs them: the
-    samples start at once and advance in lockstep, one logged token a step, and with ``siblings``
-    each drafts from the others' tokens so far (and a sample that finished is history of the group,
-    as the engine keeps it); without, each sees the history alone."""
-    from histospec_sgl import HistoryIndex
-
+    samples start at once and advance in lockstep, one logged token a step, through the replay's
+    loop (:func:`~histospec_sgl.replay.measure.replay`) on the engine's drafter
+    (:class:`~histospec_sgl.replay.methods.Ours` with each draft's path probabilities). With
+    ``siblings`` each drafts from the others' tokens so far (and a sample that finished is history
+    of the group, as the engine keeps it); without, each sees the history alone. A width-w draft is
+    the full draft's w - 1 most probable nodes (the engine's narrowing), accepted greedily."""
     top = max(widths)
     out: list[Traces] = [({w: np.zeros(len(r), np.int32) for w in widths},
                           {w: np.zeros(len(r), np.float32) for w in widths}) for r in responses]
 
-    def with_history() -> HistoryIndex:
-        ix = HistoryIndex()
+    def with_history() -> Ours:
+        m = Ours(probs=True)
+        m.reset(True, top)
         for h in history:
-            ix.add_response(0, list(prompt), list(h), 0)
-        return ix
+            m.add_history(list(prompt), list(h))
+        return m
 
-    # One index for the group, or one per sample holding the history only.
-    ixs = [with_history()] * len(responses) if siblings else [with_history() for _ in responses]
-    live = [k for k, r in enumerate(responses) if r]
-    for k in live:
-        ixs[k].begin_request(k + 1, 0, list(prompt))
-        ixs[k].extend_request(k + 1, [responses[k][0]])
-    p = 1
-    while live:
-        for k in live:
-            resp, (accepted, promised) = responses[k], out[k]
-            if p >= len(resp):
-                continue
-            toks, parents, probs = ixs[k].draft(k + 1, top)
-            # Nodes by probability (parents first among equals: a parent's index is smaller).
-            order = sorted(range(1, len(toks)), key=lambda i: (-probs[i], i))
-            for w in widths:
-                keep = set(order[: w - 1])
-                promised[w][p] = sum(probs[i] for i in keep)
-                # The nodes left out carry no token (-1), so the walk never enters them.
-                masked = [t if i in keep else -1 for i, t in enumerate(toks)]
-                accepted[w][p] = accept_greedy(masked, parents, resp, p)
-        for k in list(live):
-            if p < len(responses[k]):
-                ixs[k].extend_request(k + 1, [responses[k][p]])
-            if p + 1 >= len(responses[k]):
-                ixs[k].finish_request(k + 1, keep=siblings)
-                live.remove(k)
-        p += 1
+    tracks = [Track(k, list(prompt), list(r)) for k, r in enumerate(responses)]
+    # One drafter for the group, or one per sample holding the history only.
+    runs = [(with_history(), tracks)] if siblings else [(with_history(), [t]) for t in tracks]
+    for method, group in runs:
+        for steps in replay(method, group, top, every_position=True):
+            for s in steps:
+                accepted, promised = out[s.track.rid]
+                p, (toks, parents, probs) = s.track.pos, s.draft
+                # Nodes by probability (parents first among equals: a parent's index is smaller).
+                order = sorted(range(1, len(toks)), key=lambda i: (-probs[i], i))
+                for w in widths:
+                    keep = set(order[: w - 1])
+                    promised[w][p] = sum(probs[i] for i in keep)
+                    # The nodes left out carry no token (-1), so the walk never enters them.
+                    masked = [t if i in keep else -1 for i, t in enumerate(toks)]
+                    accepted[w][p] = accept_greedy(masked, parents, s.track.truth, p)
     return out
 
 

@@ -14,6 +14,5 @@ from histospec_sgl.bench.workload import W1, generate
 w = generate(W1, prompts=4)
 peer_cls = {"sam": lambda: SGLangSAM("PROB"), "trie": SGLangTriePeer}[sys.argv[1]]
 peer = peer_cls().run(w, index_bench._rss, steps=3, acc_prompts=2, latency_requests=4)
-ix, _, _ = index_bench.ingest(w, {})
-ours = index_bench.acceptance(ix, w, 2)
+ours = index_bench.acceptance(w, 2)
 print(json.dumps({"peer": peer, "ours": ours}))

@@ -127,8 +127,7 @@ for per_prompt in (True, False):
     index_bench._release()
     peer = ArcticPeer(per_prompt)
     out[peer.name] = peer.run(w, index_bench._rss, steps=3, acc_prompts=2, latency_requests=4)
-ix, _, _ = index_bench.ingest(w, {})
-out["ours"] = index_bench.acceptance(ix, w, 2)
+out["ours"] = index_bench.acceptance(w, 2)
 print(json.dumps(out))
 """
 

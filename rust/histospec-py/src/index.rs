@@ -6,7 +6,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use histospec_index::{
     CoreError, DraftConfig, Drafter, Finish, HistoryIndex, IndexConfig, KnobValue,
 };
-use numpy::{PyArray1, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -400,45 +400,6 @@ impl PyHistoryIndex {
             })
         })?;
         Ok((st.nonempty, st.nodes))
-    }
-
-    /// Simulates speculative decoding of `truth` as the continuation of in-flight request `rid`:
-    /// `truth[0]` comes from prefill; then at each verify step a `num_nodes`-node tree (or a chain of
-    /// `num_nodes - 1` tokens) is drafted, accepted greedily against `truth`, and the request
-    /// advances by accepted + 1 tokens (1 with `every_position`). Returns a dict with per-step
-    /// `accepted`, `drafted` and `emitted` (uint32 arrays) and the summed `draft_ns` and `update_ns`.
-    #[pyo3(signature = (rid, truth, num_nodes=16, chain=false, every_position=false))]
-    fn replay<'py>(
-        &self,
-        py: Python<'py>,
-        rid: i64,
-        truth: &Bound<'py, PyAny>,
-        num_nodes: usize,
-        chain: bool,
-        every_position: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
-        let rid = rid_arg(rid)?;
-        let truth = tokens_arg(truth, "truth")?;
-        let tr = self.mutate(py, |g| {
-            DRAFTER.with(|d| {
-                histospec_replay::replay(
-                    g,
-                    rid,
-                    &truth,
-                    num_nodes,
-                    chain,
-                    every_position,
-                    &mut d.borrow_mut(),
-                )
-            })
-        })?;
-        let out = PyDict::new(py);
-        out.set_item("accepted", PyArray1::from_vec(py, tr.accepted))?;
-        out.set_item("drafted", PyArray1::from_vec(py, tr.drafted))?;
-        out.set_item("emitted", PyArray1::from_vec(py, tr.emitted))?;
-        out.set_item("draft_ns", tr.draft_ns)?;
-        out.set_item("update_ns", tr.update_ns)?;
-        Ok(out)
     }
 
     /// The version new requests are tagged with.
