@@ -130,6 +130,13 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     cap = int(settings["max_new_tokens"])
     measured = {(r["method"], r["batch_size"], r["temperature"]): r for r in engine["rows"]}
     out = []
+    # The engine's policy lives as long as the server, and the bench runs every row on one server
+    # per method, temperature by temperature, batch sizes ascending: the policy of a row starts with
+    # what the earlier rows taught it (the step costs of every batch bucket they ran, the
+    # calibration of its promises), so the simulated one does too.
+    from histospec_sgl.engine.costmodel import EngineControl
+
+    control = EngineControl(d)
     for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         if method not in CHECKED or ("plain", batch, temp) not in measured:
             continue
@@ -142,12 +149,9 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         row_profile = AtBatch(profile, batch)
         base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
         if method == "history_cost":
-            # The engine's policy lives as long as the server: the row's runs one after the other
-            # (the first explores and calibrates, the later ones use what it learned), their median
-            # as the bench reports it.
-            from histospec_sgl.engine.costmodel import EngineControl
-
-            control = EngineControl(d)
+            # The row's runs one after the other on the server's policy (the first run of the first
+            # row explores and calibrates, later ones use what it learned), their median as the
+            # bench reports it.
             runs = sorted(((s, steps, used) for s, steps, _, used in
                            (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)
                             for _ in range(max(1, int(settings.get("repeats", 1)))))),

@@ -21,7 +21,7 @@ from histospec_sgl.replay import (
     run_replay,
 )
 from histospec_sgl.replay.data import PRESETS, default_data_root, default_tokenizer, preset_path
-from histospec_sgl.replay.measure import run_method
+from histospec_sgl.replay.measure import Track, replay, run_method
 from histospec_sgl.replay.methods import CopyBound, Ours, PromptLookup, SGLangTrie
 from histospec_sgl.replay.run import load_cases
 
@@ -51,6 +51,56 @@ def test_accept_greedy_walks_the_matching_branch():
     assert accept_greedy(toks, parents, [5, 6], 0) == 2
     assert accept_greedy(toks, parents, [6], 0) == 0
     assert accept_greedy([0], [-1], [1, 2], 0) == 0
+
+
+def test_the_replay_loop_advances_by_the_step_or_by_one_position():
+    """The one replay loop on a hand-checked history: a response that repeats its prompt's history
+    is drafted whole at each step (15 tokens at d=16 from the first decoded token on); at every
+    position the loop advances one token and reads each draft; a request joining later (``start``)
+    drafts only from there, and the method sees every emitted token (its index holds the response)."""
+    truth = list(range(100, 140))
+    m = Ours()
+    m.reset(True, 16)
+    m.add_history([1, 2], truth)
+    tr = Track(7, [1, 2], truth)
+    steps = [[(s.track.pos, s.accepted, s.emit) for s in batch] for batch in replay(m, [tr], 16)]
+    # 39 tokens after the prefill's: 15 + 1 per step; the last step's draft covers the 7 left (no bonus).
+    assert steps == [[(1, 15, 16)], [(17, 15, 16)], [(33, 7, 7)]]
+    assert (tr.pos, tr.steps, tr.emitted) == (40, 3, 39)
+    m.reset(True, 16)
+    m.add_history([1, 2], truth)
+    every = [(b[0].track.pos, b[0].accepted)
+             for b in replay(m, [Track(8, [1, 2], truth, start=30)], 16, every_position=True)]
+    assert every == [(p, min(15, 40 - p)) for p in range(30, 40)]
+    # Two tracks decode as one batch, one drafted call a step; a one-token response ends at its
+    # prefill and never drafts.
+    m.reset(True, 16)
+    m.add_history([1, 2], truth)
+    both = list(replay(m, [Track(1, [1, 2], truth[:20]), Track(2, [1, 2], truth[:10]), Track(3, [1, 2], truth[:1])], 16))
+    assert [[(s.track.rid, s.emit) for s in b] for b in both] == [[(1, 16), (2, 9)], [(1, 3)]]
+    with pytest.raises(ValueError, match="at least 2 nodes"):
+        next(replay(m, [], 1))
+
+
+def test_the_simulators_draft_probabilities_are_the_engines():
+    """``Ours(probs=True)`` drafts through ``BatchDrafter.draft_nodes``: the same trees the worker's
+    fixed-width drafts are, with each node's path probability (non-increasing from parent to child;
+    the root's 1)."""
+    from histospec_sgl.replay.methods import Ours as O
+
+    truth = [5, 6, 7, 8, 9, 5, 6, 7, 10, 11]
+    drafts = {}
+    for probs in (False, True):
+        m = O(probs=probs)
+        m.reset(True, 8)
+        m.add_history([1], truth)
+        m.add_history([1], truth[:6] + [12, 13])
+        drafts[probs] = [s.draft for b in replay(m, [Track(3, [1], truth)], 8, every_position=True) for s in b]
+    assert [d[:2] for d in drafts[True]] == drafts[False]
+    assert any(len(d[0]) > 2 for d in drafts[True])
+    for toks, parents, probs in drafts[True]:
+        assert len(probs) == len(toks) and probs[0] == pytest.approx(1.0)
+        assert all(probs[i] <= probs[parents[i]] + 1e-6 for i in range(1, len(toks)))
 
 
 def test_tiny_log_gives_hand_computed_tokens_per_step(tmp_path):
