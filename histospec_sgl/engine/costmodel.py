@@ -182,6 +182,10 @@ class StepClock:
     warmup: int = 1
     #: (width, bucket) -> timings left out as warm-up so far.
     warmed: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: bucket -> the steps timed in it so far (every width).
+    timed: dict[int, int] = field(default_factory=dict)
+    #: bucket -> its measured (width, cost) pairs, by width: :attr:`table` by bucket.
+    by_bucket: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
@@ -192,10 +196,12 @@ class StepClock:
         if old is not None and seconds > self.outlier * old:
             return
         self.records += 1
+        self.timed[key[1]] = self.timed.get(key[1], 0) + 1
         xs = self.samples.setdefault(key, [])
         xs.append(seconds)
         del xs[: -self.window]
         self.table[key] = sorted(xs)[(len(xs) - 1) // 2]
+        self.by_bucket.setdefault(key[1], {})[width] = self.table[key]
         self.last[key] = self.records
 
     def count(self, batch: int, width: int) -> int:
@@ -208,18 +214,44 @@ class StepClock:
     def known(self, batch: int, width: int) -> bool:
         return (width, bucket(batch)) in self.table
 
+    def steps_in(self, batch: int) -> int:
+        """Steps timed in this batch size's bucket so far."""
+        return self.timed.get(bucket(batch), 0)
+
+    def _widths_in(self, b: int) -> list[tuple[int, float]]:
+        return sorted(self.by_bucket.get(b, {}).items())
+
+    def _lender(self, b: int) -> int | None:
+        """The nearest bucket (the smaller of two as near) with two widths or more measured."""
+        full = [bb for bb, ws in self.by_bucket.items() if bb != b and len(ws) > 1]
+        return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
+
+    def priced(self, batch: int) -> bool:
+        """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
+        measured, or another bucket has, to borrow from."""
+        b = bucket(batch)
+        return len(self._widths_in(b)) > 1 or self._lender(b) is not None
+
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width``; a width not measured there yet is interpolated
         linearly in the width between the nearest measured ones (a verify step's cost grows with
-        the nodes it verifies), and measured once it is chosen."""
+        the nodes it verifies), and measured once it is chosen. A bucket with fewer than two widths
+        measured prices each width as the nearest bucket that has two does (:meth:`_lender`),
+        scaled to agree with its own cost where it has one: what a width costs against another
+        carries over between neighbouring batch sizes better than not knowing at all."""
         b = bucket(batch)
         cost = self.table.get((width, b))
         if cost is not None:
             return cost
-        measured = sorted((w, c) for (w, bb), c in self.table.items() if bb == b)
-        if not measured:
+        own = self._widths_in(b)
+        if len(own) > 1:
+            return interpolate(own, width)
+        lender = self._lender(b)
+        if lender is None:
             raise KeyError((width, b))
-        return interpolate(measured, width)
+        theirs = self._widths_in(lender)
+        scale = own[0][1] / interpolate(theirs, own[0][0]) if own else 1.0
+        return interpolate(theirs, width) * scale
 
 
 def verify_widths(d: int) -> tuple[int, ...]:
@@ -255,6 +287,9 @@ class EngineControl:
     forget_after: float = 2048.0
     min_samples: int = 3
     remeasure_after: int = 128
+    #: Timed steps after which a bucket that began on borrowed prices measures d and plain decoding
+    #: itself.
+    settle: int = 32
     #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
@@ -281,7 +316,11 @@ class EngineControl:
                decoding: int | None = None) -> int:
         """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
         accepted tokens in all at width ``w`` (already calibrated per request class)."""
-        for w in self.explore:
+        # A bucket that can borrow its prices from a measured one (:meth:`StepClock.step_s`) runs
+        # what they say and measures its own widths only once it has run ``settle`` timed steps (a
+        # batch size that lasts); the first bucket the engine runs measures them from its first steps.
+        explore = not self.clock.priced(batch) or self.clock.steps_in(batch) >= self.settle
+        for w in self.explore if explore else ():
             # Until it has run often enough here: a step chosen at a width but run at another (no
             # request had a draft, so it ran plainly) times the width it ran at, and this one is
             # chosen again, until drafts come.

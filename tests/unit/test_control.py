@@ -373,7 +373,13 @@ def test_engine_control_measures_both_widths_then_chooses_by_cost():
     assert ec.choose({ec.d: 3.0}, 4) == 1  # 3.5 < 4
     assert ec.choose({ec.d: 5.0}, 4) == 8  # 4.5 > 4
     assert ec.choose({ec.d: 5.0}, 3) == 8  # 3 shares the bucket of 4: no new measurement
-    assert ec.choose({ec.d: 0.0}, 5) == 8  # 5-8 is a new bucket: measured first
+    # 5-8 is a new bucket: priced as 3-4's (5 requests, promising 3: 5 tokens/s plain, 4 wide) until
+    # it has run `settle` timed steps of its own, then measured as the first bucket was.
+    assert ec.choose({ec.d: 3.0}, 5) == 1
+    _time_steps(ec, 5, 1, 1.5, n=ec.settle - 1)
+    assert ec.choose({ec.d: 0.0}, 5) == 1
+    _time_steps(ec, 5, 1, 1.5)
+    assert ec.choose({ec.d: 0.0}, 5) == 8
     # An interval far beyond the bucket's estimate held an idle engine, not a step.
     ec.decode_step(4, 1, 10.0)
     ec.begin(100.0)
@@ -412,6 +418,33 @@ def test_simulator_runs_the_engines_policy_on_its_own_clock():
     fixed4 = run_step([req("a"), req("b")], prof, max_running=2, length_first=False, policy=Fixed(4))
     plain = run_step([req("a"), req("b")], prof, max_running=2, length_first=False)
     assert out.makespan_s < 0.7 * min(fixed4.makespan_s, plain.makespan_s)
+
+
+def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
+    """A bucket with fewer than two widths timed prices each width as the nearest bucket with two
+    does, scaled to its own timing where it has one; until then nothing can price it."""
+    ec = EngineControl(d=8, widths=(4, 8))
+    with pytest.raises(KeyError):
+        ec.clock.step_s(1, 8)
+    assert not ec.clock.priced(1)
+    for w, took in ((1, 1.0), (8, 2.0)):
+        for _ in range(ec.clock.warmup + 1):
+            ec.clock.record(1, w, took)
+    # Bucket 1 measured: 4 is priced between plain and d; 5-8 and 9-16 borrow bucket 1's prices.
+    assert ec.clock.step_s(1, 4) == pytest.approx(1 + 3 / 7)
+    assert ec.clock.priced(8) and ec.clock.step_s(8, 8) == 2.0 and ec.clock.step_s(16, 1) == 1.0
+    # Bucket 5-8 times its first width (d at 6 s, three times bucket 1's): its other widths scale.
+    for _ in range(ec.clock.warmup + 1):
+        ec.clock.record(8, 8, 6.0)
+    assert ec.clock.step_s(8, 8) == 6.0 and ec.clock.step_s(8, 1) == pytest.approx(3.0)
+    # 5-8 has one width only, so 9-16 still borrows bucket 1's.
+    assert ec.clock.step_s(16, 1) == 1.0
+    # Its own second width makes 5-8 priced by its own timings alone.
+    for _ in range(ec.clock.warmup + 1):
+        ec.clock.record(8, 1, 2.0)
+    assert ec.clock.step_s(8, 1) == 2.0 and ec.clock.step_s(8, 4) == pytest.approx(2 + 4 * 3 / 7)
+    # 9-16 now borrows from 5-8, the nearer.
+    assert ec.clock.step_s(16, 8) == 6.0
 
 
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
