@@ -258,11 +258,14 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
     assert worker.enable_overlap is False
     worker.enable_overlap = overlap
     if worker.drafter is not None and worker.drafter.control is not None:
-        # Every width measured up front (the engine measures d and plain decoding, and the others
-        # once chosen), so that each width's verify runs here whatever the costs say; no timing left
-        # out as an outlier, so that which steps count as measured does not depend on the machine's
-        # load (a dropped timing would stretch the exploration past the short-lived batch sizes).
+        # Every width measured up front in every batch bucket (the engine measures d and plain
+        # decoding in its first bucket, and the others once chosen or once a bucket has run
+        # `settle` steps), so that each width's verify runs here whatever the costs say; no timing
+        # left out as an outlier, so that which steps count as measured does not depend on the
+        # machine's load (a dropped timing would stretch the exploration past the short-lived batch
+        # sizes).
         worker.drafter.control.explore = (*worker.drafter.control.widths, 1)
+        worker.drafter.control.settle = 0
         worker.drafter.control.clock.outlier = float("inf")
     import sglang
 
