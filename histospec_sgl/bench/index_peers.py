@@ -98,7 +98,7 @@ def replay_acceptance(w: Workload, prompts: int, method: Callable[[int, str], Me
             draft_ns += clocks.draft_ns
             # A peer's per-prompt store can be large (SGLang's smallest corpus pool is about 190 MB):
             # each goes before the next is built.
-            del m, clocks
+            del m
     return {
         "accepted_per_position_k16": acc_sum / positions,
         "tokens_per_verify_step_d16": toks / steps,

@@ -184,8 +184,6 @@ class StepClock:
     warmed: dict[tuple[int, int], int] = field(default_factory=dict)
     #: bucket -> the steps timed in it so far (every width).
     timed: dict[int, int] = field(default_factory=dict)
-    #: bucket -> its measured (width, cost) pairs, by width: :attr:`table` by bucket.
-    by_bucket: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
@@ -201,7 +199,6 @@ class StepClock:
         xs.append(seconds)
         del xs[: -self.window]
         self.table[key] = sorted(xs)[(len(xs) - 1) // 2]
-        self.by_bucket.setdefault(key[1], {})[width] = self.table[key]
         self.last[key] = self.records
 
     def count(self, batch: int, width: int) -> int:
@@ -218,19 +215,24 @@ class StepClock:
         """Steps timed in this batch size's bucket so far."""
         return self.timed.get(bucket(batch), 0)
 
-    def _widths_in(self, b: int) -> list[tuple[int, float]]:
-        return sorted(self.by_bucket.get(b, {}).items())
+    def _by_bucket(self) -> dict[int, list[tuple[int, float]]]:
+        """:attr:`table` by bucket: each bucket's measured (width, cost), by width."""
+        out: dict[int, list[tuple[int, float]]] = {}
+        for (w, b), cost in sorted(self.table.items()):
+            out.setdefault(b, []).append((w, cost))
+        return out
 
-    def _lender(self, b: int) -> int | None:
-        """The nearest bucket (the smaller of two as near) with two widths or more measured."""
-        full = [bb for bb, ws in self.by_bucket.items() if bb != b and len(ws) > 1]
+    @staticmethod
+    def _lender(b: int, by_bucket: dict[int, list[tuple[int, float]]]) -> int | None:
+        """The nearest bucket to ``b`` (the smaller of two as near) with two widths or more measured."""
+        full = [bb for bb, ws in by_bucket.items() if bb != b and len(ws) > 1]
         return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
 
     def priced(self, batch: int) -> bool:
         """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
         measured, or another bucket has, to borrow from."""
-        b = bucket(batch)
-        return len(self._widths_in(b)) > 1 or self._lender(b) is not None
+        b, per = bucket(batch), self._by_bucket()
+        return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width``; a width not measured there yet is interpolated
@@ -243,13 +245,14 @@ class StepClock:
         cost = self.table.get((width, b))
         if cost is not None:
             return cost
-        own = self._widths_in(b)
+        per = self._by_bucket()
+        own = per.get(b, [])
         if len(own) > 1:
             return interpolate(own, width)
-        lender = self._lender(b)
+        lender = self._lender(b, per)
         if lender is None:
             raise KeyError((width, b))
-        theirs = self._widths_in(lender)
+        theirs = per[lender]
         scale = own[0][1] / interpolate(theirs, own[0][0]) if own else 1.0
         return interpolate(theirs, width) * scale
 

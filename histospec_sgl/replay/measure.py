@@ -13,7 +13,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from histospec_sgl.engine.draft import walk
@@ -115,14 +115,15 @@ class Step:
 class Clocks:
     """Where a replay's time goes, counted for measured requests only: ``draft_ns`` drafting and
     ``update_ns`` bringing the index up to the emitted tokens. A method that counts its index's own
-    time (``index_ns()``: ours) is read from that, others by wall time around each call."""
+    time (``index_ns()``: ours) is read from that, others by wall time around each call; only then does
+    the clock hold on to the method (a peer's store can be large)."""
 
-    method: Any
+    method: InitVar[Any]
     draft_ns: int = 0
     update_ns: int = 0
 
-    def __post_init__(self) -> None:
-        index_ns = getattr(self.method, "index_ns", None)
+    def __post_init__(self, method: Any) -> None:
+        index_ns = getattr(method, "index_ns", None)
         self.own = index_ns is not None
         self.draft = (lambda: index_ns()[0]) if index_ns else time.perf_counter_ns
         self.update = (lambda: index_ns()[1]) if index_ns else time.perf_counter_ns
