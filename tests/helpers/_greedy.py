@@ -31,7 +31,22 @@ def greedy_rollout(url: str, max_new: int) -> list[dict]:
                 "weight_version": m.get("weight_version")}
 
     with ThreadPoolExecutor(SAMPLES * len(PROMPTS)) as pool:
-        return list(pool.map(one, [p for p in PROMPTS for _ in range(SAMPLES)]))
+        rows = list(pool.map(one, [p for p in PROMPTS for _ in range(SAMPLES)]))
+    settle(url)
+    return rows
+
+
+def settle(url: str) -> None:
+    """Returns once the engine's scheduler has ended the loop step that sent the last response.
+
+    SGLang's scheduler sends a finished response before that step ends and counts itself busy until
+    it does; a weight update's cache flush and a memory release assert it is idle. A trainer reaches
+    those calls only after gathering and post-processing the rollout; a driver that makes them the
+    moment its last response arrives can beat the scheduler there on a loaded machine. ``/server_info``
+    is answered by the scheduler itself, at the start of a later loop step, so any request sent after
+    this returns finds it idle."""
+    with urllib.request.urlopen(url + "/server_info", timeout=120) as r:
+        r.read()
 
 
 def check_phases(phases: dict[str, list[dict]], min_per_step: float = 6.0) -> dict[tuple[int, ...], list[int]]:
