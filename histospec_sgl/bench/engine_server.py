@@ -90,6 +90,21 @@ class EngineError(RuntimeError):
     pass
 
 
+def flush_cache(url: str, timeout: float = 60.0) -> None:
+    """SGLang's ``/flush_cache`` on the server at ``url``. The server refuses while a request is still
+    being finalized (its scheduler counts itself busy until the loop step that sent the last response
+    ends), so this waits up to ``timeout`` for it to be idle."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/flush_cache?timeout={timeout:.0f}", timeout=timeout + 30):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > deadline:
+                raise EngineError(f"flush_cache: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+            time.sleep(0.2)
+
+
 class EngineServer:
     """One ``sglang.launch_server`` process on loopback; :meth:`start` waits until it generates.
 
@@ -243,17 +258,8 @@ class EngineServer:
         self._post("/abort_request", {"rid": rid}, 30)
 
     def flush_cache(self, timeout: float = 60.0) -> None:
-        """SGLang's ``/flush_cache`` (what trainers call after a weight update). The server refuses
-        while a request is still being finalized, so this waits up to ``timeout`` for it to be idle."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.url}/flush_cache?timeout={timeout:.0f}", timeout=timeout + 30):
-                    return
-            except urllib.error.HTTPError as e:
-                if e.code != 400 or time.monotonic() > deadline:
-                    raise EngineError(f"flush_cache: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
-                time.sleep(0.2)
+        """SGLang's ``/flush_cache`` (what trainers call after a weight update); :func:`flush_cache`."""
+        flush_cache(self.url, timeout)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:

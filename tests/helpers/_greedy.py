@@ -37,16 +37,17 @@ def greedy_rollout(url: str, max_new: int) -> list[dict]:
 
 
 def settle(url: str) -> None:
-    """Returns once the engine's scheduler has ended the loop step that sent the last response.
+    """Returns once the engine's scheduler is idle.
 
-    SGLang's scheduler sends a finished response before that step ends and counts itself busy until
-    it does; a weight update's cache flush and a memory release assert it is idle. A trainer reaches
-    those calls only after gathering and post-processing the rollout; a driver that makes them the
-    moment its last response arrives can beat the scheduler there on a loaded machine. ``/server_info``
-    is answered by the scheduler itself, at the start of a later loop step, so any request sent after
-    this returns finds it idle."""
-    with urllib.request.urlopen(url + "/server_info", timeout=120) as r:
-        r.read()
+    SGLang's scheduler sends a finished response before the loop step that ran it ends, and counts
+    itself busy until it does; a weight update's cache flush and a memory release assert it is idle.
+    A trainer reaches those calls only after gathering and post-processing the rollout; a driver
+    that makes them the moment its last response arrives can beat the scheduler there on a loaded
+    machine. ``/flush_cache`` succeeds only on an idle scheduler (and flushing the prefix cache after
+    a rollout changes nothing the phases check: the history is kept)."""
+    from histospec_sgl.bench.engine_server import flush_cache
+
+    flush_cache(url)
 
 
 def check_phases(phases: dict[str, list[dict]], min_per_step: float = 6.0) -> dict[tuple[int, ...], list[int]]:
