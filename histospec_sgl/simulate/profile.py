@@ -150,6 +150,35 @@ def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str |
     }
 
 
+def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
+    """A measured profile from the step costs a ``bench engine`` result's default-policy rows carry
+    (``step_seconds``: what the engine's own clock, :class:`~histospec_sgl.engine.costmodel.StepClock`,
+    had measured per verify width and batch-size bucket by the end of the row; later rows override
+    earlier ones, as the server's clock does). These are per decode step at the batch actually
+    running, the costs that a row's average over its passes hides (its prefill, its shrinking
+    tail). None when no row carries them (a result of fixed widths only, or from before they were
+    recorded)."""
+    times: dict[tuple[int, int], float] = {}
+    for r in result.get("rows", []):
+        for w, by_bucket in (r.get("step_seconds") or {}).items():
+            for b, seconds in by_bucket.items():
+                times[(int(w), int(b))] = float(seconds)
+    if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
+        return None
+    m = result.get("machine", {})
+    model = result.get("model", {})
+    device = result.get("device", "?")
+    return {
+        "name": f"{device}-{model.get('kind', 'model')}-engine-clock",
+        "analytic": False,
+        "description": f"measured: the engine's own step clock during histospec-sgl bench engine on {device} "
+                       f"({m.get('gpu') or m.get('cpu') or '?'}), model {model.get('kind', '?')}, "
+                       f"widths {','.join(map(str, sorted({w for w, _ in times})))}, per batch-size bucket",
+        "points": [{"batch": b, "width": w, "step_s": v} for (w, b), v in sorted(times.items())],
+        "source": result.get("command"),
+    }
+
+
 def resolve(name_or_path: str) -> Profile:
     """An analytic profile by name, or a measured one from a JSON file."""
     if name_or_path in ANALYTIC:

@@ -110,18 +110,23 @@ CHECKED = ("history", "history_cost")
 
 def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
     """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
-    from the result itself (:func:`~histospec_sgl.simulate.profile.from_engine_bench`), the same
+    from the result itself (the step costs the engine's clock measured,
+    :func:`~histospec_sgl.simulate.profile.from_engine_clock`, or else the rows' averages,
+    :func:`~histospec_sgl.simulate.profile.from_engine_bench`), the same
     logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.simulate.trace`), and
     each measured row re-run in the simulator as the engine ran it: its requests in order, in
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.simulate import trace as et
-    from histospec_sgl.simulate.profile import Measured, from_engine_bench
+    from histospec_sgl.simulate.profile import Measured, from_engine_bench, from_engine_clock
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
         raise ValueError("simulate --check needs a trace-mode bench engine result (bench engine --trace grpo)")
-    prof_json = from_engine_bench(engine)
+    # The engine's own step clock where the result has it (the default policy's rows): a cost per
+    # decode step at the batch running, every width it ran. Else the rows' averages.
+    clock = from_engine_clock(engine)
+    prof_json = clock or from_engine_bench(engine)
     profile = Measured.from_json(prof_json)
     tr = settings["trace"]
     spec = et.TraceSpec(tr["preset"], tr["groups"], tr["history_policies"], tr["seed"])
@@ -142,11 +147,12 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             continue
         reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"])))
 
-        # A measured step time is a row's wall time over the forward passes its longest request
-        # took, at the row's batch size: every simulated step of the row costs that, however many
-        # of its requests are still running (the interpolation to the running batch would count the
-        # tail's smaller batches twice: the measurement already averages over them).
-        row_profile = AtBatch(profile, batch)
+        # The engine's clock prices each step at the batch then running. A row's average instead
+        # is its wall time over the passes its longest request took, at the row's batch size:
+        # every simulated step of the row costs that, however many of its requests are still
+        # running (the interpolation to the running batch would count the tail's smaller batches
+        # twice: the average already holds them).
+        row_profile = profile if clock else AtBatch(profile, batch)
         base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
         if method == "history_cost":
             # The row's runs one after the other on the server's policy (the first run of the first
@@ -171,7 +177,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     for c in out:
         p, m = c["predicted_speedup"], c["measured_speedup"]
         c["error"] = round(p / m - 1, 3) if p and m else None
-    return {"check": out, "profile": prof_json, "trace": tr, "draft_tokens": d,
+    return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
+            "trace": tr, "draft_tokens": d,
             "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
 
 

@@ -100,7 +100,10 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(out), "--data-root",
                         str(data_root), "--json", str(chk)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert r.returncode == 0, r.stderr[-3000:]
-    check = json.loads(chk.read_text())["check"]
+    checked = json.loads(chk.read_text())
+    # Fixed widths only: no policy clock in the result, so the rows' averages price the steps.
+    assert checked["priced_by"] == "row averages"
+    check = checked["check"]
     assert {(c["method"], c["batch_size"], c["temperature"]) for c in check} == {("history", b, 1.0) for b in (1, 4)}
     for c in check:
         assert c["measured_speedup"] == rows[("history", c["batch_size"], c["temperature"])]["vs_plain"]

@@ -525,6 +525,32 @@ def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
     assert resolve(str(path)).step_s(1, 6, 0) == pytest.approx(0.016 + (0.03 - 0.016) / 2)
 
 
+def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
+    """``simulate --check`` prices steps by the costs the default policy's clock measured per width
+    and batch bucket (``step_seconds`` of the result's rows), a later row's value over an earlier
+    one's, as the server's clock keeps them; a result without them has no such profile."""
+    from histospec_sgl.simulate.profile import from_engine_clock
+
+    rows = [{"method": "plain", "batch_size": 1, "step_ms": 10.0},
+            {"method": "history_cost", "batch_size": 1, "step_seconds": {"1": {"1": 0.010}, "8": {"1": 0.020}}},
+            {"method": "history_cost", "batch_size": 4,
+             "step_seconds": {"1": {"1": 0.011, "4": 0.030}, "2": {"4": 0.040}, "8": {"1": 0.020, "4": 0.080}}}]
+    engine = {"settings": {"draft_tokens": 8}, "rows": rows, "device": "cpu", "model": {"kind": "rhyme"},
+              "machine": {"cpu": "test"}}
+    prof = from_engine_clock(engine)
+    assert prof is not None and "engine-clock" in prof["name"] and "widths 1,2,8" in prof["description"]
+    assert {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]} == {
+        (1, 1): 0.011, (1, 4): 0.030, (2, 4): 0.040, (8, 1): 0.020, (8, 4): 0.080}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    m = resolve(str(path))
+    # Per step at the running batch: interpolated between the buckets, and width 4 between 2 and 8.
+    assert m.step_s(2, 1, 0) == pytest.approx(0.011 + (0.030 - 0.011) / 3)
+    assert m.step_s(4, 4, 0) == pytest.approx(0.040 + (0.080 - 0.040) * 2 / 6)
+    assert from_engine_clock({**engine, "rows": rows[:1]}) is None
+    assert from_engine_clock({**engine, "rows": [{"step_seconds": {"8": {"1": 0.02}}}]}) is None
+
+
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
     from histospec_sgl.engine.costmodel import ShadowDraft
 
