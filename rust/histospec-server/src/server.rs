@@ -293,16 +293,22 @@ pub fn run_until_signal(
             source,
         })?;
     rt.block_on(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        // The handlers are in place before the server says it is ready: a parent that stops it
+        // right after gets a graceful shutdown, not the signal's default (death mid-write).
+        let handler = |kind: SignalKind, name: &str| {
+            signal(kind).map_err(|source| ServerError::Bind {
+                addr: format!("{name} handler"),
+                source,
+            })
+        };
+        let mut term = handler(SignalKind::terminate(), "SIGTERM")?;
+        let mut int = handler(SignalKind::interrupt(), "SIGINT")?;
         let handle = serve(cfg).await?;
         on_ready(handle.local_addr);
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(|source| ServerError::Bind {
-                addr: "SIGTERM handler".into(),
-                source,
-            })?;
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
         handle.shutdown();
         handle.wait().await

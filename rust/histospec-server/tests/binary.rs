@@ -155,6 +155,16 @@ fn auth_token_file_is_enforced() {
 }
 
 #[test]
+fn sigterm_the_moment_it_is_ready_still_stops_it_gracefully() {
+    // A parent may stop the server as soon as it has read the ready line: the handlers are in
+    // place by then, so the stop is graceful (status 0), never the signal's default.
+    for _ in 0..20 {
+        let srv = Server::start(&["--listen", "127.0.0.1:0", "--insecure"]);
+        assert_eq!(srv.terminate(), 0);
+    }
+}
+
+#[test]
 fn bad_flags_and_bad_addresses_exit_with_their_status() {
     let run = |args: &[&str]| {
         let out = Command::new(BIN).args(args).output().unwrap();
