@@ -190,6 +190,10 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     ds = DraftServerProcess(data_dir=tmp / "draft-server", log=tmp / "draft-server.log")
     from _engine_checks import FIXED
 
+    # At a fixed width: the trainer tests count tokens per verify step to see the history drafting.
+    # On this model (a 151,936-id head on 64-wide layers) a width-8 verify costs 8x a plain step at
+    # batch 16, so the default step policy rightly decodes those batches plainly; test_verl.py's
+    # validation check runs its own engine on the default.
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
                        env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED}, log_path=tmp / "sglang.log")
     # It stays up for the rest of this worker's run: every later test's memory budget counts it.

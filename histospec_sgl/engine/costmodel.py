@@ -19,8 +19,47 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from histospec_sgl.engine.draft import walk
+import numpy as np
+
+from histospec_sgl.engine.draft import tree_parents_batch, walk
 from histospec_sgl.engine.policy import Profile, interpolate
+
+
+def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
+                   greedy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What each request's draft promises at each width, the one definition the engine's drafter and
+    the simulator use. ``probs[bs, d]``: each draft's path probabilities in SGLang's layout (node 0
+    the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``, read only for greedy rows),
+    ``greedy[bs]``: which requests decode greedily.
+
+    Returns ``(order, cum)``: ``order[b]`` the non-root nodes (1-based positions minus 1), most
+    probable first (a narrower draft keeps the first ``w - 1``), and ``cum[b, w - 2]`` the tokens
+    request b's width-w draft promises. A sampled request accepts a node about as often as its path
+    probability says, so its promise is their sum. A greedy one accepts a node exactly when it is the
+    target's argmax: its promise counts the kept nodes on its majority chain, each more probable
+    than its drafted siblings together, its parent on the chain too. The history's majority
+    continuation is where a greedy target goes when the history's distribution has its mode where
+    the target's has; a repeated greedy response, one occurrence behind a long match, has every
+    node at 0.4-0.7 of its parent (the rest is the estimate's mass for continuations never seen), a
+    path probability that falls by half or more every node or two, and accepts them all."""
+    bs, d = probs.shape
+    p = probs[:, 1:].astype(np.float64)
+    order = np.argsort(-p, axis=1, kind="stable")
+    per_node = p
+    if greedy is not None and masks is not None and bool(np.any(greedy)) and d > 1:
+        parents = tree_parents_batch(masks, d)
+        rows = np.arange(bs)
+        full = probs.astype(np.float64)
+        kids = np.zeros((bs, d))  # each node's children's probabilities, summed
+        np.add.at(kids, (np.repeat(rows, d - 1), parents[:, 1:].reshape(-1)), full[:, 1:].reshape(-1))
+        chain = np.zeros((bs, d), dtype=bool)
+        chain[:, 0] = True
+        for i in range(1, d):  # BFS order: a parent comes before its children
+            par = parents[:, i]
+            chain[:, i] = chain[rows, par] & (full[:, i] > 0) & (2 * full[:, i] > kids[rows, par])
+        per_node = np.where(greedy[:, None], chain[:, 1:].astype(np.float64), p)
+    cum = np.cumsum(np.take_along_axis(per_node, order, axis=1), axis=1)
+    return order, cum
 
 
 @dataclass

@@ -33,7 +33,7 @@ import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
+from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, width_promises
 from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.policy import Fixed, StepPolicy
@@ -306,10 +306,10 @@ class BatchDrafter:
             iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             probs = self._probs[: bs * d]
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
-            # Each request's nodes by path probability, most probable first (pads have probability 0).
-            p = probs.reshape(bs, d)[:, 1:].astype(np.float64)
-            order = np.argsort(-p, axis=1, kind="stable")
-            cum = np.cumsum(np.take_along_axis(p, order, axis=1), axis=1)  # cum[:, w-2]: width w's promise
+            # Each request's nodes by path probability, most probable first (pads have probability 0),
+            # and what they promise at each width (cum[:, w-2]).
+            greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
+            order, cum = width_promises(probs.reshape(bs, d), mask, greedy)
             promised = self.feedback.promises({w: cum[:, w - 2] for w in self.policy.widths if 1 < w <= d},
                                               klasses if classes is not None else None)
             chosen = self.policy.choose(promised, bs)
@@ -317,7 +317,7 @@ class BatchDrafter:
             if width > 1:
                 per_request = cum[:, width - 2]
             elif nonempty and self.policy.shadow_width() > 1:
-                self._shadow(lives, tokens, mask, probs, counts, order, self.policy.shadow_width())
+                self._shadow(lives, tokens, mask, cum, counts, order, self.policy.shadow_width())
         else:
             chosen = self.policy.choose({}, bs)
             width = chosen if forced is None else forced
@@ -383,16 +383,15 @@ class BatchDrafter:
         self.index.draft_batch(iids, d, tokens, mask, probs, counts)
         return tokens, mask, probs, counts
 
-    def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, probs: np.ndarray,
+    def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, cum: np.ndarray,
                 counts: np.ndarray, order: np.ndarray, width: int) -> None:
         """Drafts the cost model will not verify this step are followed as shadow drafts (one per
         request at a time), at the width that came closest to paying: they measure what verifying
-        them would have accepted."""
+        them would have accepted against what they promised (``cum``, :func:`width_promises`)."""
         d = self.d
         bs = len(lives)
         tw, mw = narrow(tokens, mask, order, bs, d, width) if width < d else (tokens, mask)
         parents = None
-        p = probs.reshape(bs, d)
         for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
             if not c or self.feedback.shadowing(lv.iid):
                 continue
@@ -400,7 +399,7 @@ class BatchDrafter:
                 parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
             n = min(c, width - 1)
             row = slice(b * width, b * width + n + 1)
-            promised = float(np.sort(p[b, 1:])[::-1][:n].sum())
+            promised = float(cum[b, n - 1])
             self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised,
                                                      width=width), lv.klass)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.engine.costmodel import EngineControl
+from histospec_sgl.engine.costmodel import EngineControl, width_promises
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
@@ -102,11 +102,12 @@ def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
             for s in steps:
                 accepted, promised = out[s.track.rid]
                 p, (toks, parents, probs) = s.track.pos, s.draft
-                # Nodes by probability (parents first among equals: a parent's index is smaller).
-                order = sorted(range(1, len(toks)), key=lambda i: (-probs[i], i))
+                # Nodes by probability (parents first among equals: a parent's index is smaller), and
+                # their promise at each width, as the engine's drafter reads them (sampled requests).
+                order, cum = width_promises(np.asarray(probs, np.float64)[None, :])
                 for w in widths:
-                    keep = set(order[: w - 1])
-                    promised[w][p] = sum(probs[i] for i in keep)
+                    keep = set((order[0, : w - 1] + 1).tolist())
+                    promised[w][p] = cum[0, min(w - 1, cum.shape[1]) - 1] if cum.shape[1] else 0.0
                     # The nodes left out carry no token (-1), so the walk never enters them.
                     masked = [t if i in keep else -1 for i, t in enumerate(toks)]
                     accepted[w][p] = accept_greedy(masked, parents, s.track.truth, p)

@@ -93,69 +93,75 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_a
     assert abort["kept"] == sp["previous"]
 
 
-@pytest.mark.memory(4.5)
-def test_specrl_agent_loop_two_epochs(verl_py, text_engine, tmp_path):
-    srv = text_engine["server"]
-    out = _driver(verl_py, "specrl", str(text_engine["model"]), srv.url, str(tmp_path / "draft"),
-                  str(tmp_path / "out.json"))
-    # The driver's draft server was killed (SIGKILL) after step 1's records were acknowledged; step 2
-    # ran without it (reusing from the mirror) and its records, queued meanwhile, reached the
-    # restarted server, which kept step 1's from its data dir.
-    assert out["durable"]["before_kill"] == {"1": 16}
-    assert out["durable"]["settled"] is True and out["durable"]["after_restart"] == {"1": 16, "2": 16}
+@pytest.mark.memory(7.5)
+def test_specrl_agent_loop_two_epochs(verl_py, text_model, tmp_path):
+    """verl's agent loop with SPEC-RL over two epochs, then verl's greedy validation twice, on an
+    engine of its own running HISTORY's default step policy (as a user's would): after the sampled
+    epochs, the repeated validation drafts the first one's responses whole."""
+    from histospec_sgl.bench.engine_server import EngineServer
 
-    # The draft server requires a token (as a job's does): every record above went through with it, and
-    # a lookup with a wrong token fails with a message naming the setting, not silently empty.
-    wrong = out["wrong_token"]
-    assert "UNAUTHENTICATED" in wrong and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in wrong, wrong
-    first, second, validation, again = out["epochs"]
-    assert len(first) == len(second) == 16
-    # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.
-    assert len(validation) == len(again) == 4
-    for r in validation + again:
-        assert r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0
-        assert r["generated"] == len(r["response_ids"]) > 0
-    # HISTORY's acceptance reaches verl's own metrics: every request carries the three fields, and
-    # the repeated greedy validation drafts the first one's responses whole.
-    assert all(r["spec"] is not None for rows in out["epochs"] for r in rows)
-    assert [r["response_ids"] for r in again] == [r["response_ids"] for r in validation]
-    m = out["spec_metrics"]
-    assert set(m[3]) == {"rollout/spec_accept_rate", "rollout/spec_accept_length"}
-    assert m[3]["rollout/spec_accept_length"] > 3.0 and m[3]["rollout/spec_accept_rate"] > 0.3, m
-    for rows in (first, second):
-        for prompt in range(4):
-            mine = [r for r in rows if r["index"] == prompt]
-            # verl ran the group's 4 samples; the slot counter gave them 4 distinct slots.
-            assert sorted(r["slot"] for r in mine) == [0, 1, 2, 3]
-        for r in rows:
-            n = len(r["response_ids"])
-            assert n > 0 and r["response_mask"] == [1] * n and len(r["rollout_log_probs"]) == n
-            assert r["reused"] + r["generated"] == n
-    assert all(r["previous_len"] == 0 and r["global_steps"] == 1 for r in first)
-    assert all(r["previous_len"] > 0 and r["global_steps"] == 2 for r in second)
-    # The policy did not change between the epochs: every previous token is accepted.
-    assert sum(r["reused"] for r in second) == sum(r["previous_len"] for r in second)
-    prev = {(r["index"], r["slot"]): r["response_ids"] for r in first}
-    for r in second:
-        assert r["response_ids"][: r["reused"]] == prev[(r["index"], r["slot"])][: r["reused"]]
-    # The second step's budget is 32: a previous response cut at 24 was continued through verl's
-    # single-turn loop and server.
-    continued = [r for r in second if r["reused"] == 24 and r["generated"] > 0]
-    assert continued and all(len(r["response_ids"]) <= 32 for r in second)
-    # The log-probs verl trains on are the current policy's: score each response afresh.
-    for r in continued[:4] + second[:2] + first[:2]:
-        scored = srv._post("/generate", {"input_ids": r["prompt_ids"] + r["response_ids"], "return_logprob": True,
-                                         "logprob_start_len": len(r["prompt_ids"]) - 1,
-                                         "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}, 120)
-        lps = [e[0] for e in scored["meta_info"]["input_token_logprobs"]][-len(r["response_ids"]):]
-        assert max(abs(a - b) for a, b in zip(lps, r["rollout_log_probs"])) < 1e-3
-    # Prompt affinity: every call for a prompt (scoring, continuation, both epochs) hit one server.
-    where: dict[tuple, set] = {}
-    prompts = {tuple(r["prompt_ids"]) for r in first}
-    for sid, calls in out["served"].items():
-        for ids in calls:
-            for p in prompts:
-                if tuple(ids[: len(p)]) == p:
-                    where.setdefault(p, set()).add(sid)
-    assert len(where) == 4 and all(len(s) == 1 for s in where.values()), where
-    assert out["balancer"]["fallbacks"] == 0 and out["balancer"]["affinity_hits"] > 0
+    with EngineServer(text_model, "history", python=str(verl_py), tokenizer=True, max_running=32,
+                      log_path=tmp_path / "sglang.log") as srv:
+        out = _driver(verl_py, "specrl", str(text_model), srv.url, str(tmp_path / "draft"),
+                      str(tmp_path / "out.json"))
+        # The driver's draft server was killed (SIGKILL) after step 1's records were acknowledged; step 2
+        # ran without it (reusing from the mirror) and its records, queued meanwhile, reached the
+        # restarted server, which kept step 1's from its data dir.
+        assert out["durable"]["before_kill"] == {"1": 16}
+        assert out["durable"]["settled"] is True and out["durable"]["after_restart"] == {"1": 16, "2": 16}
+
+        # The draft server requires a token (as a job's does): every record above went through with it, and
+        # a lookup with a wrong token fails with a message naming the setting, not silently empty.
+        wrong = out["wrong_token"]
+        assert "UNAUTHENTICATED" in wrong and "HISTOSPEC_DRAFT_SERVER_TOKEN_FILE" in wrong, wrong
+        first, second, validation, again = out["epochs"]
+        assert len(first) == len(second) == 16
+        # Validation (verl's greedy val_kwargs) runs the inner loop untouched: no slot, nothing reused.
+        assert len(validation) == len(again) == 4
+        for r in validation + again:
+            assert r["slot"] == -1 and r["previous_len"] == 0 and r["reused"] == 0
+            assert r["generated"] == len(r["response_ids"]) > 0
+        # HISTORY's acceptance reaches verl's own metrics: every request carries the three fields, and
+        # the repeated greedy validation drafts the first one's responses whole.
+        assert all(r["spec"] is not None for rows in out["epochs"] for r in rows)
+        assert [r["response_ids"] for r in again] == [r["response_ids"] for r in validation]
+        m = out["spec_metrics"]
+        assert set(m[3]) == {"rollout/spec_accept_rate", "rollout/spec_accept_length"}
+        assert m[3]["rollout/spec_accept_length"] > 3.0 and m[3]["rollout/spec_accept_rate"] > 0.3, m
+        for rows in (first, second):
+            for prompt in range(4):
+                mine = [r for r in rows if r["index"] == prompt]
+                # verl ran the group's 4 samples; the slot counter gave them 4 distinct slots.
+                assert sorted(r["slot"] for r in mine) == [0, 1, 2, 3]
+            for r in rows:
+                n = len(r["response_ids"])
+                assert n > 0 and r["response_mask"] == [1] * n and len(r["rollout_log_probs"]) == n
+                assert r["reused"] + r["generated"] == n
+        assert all(r["previous_len"] == 0 and r["global_steps"] == 1 for r in first)
+        assert all(r["previous_len"] > 0 and r["global_steps"] == 2 for r in second)
+        # The policy did not change between the epochs: every previous token is accepted.
+        assert sum(r["reused"] for r in second) == sum(r["previous_len"] for r in second)
+        prev = {(r["index"], r["slot"]): r["response_ids"] for r in first}
+        for r in second:
+            assert r["response_ids"][: r["reused"]] == prev[(r["index"], r["slot"])][: r["reused"]]
+        # The second step's budget is 32: a previous response cut at 24 was continued through verl's
+        # single-turn loop and server.
+        continued = [r for r in second if r["reused"] == 24 and r["generated"] > 0]
+        assert continued and all(len(r["response_ids"]) <= 32 for r in second)
+        # The log-probs verl trains on are the current policy's: score each response afresh.
+        for r in continued[:4] + second[:2] + first[:2]:
+            scored = srv._post("/generate", {"input_ids": r["prompt_ids"] + r["response_ids"], "return_logprob": True,
+                                             "logprob_start_len": len(r["prompt_ids"]) - 1,
+                                             "sampling_params": {"temperature": 1.0, "max_new_tokens": 1}}, 120)
+            lps = [e[0] for e in scored["meta_info"]["input_token_logprobs"]][-len(r["response_ids"]):]
+            assert max(abs(a - b) for a, b in zip(lps, r["rollout_log_probs"])) < 1e-3
+        # Prompt affinity: every call for a prompt (scoring, continuation, both epochs) hit one server.
+        where: dict[tuple, set] = {}
+        prompts = {tuple(r["prompt_ids"]) for r in first}
+        for sid, calls in out["served"].items():
+            for ids in calls:
+                for p in prompts:
+                    if tuple(ids[: len(p)]) == p:
+                        where.setdefault(p, set()).add(sid)
+        assert len(where) == 4 and all(len(s) == 1 for s in where.values()), where
+        assert out["balancer"]["fallbacks"] == 0 and out["balancer"]["affinity_hits"] > 0

@@ -692,6 +692,49 @@ def test_drafter_measures_the_drafts_of_plain_steps():
     assert model.accepted == 5 and model.promised > promised
 
 
+def test_a_greedy_request_is_promised_its_majority_chain():
+    """A sampled request's width-w promise is the sum of its w - 1 most probable nodes' path
+    probabilities; a greedy one's counts those of them on its majority chain (each node more probable
+    than its drafted siblings together, its parent on the chain), which a repeated greedy response
+    fills and a split history does not. Written against the index's real drafts."""
+    from histospec_sgl._core import HistoryIndex
+    from histospec_sgl.engine.costmodel import width_promises
+    from histospec_sgl.engine.draft import tree_mask
+
+    d = 8
+    prompt = list(range(100, 120))
+    repeat = list(range(500, 540))
+    split = [[900 + k, *range(600 + 40 * k, 640 + 40 * k)] for k in range(4)]  # 4 different first tokens
+    idx = HistoryIndex()
+    idx.add_response(1, prompt, repeat)
+    for r in split:
+        idx.add_response(2, prompt, r)
+    idx.begin_request(1, 1, [*prompt, *repeat[:10]])
+    idx.begin_request(2, 2, prompt)
+    tokens = np.zeros(2 * d, np.int64)
+    mask = np.zeros(2 * d * d, np.int64)
+    probs = np.zeros(2 * d, np.float32)
+    counts = np.zeros(2, np.int64)
+    idx.draft_batch(np.array([1, 2], np.int64), d, tokens, mask, probs, counts)
+    p = probs.reshape(2, d).astype(np.float64)
+    # The repeated response: one chain, each node well under its parent's probability.
+    assert tokens[1:d].tolist() == repeat[10:17] and p[0, 1] < 0.9 and p[0, d - 1] < 0.2
+    order, sampled = width_promises(probs.reshape(2, d))
+    assert sampled[:, 2] == pytest.approx(np.sort(p[:, 1:], axis=1)[:, ::-1][:, :3].sum(axis=1))
+    _, greedy = width_promises(probs.reshape(2, d), mask, np.array([True, True]))
+    assert greedy[0].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    # The split one: four first tokens, none more probable than the others together, so nothing on
+    # the chain.
+    assert sorted(tokens[d + 1:d + 5].tolist()) == [900, 901, 902, 903] and greedy[1].tolist() == [0] * (d - 1)
+    _, mixed = width_promises(probs.reshape(2, d), mask, np.array([True, False]))
+    assert mixed[0].tolist() == greedy[0].tolist() and mixed[1] == pytest.approx(sampled[1])
+    # A hand-made tree: the chain goes through each node more probable than its siblings together.
+    par = [-1, 0, 1, 2, 1, 0]
+    pr = np.array([[1.0, 0.8, 0.5, 0.45, 0.2, 0.1]])
+    _, c = width_promises(pr, tree_mask(par, 6).reshape(-1), np.array([True]))
+    assert c[0].tolist() == [1, 2, 3, 3, 3]  # nodes 1 (over 5), 2 (over 4), 3 (an only child); not 4 nor 5
+
+
 def test_narrow_drafts_keep_the_most_probable_subtree():
     """A width-w draft is the d-node draft's root and its w - 1 most probable nodes: a subtree (every
     kept node's parent kept), in BFS order, with the contract SGLang checks, the same tokens, and the
