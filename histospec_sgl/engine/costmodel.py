@@ -136,16 +136,18 @@ class CostModel:
         return best
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
         """What drafts promised and what was (or would have been, ``shadow``) accepted of them, by
         requests of class ``klass`` at verify width ``width`` (counted in the calibrations of the class
-        at the width, of the class, and overall)."""
-        self.promised += promised
-        self.accepted += accepted
-        if self.forget_after is not None and self.promised >= self.forget_after:
-            self.promised /= 2
-            self.accepted /= 2
-        keys: list[Any] = ([klass] if klass is not None else []) + (
+        at the width, of the class, and overall; ``beside``: at the width only, the step's verified
+        drafts having counted for the rest)."""
+        if not beside:
+            self.promised += promised
+            self.accepted += accepted
+            if self.forget_after is not None and self.promised >= self.forget_after:
+                self.promised /= 2
+                self.accepted /= 2
+        keys: list[Any] = ([klass] if klass is not None and not beside else []) + (
             [(klass, width)] if klass is not None and width is not None else [])
         for key in keys:
             cls = self.classes.setdefault(key, [0.0, 0.0])
@@ -388,13 +390,14 @@ class EngineControl:
         self._current = (width, batch, started)
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None) -> None:
-        """A verified step's drafts (or, ``shadow``, a shadow draft's) by requests of class
-        ``klass`` at ``width``: what they promised and what was (or would have been) accepted."""
+                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
+        """A verified step's drafts (or, ``shadow``, a shadow draft's; ``beside``, one at a wider width
+        than the step verified) by requests of class ``klass`` at ``width``: what they promised and
+        what was (or would have been) accepted."""
         if not shadow:
             self.verified[0] += self.model.calibration(klass, width) * promised
             self.verified[1] += accepted
-        self.model.observe(promised, accepted, klass=klass, width=width)
+        self.model.observe(promised, accepted, klass=klass, width=width, beside=beside)
 
     def shadow_width(self) -> int:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that

@@ -316,6 +316,8 @@ class BatchDrafter:
             width = chosen if forced is None else forced
             if width > 1:
                 per_request = cum[:, width - 2]
+                if width < d and nonempty:
+                    self._shadow(lives, tokens, mask, cum, counts, order, d, beside=True)
             elif nonempty and self.policy.shadow_width() > 1:
                 self._shadow(lives, tokens, mask, cum, counts, order, self.policy.shadow_width())
         else:
@@ -384,10 +386,11 @@ class BatchDrafter:
         return tokens, mask, probs, counts
 
     def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, cum: np.ndarray,
-                counts: np.ndarray, order: np.ndarray, width: int) -> None:
+                counts: np.ndarray, order: np.ndarray, width: int, beside: bool = False) -> None:
         """Drafts the cost model will not verify this step are followed as shadow drafts (one per
-        request at a time), at the width that came closest to paying: they measure what verifying
-        them would have accepted against what they promised (``cum``, :func:`width_promises`)."""
+        request at a time), at the width that came closest to paying (``beside``: at the widest,
+        beside the narrower drafts this step verifies): they measure what verifying them would have
+        accepted against what they promised (``cum``, :func:`width_promises`)."""
         d = self.d
         bs = len(lives)
         tw, mw = narrow(tokens, mask, order, bs, d, width) if width < d else (tokens, mask)
@@ -401,7 +404,7 @@ class BatchDrafter:
             row = slice(b * width, b * width + n + 1)
             promised = float(cum[b, n - 1])
             self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised,
-                                                     width=width), lv.klass)
+                                                     width=width), lv.klass, beside)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

@@ -11,7 +11,9 @@ the engine feeds it.
   with overlap scheduling, after the next step was drafted).
 - **Shadow drafts.** A plain step's drafts are followed along the tokens the request goes on to
   produce, one per request at a time, and observed once the walk ends or the request finishes
-  (:meth:`Feedback.shadow`, :meth:`Feedback.advanced`, :meth:`Feedback.finished`).
+  (:meth:`Feedback.shadow`, :meth:`Feedback.advanced`, :meth:`Feedback.finished`). So is a step's
+  widest draft beside the narrower one it verified (``beside``): a width the choices have left
+  keeps being measured, or a calibration that undersold it would keep it unchosen for good.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Feedback:
         # drafts promised and which requests it held.
         self._steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
             collections.deque(maxlen=pending_steps)
-        self._shadows: dict[Hashable, tuple[Shadow, str | None]] = {}
+        self._shadows: dict[Hashable, tuple[Shadow, str | None, bool]] = {}
 
     def promises(self, by_width: Mapping[int, np.ndarray], klasses: Sequence[str | None] | None) -> dict[int, float]:
         """``by_width[w]``: each request's promise at width ``w``. Scaled per request class by the
@@ -118,9 +120,10 @@ class Feedback:
         """Whether request ``key`` has a shadow draft being followed."""
         return key in self._shadows
 
-    def shadow(self, key: Hashable, draft: Shadow, klass: str | None) -> None:
-        """Follows ``draft``, a plain step's draft of request ``key`` (of class ``klass``)."""
-        self._shadows[key] = (draft, klass)
+    def shadow(self, key: Hashable, draft: Shadow, klass: str | None, beside: bool = False) -> None:
+        """Follows ``draft``, a plain step's draft of request ``key`` (of class ``klass``), or
+        (``beside``) its widest draft beside the narrower one the step verified."""
+        self._shadows[key] = (draft, klass, beside)
 
     def advanced(self, key: Hashable, tokens: Sequence[int]) -> None:
         """Request ``key`` produced ``tokens``: its shadow draft follows them, observed once it ends."""
@@ -136,5 +139,6 @@ class Feedback:
         if entry is not None and complete:
             self._observe(*entry)
 
-    def _observe(self, draft: Shadow, klass: str | None) -> None:
-        self.policy.observe(draft.promised, draft.accepted, 1, shadow=True, klass=klass, width=draft.width)
+    def _observe(self, draft: Shadow, klass: str | None, beside: bool) -> None:
+        self.policy.observe(draft.promised, draft.accepted, 1, shadow=True, klass=klass, width=draft.width,
+                            beside=beside)

@@ -64,15 +64,18 @@ class StepPolicy(Protocol):
         ...
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
         """A verified step's drafts over ``requests`` request-steps: what they promised and what was
-        accepted. ``shadow``: drafts of a plain step, followed along the tokens decoded instead
-        (what verifying them would have accepted). ``klass``: the requests' class (greedy, sampled)
-        and ``width`` the drafts' verify width, for a policy that calibrates them apart."""
+        accepted. ``shadow``: drafts not verified, followed along the tokens decoded instead (what
+        verifying them would have accepted); ``beside``: such a draft at a wider width, followed
+        beside the narrower one the step verified (it speaks for its width only). ``klass``: the
+        requests' class (greedy, sampled) and ``width`` the drafts' verify width, for a policy that
+        calibrates them apart."""
         ...
 
     def shadow_width(self) -> int:
-        """After a plain step, the width whose drafts to measure as shadow drafts (1: none)."""
+        """After a plain step, the width whose drafts to measure as shadow drafts (1: none); after a
+        step verified at a narrower width, the widest is measured beside it."""
         ...
 
 
@@ -92,7 +95,7 @@ class Fixed:
         return self.width
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
         pass
 
     def shadow_width(self) -> int:

@@ -211,14 +211,17 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         if decoding:
             feedback.drafted(w, [float(reqs[i].promised[w][pos]) if w > 1 else 0.0 for i, pos in decoding],
                              klasses)
-            shadow = policy.shadow_width() if w == 1 else 1
-            if shadow > 1:
+            widest = max(policy.widths, default=1)
+            shadow = policy.shadow_width() if w == 1 else widest if 1 < w < widest else 1
+            if shadow > 1 and policy.reads_promises:
                 # A plain step: its drafts at the width the policy names are followed as shadow drafts,
-                # one per request at a time, their outcome known from the logged tokens.
+                # one per request at a time, their outcome known from the logged tokens; a narrower
+                # verified step: its widest drafts, beside it (as the engine's drafter does).
                 for i, pos in decoding:
                     p = float(reqs[i].promised[shadow][pos])
                     if p > 0 and not feedback.shadowing(i):
-                        feedback.shadow(i, KnownShadow(p, int(reqs[i].accepted[shadow][pos]), shadow), klass)
+                        feedback.shadow(i, KnownShadow(p, int(reqs[i].accepted[shadow][pos]), shadow), klass,
+                                        beside=w > 1)
         emitted = 0
         accepted = []
         for entry in running:

@@ -580,8 +580,9 @@ class _Recorder:
     def calibration(self, klass=None, width=None) -> float:
         return {"greedy": 2.0, "sampled": 0.5}.get(klass, 1.0)
 
-    def observe(self, promised, accepted, requests=0, *, shadow=False, klass=None, width=None) -> None:
-        self.seen.append((promised, accepted, shadow, klass, width))
+    def observe(self, promised, accepted, requests=0, *, shadow=False, klass=None, width=None,
+                beside=False) -> None:
+        self.seen.append((promised, accepted, shadow, klass, width) + ((True,) if beside else ()))
 
 
 def test_feedback_prices_by_class_observes_verified_steps_and_follows_one_shadow_a_request():
@@ -627,10 +628,10 @@ def test_simulator_follows_plain_steps_drafts_as_the_engine_does():
     seen: list[tuple[float, float]] = []
     observe = ec.observe
 
-    def spy(promised, accepted, requests=0, *, shadow=False, klass=None, width=None):
+    def spy(promised, accepted, requests=0, *, shadow=False, klass=None, width=None, beside=False):
         if shadow:
             seen.append((promised, accepted))
-        observe(promised, accepted, requests, shadow=shadow, klass=klass, width=width)
+        observe(promised, accepted, requests, shadow=shadow, klass=klass, width=width, beside=beside)
 
     ec.observe = spy  # type: ignore[method-assign]
     out = run_step([r], prof, max_running=1, length_first=False, policy=ec)
@@ -638,6 +639,29 @@ def test_simulator_follows_plain_steps_drafts_as_the_engine_does():
     assert plain > 150
     assert abs(len(seen) - plain / 4) <= 2, (len(seen), plain)
     assert all(s == (2.0, 3) for s in seen[:-1])
+
+
+def test_a_narrower_verified_step_measures_the_widest_beside_it():
+    """A step verified at a narrower width follows its widest draft beside it, counted at that
+    width only: the widest width, whose promise understates its acceptance (3.2 promised, 7
+    accepted), keeps being measured while width 4 is chosen, and takes over once it shows it pays.
+    Without it, width 8 is run only when its cost is remeasured (every 128 steps)."""
+    ec = EngineControl(8, widths=(4, 8))
+    ec.observe(3.0, 1.0, klass="sampled", width=4)
+    ec.observe(10.0, 7.0, shadow=True, klass="sampled", width=8, beside=True)
+    assert ec.model.classes[("sampled", 8)] == [10.0, 7.0] and ec.model.classes["sampled"] == [3.0, 1.0]
+    assert (ec.model.promised, ec.model.accepted) == (3.0, 1.0)
+
+    # The simulated engine, its width-8 calibration left low by an earlier phase (64 promised, none
+    # accepted), width 4's measured: it verifies at 4, and the drafts at 8 beside it show them pay.
+    prof = Measured("wide-pays", "test", {1: [(1, 1.0)], 4: [(1, 1.5)], 8: [(1, 2.0)]})
+    n = 1200
+    r = SimRequest("g", n, prompt_len=3, accepted={4: np.full(n, 3, np.int32), 8: np.full(n, 7, np.int32)},
+                   promised={4: np.full(n, 3.0, np.float32), 8: np.full(n, 3.2, np.float32)})
+    ec = EngineControl(8, widths=(4, 8))
+    ec.model.classes.update({("sampled", 8): [64.0, 0.0], ("sampled", 4): [64.0, 64.0], "sampled": [128.0, 64.0]})
+    out = run_step([r], prof, max_running=1, length_first=False, policy=ec)
+    assert out.widths.get(8, 0) > out.widths.get(4, 0), out.widths
 
 
 def test_calibration_forgets_and_the_engine_never_probes():
