@@ -325,14 +325,17 @@ def cmd_launch(model: str, out: str) -> None:
         "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.skip_tokenizer_init=true", "actor_rollout_ref.rollout.free_cache_engine=true"])
-    result = asyncio.run(launched(cfg))
-    Path(out).write_text(json.dumps(result))
     from sglang.srt.utils import kill_process_tree
 
-    # SGLang's scheduler and detokenizer are this process's children (verl launched them here). Its
-    # subprocess watchdog would take their deaths for a crash and SIGQUIT this process before it exits.
-    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
-    kill_process_tree(os.getpid(), include_parent=False)
+    try:
+        result = asyncio.run(launched(cfg))
+        Path(out).write_text(json.dumps(result))
+    finally:
+        # SGLang's scheduler and detokenizer are this process's children (verl launched them here):
+        # stopped whatever happened, or this process would wait for them at exit. Its subprocess
+        # watchdog would take their deaths for a crash and SIGQUIT this process before it exits.
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+        kill_process_tree(os.getpid(), include_parent=False)
 
 
 if __name__ == "__main__":
