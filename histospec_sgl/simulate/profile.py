@@ -135,19 +135,9 @@ def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str |
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
         raise ValueError("the engine result needs rows of plain decoding and of HISTORY (--methods plain,history)")
     first = results[0]
-    m = first.get("machine", {})
-    model = first.get("model", {})
-    device = first.get("device", "?")
-    hw = m.get("gpu") or m.get("cpu") or "?"
-    ran = sorted({w for w, _ in times})
-    return {
-        "name": name or f"{device}-{model.get('kind', 'model')}-measured",
-        "analytic": False,
-        "description": f"measured: histospec-sgl bench engine on {device} ({hw}), model {model.get('kind', '?')}, "
-                       f"sglang {m.get('sglang')}, widths {','.join(map(str, ran))}",
-        "points": [{"batch": b, "width": w, "step_s": statistics.median(v)} for (w, b), v in sorted(times.items())],
-        "source": [r.get("command") for r in results] if len(results) > 1 else first.get("command"),
-    }
+    return _measured_json(first, {k: statistics.median(v) for k, v in times.items()},
+                          name, "measured", "histospec-sgl bench engine", "",
+                          [r.get("command") for r in results] if len(results) > 1 else first.get("command"))
 
 
 def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
@@ -165,17 +155,27 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
                 times[(int(w), int(b))] = float(seconds)
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
         return None
+    return _measured_json(result, times, None, "engine-clock",
+                          "the engine's own step clock during histospec-sgl bench engine",
+                          ", per batch-size bucket", result.get("command"))
+
+
+def _measured_json(result: dict[str, Any], times: dict[tuple[int, int], float], name: str | None, suffix: str,
+                   how: str, detail: str, source: Any) -> dict[str, Any]:
+    """The profile JSON of step costs ``times[(width, batch)]`` measured by ``how`` on the machine and
+    model that ``result`` (a ``bench engine`` result) names."""
     m = result.get("machine", {})
-    model = result.get("model", {})
+    kind = result.get("model", {}).get("kind")
     device = result.get("device", "?")
+    hw = m.get("gpu") or m.get("cpu") or "?"
+    ran = sorted({w for w, _ in times})
     return {
-        "name": f"{device}-{model.get('kind', 'model')}-engine-clock",
+        "name": name or f"{device}-{kind or 'model'}-{suffix}",
         "analytic": False,
-        "description": f"measured: the engine's own step clock during histospec-sgl bench engine on {device} "
-                       f"({m.get('gpu') or m.get('cpu') or '?'}), model {model.get('kind', '?')}, "
-                       f"widths {','.join(map(str, sorted({w for w, _ in times})))}, per batch-size bucket",
+        "description": f"measured: {how} on {device} ({hw}), model {kind or '?'}, sglang {m.get('sglang')}, "
+                       f"widths {','.join(map(str, ran))}{detail}",
         "points": [{"batch": b, "width": w, "step_s": v} for (w, b), v in sorted(times.items())],
-        "source": result.get("command"),
+        "source": source,
     }
 
 

@@ -213,7 +213,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
                              klasses)
             widest = max(policy.widths, default=1)
             shadow = policy.shadow_width() if w == 1 else widest if 1 < w < widest else 1
-            if shadow > 1 and policy.reads_promises:
+            if shadow > 1:
                 # A plain step: its drafts at the width the policy names are followed as shadow drafts,
                 # one per request at a time, their outcome known from the logged tokens; a narrower
                 # verified step: its widest drafts, beside it (as the engine's drafter does).
