@@ -29,8 +29,9 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
                    greedy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What each request's draft promises at each width, the one definition the engine's drafter and
     the simulator use. ``probs[bs, d]``: each draft's path probabilities in SGLang's layout (node 0
-    the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``, read only for greedy rows),
-    ``greedy[bs]``: which requests decode greedily.
+    the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``: a node is taken as at most as
+    probable as its parent, so that the most probable nodes form a subtree whatever the rounding; and
+    greedy rows' chains), ``greedy[bs]``: which requests decode greedily.
 
     Returns ``(order, cum)``: ``order[b]`` the non-root nodes (1-based positions minus 1), most
     probable first (a narrower draft keeps the first ``w - 1``), and ``cum[b, w - 2]`` the tokens
@@ -43,13 +44,20 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
     node at 0.4-0.7 of its parent (the rest is the estimate's mass for continuations never seen), a
     path probability that falls by half or more every node or two, and accepts them all."""
     bs, d = probs.shape
-    p = probs[:, 1:].astype(np.float64)
+    rows = np.arange(bs)
+    full = probs.astype(np.float64)
+    parents = tree_parents_batch(masks, d) if masks is not None and d > 1 else None
+    if parents is not None:
+        # No node above its parent (rounding, or a source that does not keep to it), so that the most
+        # probable nodes, ties going to the lower index (a parent's), always form a subtree.
+        bound = np.full(bs, np.inf)
+        for i in range(1, d):  # BFS order: a parent comes before its children
+            par = parents[:, i]
+            full[:, i] = np.minimum(full[:, i], np.where(par == 0, bound, full[rows, par]))
+    p = full[:, 1:]
     order = np.argsort(-p, axis=1, kind="stable")
     per_node = p
-    if greedy is not None and masks is not None and bool(np.any(greedy)) and d > 1:
-        parents = tree_parents_batch(masks, d)
-        rows = np.arange(bs)
-        full = probs.astype(np.float64)
+    if greedy is not None and parents is not None and bool(np.any(greedy)):
         kids = np.zeros((bs, d))  # each node's children's probabilities, summed
         np.add.at(kids, (np.repeat(rows, d - 1), parents[:, 1:].reshape(-1)), full[:, 1:].reshape(-1))
         chain = np.zeros((bs, d), dtype=bool)

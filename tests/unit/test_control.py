@@ -856,3 +856,65 @@ def test_greedy_and_sampled_requests_are_calibrated_apart():
     dr.observe_step([dr.width - 1])
     dr.draft(["s"], ["sampled"])
     assert dr.width == 1, "sampled drafts, accepted at a fifth of their promise, do not pay"
+
+
+def _bfs_trees(draw, d: int) -> tuple[list[int], np.ndarray]:
+    """A draft tree in BFS order (parents non-decreasing: children of earlier nodes come first) with
+    path probabilities that tie (a child as probable as its parent, siblings alike), halve, or sit one
+    float32 step above the parent's (rounding), and a chain of probability-0 pads at its end."""
+    from hypothesis import strategies as st
+
+    pads = draw(st.integers(0, d - 2))
+    parents, probs = [-1], [1.0]
+    for i in range(1, d):
+        if i >= d - pads:
+            parents.append(i - 1 if i > d - pads else draw(st.integers(parents[-1] if i > 1 else 0, i - 1)))
+            probs.append(0.0)
+            continue
+        par = draw(st.integers(parents[-1] if i > 1 else 0, i - 1))
+        base = probs[par] if par else 1.0
+        kind = draw(st.sampled_from(["tie", "half", "rounding", "any"]))
+        p = {"tie": base, "half": base / 2, "rounding": float(np.nextafter(np.float32(base), np.float32(2))),
+             "any": base * draw(st.floats(0.01, 1.0))}[kind]
+        parents.append(par)
+        probs.append(p)
+    return parents, np.array(probs, dtype=np.float32)
+
+
+def test_narrowing_never_keeps_a_node_without_its_parent():
+    """Property: at every width, a draft's root and its w - 1 most probable nodes (as the drafter and
+    its shadows narrow them) form a subtree with the d-node draft's own parent links, for trees whose
+    nodes tie with their parents, halve, or exceed them by a float32 rounding step, greedy and sampled."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from histospec_sgl.engine.costmodel import width_promises
+    from histospec_sgl.engine.draft import tree_mask, tree_parents_batch
+    from histospec_sgl.engine.drafter import narrow
+
+    @st.composite
+    def batches(draw):
+        d = draw(st.integers(2, 12))
+        trees = [_bfs_trees(draw, d) for _ in range(draw(st.integers(1, 4)))]
+        return d, trees, draw(st.lists(st.booleans(), min_size=len(trees), max_size=len(trees)))
+
+    @settings(max_examples=300, deadline=None)
+    @given(batches())
+    def check(batch):
+        d, trees, greedy = batch
+        bs = len(trees)
+        mask = np.concatenate([tree_mask(par, d).reshape(-1) for par, _ in trees]).astype(np.int64)
+        probs = np.stack([p for _, p in trees])
+        tokens = np.arange(bs * d, dtype=np.int64) + 100  # distinct: a kept node is found by its token
+        order, _ = width_promises(probs, mask, np.array(greedy))
+        for w in range(2, d + 1):
+            tw, mw = narrow(tokens, mask, order, bs, d, w)
+            pw = tree_parents_batch(mw, w)
+            for b, (par, _) in enumerate(trees):
+                kept = (tw.reshape(bs, w)[b] - 100 - b * d).tolist()
+                assert kept[0] == 0 and kept == sorted(kept)
+                for j in range(1, w):
+                    assert par[kept[j]] in kept, (w, kept, par)  # its parent is kept ...
+                    assert kept[pw[b, j]] == par[kept[j]]  # ... and is its parent in the narrowed mask
+
+    check()

@@ -146,7 +146,8 @@ pub(super) fn mix_pointer(kids: &mut Vec<Kid>, log: &Log, clock: u32, lam: f32) 
     }
     match kids.iter_mut().find(|k| k.tok == e.tok) {
         Some(k) => {
-            k.p += lam;
+            // At most 1 after rounding, so that no node is more probable than its parent.
+            k.p = (k.p + lam).min(1.0);
             k.ptr = clock;
         }
         None => kids.push(Kid::pointer(e.tok, clock, lam)),

@@ -128,7 +128,9 @@ impl Step {
                     Some(k) => {
                         k.p *= 1.0 - lam;
                         if k.tok == e.tok {
-                            k.p += lam;
+                            // At most 1 after rounding (as mix_pointer): no node is more
+                            // probable than its parent.
+                            k.p = (k.p + lam).min(1.0);
                             k.ptr = clock;
                         } else {
                             other = Some(Kid::pointer(e.tok, clock, lam));

@@ -167,7 +167,7 @@ pub(crate) fn draft(input: &Input, budget: usize, chain: bool, cfg: &DraftConfig
                 }
                 match kids.iter_mut().find(|k| k.tok == e.tok) {
                     Some(k) => {
-                        k.p += lam;
+                        k.p = (k.p + lam).min(1.0);
                         k.clock = clock;
                     }
                     None => kids.push(Kid {
@@ -347,6 +347,34 @@ mod props {
                 for chain in [false, true] {
                     let ours = ix.draft_nodes(rid, budget, chain, &mut dr).unwrap();
                     prop_assert_eq!(ours, reference(&ix, rid, budget, chain), "rid {} chain {}", rid, chain);
+                }
+            }
+        }
+
+        /// A node is never more probable than its parent (equal at most, rounding included), so
+        /// that the nodes most probable first form a subtree: a narrower verify width keeps each
+        /// node's parent.
+        #[test]
+        fn no_node_is_more_probable_than_its_parent(
+            cfg in draft_configs(),
+            decay in prop::sample::select(vec![1.0f32, 0.5]),
+            groups in groups(),
+            d in 2usize..24,
+        ) {
+            let (ix, rids) = build(&cfg, decay, &groups);
+            let mut dr = Drafter::default();
+            let bs = rids.len();
+            let (mut toks, mut mask, mut probs) = (vec![0i64; bs * d], vec![0u8; bs * d * d], vec![0f32; bs * d]);
+            ix.draft_tree_batch(&rids, d, &mut toks, &mut mask, Some(&mut probs), None, &mut dr).unwrap();
+            for b in 0..bs {
+                let m = &mask[b * d * d..(b + 1) * d * d];
+                let p = &probs[b * d..(b + 1) * d];
+                for i in 1..d {
+                    // The parent: the deepest ancestor (most ancestors of its own) in row i.
+                    let parent = (0..i).filter(|&j| m[i * d + j] == 1)
+                        .max_by_key(|&j| (0..d).filter(|&k| m[j * d + k] == 1).count()).unwrap();
+                    let bound = if parent == 0 { 1.0 } else { p[parent] };
+                    prop_assert!(p[i] <= bound, "request {} node {} ({}) above its parent {} ({})", b, i, p[i], parent, bound);
                 }
             }
         }
