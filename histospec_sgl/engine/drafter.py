@@ -134,6 +134,9 @@ class BatchDrafter:
         #: Decode steps at each verify width (1: plain decoding).
         self.width_steps: dict[int, int] = {}
         self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
+        #: Each live request's response tokens as the index holds them, for the worker's check that
+        #: they are what SGLang holds (``HISTOSPEC_CHECK_CONTEXT=1``; None when off).
+        self.contexts: dict[str, list[int]] | None = {} if self.config.check_context == "1" else None
 
     # -- history in and out -------------------------------------------------------------------
 
@@ -187,9 +190,12 @@ class BatchDrafter:
         """
         todo: list[tuple[_Live, int, list[int]]] = []
         started: list[int] = []
+        contexts = self.contexts
         for rid, prompt_ids, response, pending, group in requests:
             live = self._live.get(rid)
             if live is None:
+                if contexts is not None:
+                    contexts[rid] = []
                 iid = self._next_iid
                 self._next_iid += 1
                 started.append(self.index.begin_request(iid, group, prompt_ids))
@@ -209,10 +215,14 @@ class BatchDrafter:
                 live.last = int(prompt_ids[-1])
                 live.drafted = 0
                 self.feedback.finished(live.iid, complete=False)
+                if contexts is not None:
+                    contexts[rid] = []
             if n > live.known:
                 k = live.known
                 new = list(response[k:]) + list(pending) if k < head else list(pending[k - head:])
                 todo.append((live, n, new))
+                if contexts is not None:
+                    contexts[rid].extend(int(t) for t in new)
         if not todo:
             return started
         self.index.extend_batch([lv.iid for lv, _, _ in todo], [t for _, _, new in todo for t in new],
@@ -241,6 +251,8 @@ class BatchDrafter:
         last request finishes), so that finishing, which with a draft server every request does
         unkept, never rebuilds a group per request."""
         live = self._live.pop(rid, None)
+        if self.contexts is not None:
+            self.contexts.pop(rid, None)
         if live is None:
             return
         if response is not None and len(response) > live.known:
@@ -258,6 +270,10 @@ class BatchDrafter:
         if len(response):
             self.index.add_response(group, prompt_ids, response,
                                     version=self.index.version if version is None else version)
+
+    def held(self, rid: str) -> int:
+        """Response tokens the index holds for live request ``rid``."""
+        return self._live[rid].known
 
     def is_live(self, rid: str) -> bool:
         return rid in self._live

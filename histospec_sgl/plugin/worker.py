@@ -47,7 +47,7 @@ from sglang.srt.speculative.ngram_info import NgramVerifyInput
 from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.draft import write_empty
+from histospec_sgl.engine.draft import tree_parents_batch, write_empty
 from histospec_sgl.engine.drafter import BatchDrafter, group_of
 from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat
@@ -106,12 +106,16 @@ class HistoryWorker(NGRAMWorker):
         self._no_keep: set[str] = set()
         self._errors = 0
         self.context_mismatches = 0
-        # The cost model may choose a narrower verify width for steps drafted in
-        # forward_batch_generation; NGRAM's own path (grammar batches, a fixed width) drafts at d.
-        self._free_width = False
+        # The width of the step being drafted: None where the step policy chooses it (steps drafted in
+        # forward_batch_generation), 1 for a step decoded plainly whatever the policy says (a request
+        # in the batch needs SGLang's full sampler), d on NGRAM's own path (grammar batches, a fixed
+        # width).
+        self._step_width: int | None = self.draft_token_num
         self._width_state: dict[int, dict[str, Any]] = {}
         # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
         self._staged: tuple[np.ndarray, np.ndarray] | None = None
+        # The (tokens, mask) the last verify step ran, for its hidden states' rows.
+        self._last_draft: tuple[np.ndarray, np.ndarray] | None = None
         self.plain_steps = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
@@ -190,14 +194,18 @@ class HistoryWorker(NGRAMWorker):
             self._sweep(current)
         decode = batch.forward_mode.is_decode()
         bs, d = len(batch.reqs), self.draft_token_num
-        if self._plain_when_undrafted() and decode and not getattr(batch, "has_grammar", False):
-            # Draft first, at the width the cost model picks (every TP rank gets rank 0's drafts and
+        grammar = getattr(batch, "has_grammar", False)
+        # A request whose sampling SGLang's verify path does not reproduce: the whole step is decoded
+        # plainly, through the target's own sampler (every rank reads the same requests).
+        full_sampler = decode and not grammar and any(needs_full_sampler(req) for req in batch.reqs)
+        if decode and not grammar and (full_sampler or self._plain_when_undrafted()):
+            # Draft first, at the width the step policy picks (every TP rank gets rank 0's drafts and
             # width here), then branch on what all ranks share, so that every rank takes the same one.
-            self._free_width = True
+            self._step_width = 1 if full_sampler else None
             try:
                 tokens, mask = self._prepare_draft_tokens(batch)
             finally:
-                self._free_width = False
+                self._step_width = d
             w = tokens.size // bs
             if w == 1 or not tokens.reshape(bs, w)[:, 1:].any():
                 if control is not None:
@@ -208,16 +216,51 @@ class HistoryWorker(NGRAMWorker):
             self._staged = (tokens, mask)
             try:
                 if w < d:
-                    return self._narrow_verify(batch, w, *args, **kwargs)
-                return super().forward_batch_generation(batch, *args, **kwargs)
+                    return self._accepted_hidden_states(self._narrow_verify(batch, w, *args, **kwargs), batch)
+                return self._accepted_hidden_states(super().forward_batch_generation(batch, *args, **kwargs), batch)
             finally:
                 self._staged = None
         if control is not None and decode:
             control.decode_step(bs, d, started)
         try:
-            return super().forward_batch_generation(batch, *args, **kwargs)
+            result = super().forward_batch_generation(batch, *args, **kwargs)
         finally:
             self._staged = None
+        return self._accepted_hidden_states(result, batch) if decode else result
+
+    def _accepted_hidden_states(self, result: Any, batch: Any) -> Any:
+        """``--enable-return-hidden-states``: a verify step's hidden states as plain decoding returns
+        them, one row per emitted token. SGLang's NGRAM verify leaves them in the draft's node order
+        (``[bs * w, hidden]``) and the scheduler reads a request's first accepted-length rows, which
+        are the accepted tokens' only when the accepted path is nodes 0, 1, 2, ...; the rows of the
+        path are gathered to the front here (found from the draft and the accepted tokens: no two
+        siblings carry the same token)."""
+        hidden = getattr(result.logits_output, "hidden_states", None)
+        if hidden is None or not getattr(batch, "return_hidden_states", False) or self._last_draft is None:
+            return result
+        import torch
+
+        tokens, mask = self._last_draft
+        bs = len(batch.reqs)
+        w = tokens.size // bs
+        if w < 2 or hidden.shape[0] != bs * w:
+            return result
+        toks = tokens.reshape(bs, w)
+        parents = tree_parents_batch(mask, w)
+        accepted = result.next_token_ids.reshape(bs, -1).cpu().tolist()
+        lens = result.accept_lens.cpu().tolist()
+        rows = np.arange(bs * w).reshape(bs, w)
+        for i in range(bs):
+            path, node = [0], 0
+            for tok in accepted[i][: int(lens[i]) - 1]:  # each accepted draft node carries the token before it
+                kids = np.flatnonzero((parents[i] == node) & (toks[i] == tok))
+                if not kids.size:
+                    break
+                node = int(kids[0])
+                path.append(node)
+            rows[i, : len(path)] = i * w + np.asarray(path)
+        result.logits_output.hidden_states = hidden[torch.from_numpy(rows.reshape(-1)).to(hidden.device)]
+        return result
 
     def _narrow_verify(self, batch: Any, w: int, *args: Any, **kwargs: Any) -> Any:
         """A verify step at width ``w`` < d: SGLang's own NGRAM verify path with its width and its
@@ -270,11 +313,13 @@ class HistoryWorker(NGRAMWorker):
         """A plain decode step in the speculative batch: each request's root (its last accepted
         token, whose KV this step computes) goes through the target's own DECODE forward and
         sampler, exactly what SGLang runs without speculation, and the result is laid out as a
-        verify step that accepted nothing (one token per request, padded to d slots).
+        verify step that accepted nothing (one token per request).
 
         Under speculation the scheduler does not count the root in ``seq_lens`` and has already
         reserved its KV slot (the first of the d a verify writes); the DECODE forward counts the
-        token being decoded, so ``seq_lens`` is one longer for the forward and restored after."""
+        token being decoded, so ``seq_lens`` is one longer for the forward and restored after. The
+        result names stride 1 (its tokens, and hidden states with ``--enable-return-hidden-states``,
+        one row per request, as the DECODE forward returns them)."""
         import torch
 
         bs, d = len(batch.reqs), self.draft_token_num
@@ -310,15 +355,20 @@ class HistoryWorker(NGRAMWorker):
             out.next_token_logprobs = out.next_token_logprobs.reshape(bs, 1)
         if on_publish is not None:
             on_publish(new_seq_lens)
+        # The step's tokens at stride 1, one per request (the stride the scheduler reads them, and any
+        # hidden states, at); the relay of accepted tokens to the next step at stride d, as every
+        # other step's.
+        predict = predict.to(torch.int32)
         padded = torch.zeros((bs, d), dtype=torch.int32, device=device)
         padded[:, 0] = predict
-        padded = padded.flatten()
-        result.next_token_ids = padded
+        result.next_token_ids = predict
         result.accept_lens = accept_lens
         result.new_seq_lens = new_seq_lens
         result.next_draft_input = NgramVerifyInput(draft_token_num=d, new_seq_lens=new_seq_lens,
-                                                   accept_tokens=padded, accept_lens=accept_lens)
-        result.speculative_num_draft_tokens = self.speculative_num_draft_tokens
+                                                   accept_tokens=padded.flatten(), accept_lens=accept_lens)
+        result.speculative_num_draft_tokens = 1
+        if hasattr(result, "speculative_output_stride"):  # 0.5.23 reads this one first
+            result.speculative_output_stride = 1
         return result
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
@@ -335,6 +385,7 @@ class HistoryWorker(NGRAMWorker):
     def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
         staged, self._staged = self._staged, None
         if staged is not None:  # drafted by forward_batch_generation before NGRAM's verify path ran
+            self._last_draft = staged
             return staged
         t0 = time.perf_counter()
         bs, d = len(batch.reqs), self.draft_token_num
@@ -356,6 +407,7 @@ class HistoryWorker(NGRAMWorker):
                                      self._errors)
                 tokens, mask = self._empty(batch, use_prev)
         shared = self.broadcast.share(tokens, mask, bs, d)
+        self._last_draft = shared
         if self.metrics is not None and self.drafter is not None:
             try:
                 self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.plain_steps,
@@ -377,7 +429,8 @@ class HistoryWorker(NGRAMWorker):
                     logger.warning("histospec: draft server sync failed: %s", e)
         rids, items, classes = [], [], []
         drafter = self.drafter
-        for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
+        unprocessed = self._unprocessed(batch, use_prev)
+        for req, prev in zip(batch.reqs, unprocessed):
             rid = req.rid
             if rid in self._done:  # came back after it was finalized: draft, but never keep it twice
                 self._done.pop(rid)
@@ -388,14 +441,13 @@ class HistoryWorker(NGRAMWorker):
             rids.append(rid)
             classes.append(_request_class(req))
         started = drafter.sync_batch(items)
+        if drafter.contexts is not None:
+            self._check_contexts(batch, unprocessed)
         if started and self.sync is not None:
             # A group's first request asks the draft server for its history (on_demand); it arrives
             # in the background, and the request drafts from its siblings until it has.
             self.sync.want(started)
-        if self._free_width:
-            tokens, mask = drafter.draft(rids, classes)
-        else:
-            tokens, mask = drafter.draft(rids, classes, width=self.draft_token_num)
+        tokens, mask = drafter.draft(rids, classes, width=self._step_width)
         self._maybe_log()
         return tokens, mask
 
@@ -426,10 +478,7 @@ class HistoryWorker(NGRAMWorker):
         the count comes from SGLang's own ``seq_lens`` (every accepted token but the root, whose KV
         this step computes), not from the overlap flag alone."""
         d = self.draft_token_num
-        seq = getattr(batch, "seq_lens_cpu", None)
-        if seq is None:
-            seq = batch.seq_lens.cpu()
-        seq_lens = seq.tolist()
+        seq_lens = _seq_lens(batch)
         out = []
         for i, req in enumerate(batch.reqs):
             # Without overlap SGLang has processed every result: nothing may be missing.
@@ -445,6 +494,27 @@ class HistoryWorker(NGRAMWorker):
                 missing = len(prev)
             out.append(prev[len(prev) - missing:])
         return out
+
+    def _check_contexts(self, batch: Any, unprocessed: list[list[int]]) -> None:
+        """``HISTOSPEC_CHECK_CONTEXT=1``: each request's context in the index is what SGLang holds: its
+        output tokens as processed, then the accepted tokens not processed yet, as many as its
+        ``seq_lens`` says (every accepted token but the root). Each request that disagrees is counted
+        in :attr:`context_mismatches` and logged. Tokens the index took from a relay in an earlier
+        step are checked against ``output_ids`` once SGLang has processed them."""
+        assert self.drafter is not None and self.drafter.contexts is not None
+        contexts = self.drafter.contexts
+        for req, prev, seq_len in zip(batch.reqs, unprocessed, _seq_lens(batch)):
+            held = contexts.get(req.rid)
+            output = list(req.output_ids)
+            if held == output + list(prev) and len(req.origin_input_ids) + len(held) == seq_len + 1:
+                continue
+            self.context_mismatches += 1
+            if self.context_mismatches <= 10:
+                at = next((i for i, (a, b) in enumerate(zip(held or [], output)) if a != b), None)
+                logger.error("histospec: request %s: the index holds %s response tokens, SGLang %d processed "
+                             "+ %d not yet (seq_len %d, prompt %d)%s", req.rid,
+                             "no" if held is None else len(held), len(output), len(prev), seq_len,
+                             len(req.origin_input_ids), "" if at is None else f"; they differ at token {at}")
 
     def _group(self, req: Any) -> int | None:
         params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
@@ -474,13 +544,16 @@ class HistoryWorker(NGRAMWorker):
         aborted = type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT"
         keep = not aborted and rid not in self._no_keep
         self._no_keep.discard(rid)
-        response = list(req.output_ids)
+        response = returned(req)
         try:
             live = self.drafter.is_live(rid)
+            # Tokens past the request's end (a step that accepted several tokens went on after a
+            # stop string, EOS or max_new_tokens): the index's copy is let go, the response kept.
+            overshot = live and self.drafter.held(rid) > len(response)
             group = self._group(req) if keep else None
             # With a draft server, our own responses come back through the subscription.
-            self.drafter.finish(rid, response, keep=keep and self.sync is None)
-            if keep and not live and self.sync is None:
+            self.drafter.finish(rid, response, keep=keep and self.sync is None and not overshot)
+            if keep and (not live or overshot) and self.sync is None:
                 self.drafter.add_finished(req.origin_input_ids, response, group)
             if keep and self.sync is not None:
                 self.sync.finished(req.origin_input_ids, response, version=self.drafter.index.version,
@@ -529,6 +602,58 @@ class HistoryWorker(NGRAMWorker):
         )
         if self.drafter.control is not None:
             logger.info("histospec: cost model: %s", self.drafter.control.summary())
+
+
+def returned(req: Any) -> list[int]:
+    """What request ``req`` returned: its output tokens up to where it finished (SGLang's
+    ``finished_len``: a stop string, EOS or max_new_tokens; a verify step may have accepted tokens
+    past it, which ``output_ids`` keeps and the response leaves out)."""
+    out = list(req.output_ids)
+    end = getattr(req, "finished_len", None)
+    return out if end is None else out[: int(end)]
+
+
+def _seq_lens(batch: Any) -> list[int]:
+    """SGLang's ``seq_lens`` of the batch, on the host."""
+    seq = getattr(batch, "seq_lens_cpu", None)
+    if seq is None:
+        seq = batch.seq_lens.cpu()
+    return [int(x) for x in seq.tolist()]
+
+
+#: SGLang's ``top_k`` when unset (the whole vocabulary); a request's ``top_k`` at or above it filters nothing.
+_TOP_K_ALL = 1 << 30
+
+
+def needs_full_sampler(req: Any) -> bool:
+    """Whether request ``req`` must be decoded by SGLang's full sampler on every step: its sampling
+    uses something that SGLang's tree verification (``eagle_sample``) does not apply as the sampler of
+    a plain decode step does, so verifying a draft would sample it under another rule.
+
+    - ``min_p``: the verify path ignores it (sampled requests);
+    - frequency, presence and repetition penalties and ``min_new_tokens`` (SGLang's penalizers): the
+      verify path applies the penalties of the step's start to every node ("a relaxed version of
+      penalties"), and counts one output token per step;
+    - a custom logit processor: the verify path does not run it;
+    - ``top_k`` and ``top_p`` together (sampled): the sampler filters both on the model's
+      probabilities at once, the verify path renormalizes after top-k and then cuts top-p;
+    - ``sampling_seed``: the same seed must give the same tokens, which a verify step's coins (drawn
+      per draft node) do not.
+
+    Temperature, ``top_k`` or ``top_p`` alone, ``logit_bias``, stop conditions and greedy decoding
+    are applied by both paths alike. docs/plugin.md has the table."""
+    sp = getattr(req, "sampling_params", None)
+    if sp is None:
+        return False
+    if getattr(req, "custom_logit_processor", None) or getattr(sp, "sampling_seed", None) is not None:
+        return True
+    if (getattr(sp, "frequency_penalty", 0.0) or getattr(sp, "presence_penalty", 0.0)
+            or getattr(sp, "repetition_penalty", 1.0) != 1.0 or getattr(sp, "min_new_tokens", 0)):
+        return True
+    if _request_class(req) == "greedy":  # argmax: min_p, top_k and top_p change nothing
+        return False
+    top_k = getattr(sp, "top_k", _TOP_K_ALL)
+    return bool(getattr(sp, "min_p", 0.0) > 0.0 or (0 < top_k < _TOP_K_ALL and getattr(sp, "top_p", 1.0) < 1.0))
 
 
 def _request_class(req: Any) -> str:

@@ -35,7 +35,7 @@ class Req:
         self.sampling_params = types.SimpleNamespace(
             custom_params={"histospec_group": group} if group is not None else None)
         self.done, self.abort = False, abort
-        self.finished_reason = None
+        self.finished_reason = self.finished_len = None
     def finished(self):
         return self.done
 
@@ -121,6 +121,17 @@ for fam in reg.collect():
             metrics[smp.name + (f"/{smp.labels['kept']}" if "kept" in smp.labels else "")] = smp.value
 totals = dict(w.drafter.totals)
 index = w.drafter.index.stats()
+# A request whose last step went past its end (a stop string matched 6 tokens into the 10 it has):
+# SGLang keeps them all in output_ids and returns 6; the history holds those 6.
+stop = Req("s", [6, 6, 6], list(range(300, 310)))
+sp_ = {"s": [300]}
+while not stop.done:
+    sp_, _ = step([stop], sp_)
+    if len(stop.output_ids) + len(sp_["s"]) >= 8:
+        stop.output_ids += sp_.pop("s")
+        stop.done, stop.finished_len = True, 6
+        w.note_request_finished(rid="s", natural_stop=True)
+cut = [(list(p), list(r)) for p, r, _ in w.drafter.index.responses(prompt_key([6, 6, 6]))]
 w.clear_cache_pool()  # flush_cache after a weight update: history stays
 w.history_save(sys.argv[1])
 import sglang  # noqa: E402
@@ -129,4 +140,4 @@ print("RESULT " + json.dumps(dict(sglang=sglang.__version__,
     steps=len(accepted_steps), accepted=sum(accepted_steps), responses=stats["responses"],
     after_flush=w.drafter.index.stats()["responses"], first=first, finished=stats["finished"],
     live=sorted(w.drafter.live()), groups=w.drafter.index.group_keys(), key=prompt_key(prompt),
-    metrics=metrics, totals=totals, index=index)))
+    metrics=metrics, totals=totals, index=index, cut=cut)))
