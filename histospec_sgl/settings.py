@@ -255,6 +255,12 @@ SETTINGS: tuple[Setting, ...] = (
             "(SGLang's --speculative-accept-threshold-acc = 1/ℓ), and SPEC-RL's default ℓ; 1 is exact. "
             "Lossy above 1; log-probs returned stay the current policy's",
             field="lenience"),
+    Setting("HISTOSPEC_CHECK_CONTEXT", _E, _choice("0", "1"), "0",
+            "1: a debugging check at every decode step that each request's context in the index is what "
+            "SGLang holds (its processed output tokens, then the accepted tokens it has not processed yet, "
+            "adding up with its seq_lens); a request that disagrees is counted in "
+            "histospec:context_mismatches_total and logged. Keeps a copy of every response in flight",
+            field="check_context", flag="--history-check-context", metavar="0|1"),
     # Reaching a draft server: engines and trainers alike.
     Setting("HISTOSPEC_DRAFT_SERVER", _C, _address, None,
             "host:port of a histospec draft server (a comma list: its shards, a group's records on shard "

@@ -58,6 +58,7 @@ class HistoryConfig:
     huge_pages: str = "0"
     log_every: int = 200
     lenience: float = 1.0
+    check_context: str = "0"
     draft_server: str | None = None
     draft_server_mode: str = "on_demand"
     draft_server_token_file: str | None = None
