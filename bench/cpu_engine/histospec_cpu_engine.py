@@ -17,16 +17,26 @@ in plain torch:
    AROUND hook clears ``_is_cpu`` for batches that are not all greedy, so they take SGLang's sampling
    branch (``tree_speculative_sampling_target_only`` and the top-k/top-p renormalizations, from the
    stubs).
-3. **HISTORY's backend check.** The product refuses any attention backend but FlashInfer, whose
+3. **SGLang's overlap scheduler under speculation.** SGLang turns overlap scheduling off for every
+   speculative algorithm on ``--device cpu`` (``speculative_hook._disable_overlap_schedule_for_cpu``,
+   0.5.17 and 0.5.23), so a CPU server would run HISTORY only on the synchronous loop, which no GPU
+   user runs. That switch is replaced by one that does nothing: HISTORY and NGRAM run under the
+   overlap scheduler, as on a GPU (the launch of step k+1 before the result of step k is processed,
+   the relay of accepted tokens through the future map), and ``--disable-overlap-schedule`` still
+   selects the synchronous loop. Torch's CPU streams and events stand in for CUDA's (they are
+   no-ops: a CPU runs one stream, so every copy is complete when it returns).
+4. **HISTORY's backend check.** The product refuses any attention backend but FlashInfer, whose
    custom masks tree verification needs on a GPU. On ``--device cpu`` with ``torch_native`` (whose
    tree attention item 1 provides) this plugin lets the server start; every other combination still
    gets the product's check and its error.
 
 ``CPU_ENGINE_BROKEN_FILE`` names a file that, while it holds one of these words, deliberately breaks one
 piece, to show that the tests would notice: ``mask`` (a causal mask in place of the tree mask),
-``greedy-verify`` (SGLang's stock CPU behaviour: sampled requests verified greedily) or ``padding`` (the
+``greedy-verify`` (SGLang's stock CPU behaviour: sampled requests verified greedily), ``padding`` (the
 last leaves of each HISTORY draft, its pads when it is short, are re-hung under the root carrying node
-1's token: duplicate siblings, which sampling verification counts several times). It is read at every
+1's token: duplicate siblings, which sampling verification counts several times) or ``relay`` (HISTORY
+takes every relayed accepted token as not yet in ``output_ids``, the rule that gave wrong tokens under
+the overlap scheduler on a GPU: where another batch ran in between, they are counted twice). It is read at every
 step, so that one server runs both the real and a broken verify.
 """
 
@@ -39,7 +49,7 @@ from typing import Any
 logger = logging.getLogger("histospec_cpu_engine")
 
 BROKEN_FILE = os.environ.get("CPU_ENGINE_BROKEN_FILE", "")
-_KINDS = ("", "mask", "greedy-verify", "padding")
+_KINDS = ("", "mask", "greedy-verify", "padding", "relay")
 _registered = False
 
 
@@ -67,9 +77,13 @@ def register() -> None:
     HookRegistry.register("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
                           _verify_attention, HookType.AROUND)
     HookRegistry.register("sglang.srt.speculative.eagle_utils.eagle_sample", _sampling_verify, HookType.AROUND)
+    HookRegistry.register("sglang.srt.arg_groups.speculative_hook._disable_overlap_schedule_for_cpu",
+                          _keep_overlap_schedule, HookType.REPLACE)
     if BROKEN_FILE:
         HookRegistry.register("histospec_sgl.plugin.worker.HistoryWorker._prepare_draft_tokens",
                               _duplicate_pads, HookType.AFTER)
+        HookRegistry.register("histospec_sgl.plugin.worker.HistoryWorker._unprocessed", _every_relayed_token,
+                              HookType.AROUND)
     _allow_torch_native_on_cpu()
     _registered = True
     if BROKEN_FILE:
@@ -148,7 +162,15 @@ def _sampling_verify(original: Any, *args: Any, **kwargs: Any) -> Any:
         eagle_utils._is_cpu = True
 
 
-# -- 3. HISTORY on torch_native, on CPU only -----------------------------------------------------
+# -- 3. the overlap scheduler -------------------------------------------------------------------
+
+
+def _keep_overlap_schedule(server_args: Any) -> None:
+    """Stands for ``_disable_overlap_schedule_for_cpu``: the overlap scheduler stays as the server
+    arguments ask (on unless ``--disable-overlap-schedule``)."""
+
+
+# -- 4. HISTORY on torch_native, on CPU only -----------------------------------------------------
 
 
 def _allow_torch_native_on_cpu() -> None:
@@ -204,3 +226,15 @@ def _duplicate_pads(result: Any, worker: Any, batch: Any) -> Any:
 
 
 DUPLICATES = 3
+
+
+# -- the overlap relay counted as missing, on demand ----------------------------------------------
+
+
+def _every_relayed_token(original: Any, worker: Any, batch: Any, use_prev: bool) -> Any:
+    """Every accepted token SGLang relays taken as missing from ``output_ids`` (under overlap), whether
+    or not SGLang has processed it since: the count before ``seq_lens`` was read."""
+    if broken() != "relay" or not use_prev:
+        return original(worker, batch, use_prev)
+    d = worker.draft_token_num
+    return [worker.prev_token_ids[i * d: i * d + worker.prev_accept_lens[i]] for i in range(len(batch.reqs))]

@@ -15,9 +15,10 @@ slots (``req_to_token``) plus the node's ancestors in the custom mask, checking 
 on the way. A wrong cache location, position, mask or compaction changes what it reads, and so
 what it predicts: the test compares every response with plain greedy decoding of the same policy.
 
-Four engines run two epochs of 3 prompts x 2 samples each, with and without SGLang's overlap
-scheduling, under each step policy: ``HISTOSPEC_CONTROL=fixed`` (every step verified at width d)
-and ``cost`` (each step verified at d or decoded plainly, the target's DECODE forward at width 1).
+Two engines run two epochs of 3 prompts x 2 samples each on the synchronous loop, under each step
+policy: ``HISTOSPEC_CONTROL=fixed`` (every step verified at width d) and ``cost`` (each step verified
+at one of its widths or decoded plainly, the target's DECODE forward at width 1). SGLang's overlap
+scheduler is not emulated here: tests/engine/test_lossless.py runs HISTORY under the real one.
 
 ``sglang_cpu_verify.py MODEL RANK PORT`` runs one of two tensor-parallel ranks (gloo on loopback):
 rank 0 drafts and broadcasts its drafts (:mod:`histospec_sgl.plugin.tp`), rank 1 keeps no index.
@@ -150,7 +151,7 @@ class Req:
     def __init__(self, rid: str, prompt: list[int], slot: int, max_new: int):
         self.rid, self.origin_input_ids, self.slot, self.max_new = rid, prompt, slot, max_new
         self.output_ids: list[int] = []
-        self.pending: list[int] = []  # accepted, not yet in output_ids (overlap mode)
+        self.pending: list[int] = []  # accepted by the last step, processed before the next
         self.done, self.finished_reason = False, None
         self.sampling_params = types.SimpleNamespace(custom_params=None)
 
@@ -158,33 +159,26 @@ class Req:
         return self.done
 
 
-def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
-    """Prefill (its token pending), then decode steps until every request has max_new tokens.
-
-    Overlap mode: a step's accepted tokens reach output_ids one step later, as in SGLang, except
-    where another batch ran in between: the odd requests' prefill is followed by a second prefill
-    (SGLang processes the first one's result before it launches the second), and every third step
-    a prefill of other requests runs before it. Those steps find the last result processed while
-    ``spec_info`` still relays the same accepted tokens."""
+def decode(worker, target: Target, reqs: list[Req]) -> int:
+    """Prefill, then synchronous decode steps (each step's result processed before the next one)
+    until every request has max_new tokens."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     for r in reqs:
         n = len(r.origin_input_ids)
         target.kv.store[target.req_to_token[r.slot, :n].long()] = torch.tensor(r.origin_input_ids)
         r.pending = [target.policy(list(r.origin_input_ids))]
-        r.relay = list(r.pending)
     live, steps = list(reqs), 0
     while live:
         bs = len(live)
-        for i, r in enumerate(live):
-            if not overlap or steps % 3 == 2 or (steps == 0 and i % 2):
-                r.output_ids, r.pending = r.output_ids + r.pending, []
+        for r in live:
+            r.output_ids, r.pending = r.output_ids + r.pending, []
         seq = torch.tensor([len(r.origin_input_ids) + len(r.output_ids) + len(r.pending) - 1 for r in live])
         acc = torch.zeros(bs * D, dtype=torch.int32)
         lens = torch.zeros(bs, dtype=torch.int32)
         for i, r in enumerate(live):
-            # the relay of the previous step's accepted tokens (only the last one in non-overlap mode)
-            prev = r.relay if overlap else r.output_ids[-1:]
+            # the relay of the previous step's accepted tokens (the last one, on the synchronous loop)
+            prev = r.output_ids[-1:]
             acc[i * D: i * D + len(prev)] = torch.tensor(prev)
             lens[i] = len(prev)
         batch = types.SimpleNamespace(
@@ -213,7 +207,6 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
             assert emitted[i, :n].tolist() == relayed[i, :n].tolist()
             r.output_ids += r.pending  # result processing of the previous step
             r.pending = emitted[i, :n].tolist()
-            r.relay = relayed[i, :n].tolist()
         worker.on_verify_complete_cpu((res.accept_lens - 1).tolist())
         for r in list(live):
             if len(r.output_ids) + len(r.pending) >= r.max_new:
@@ -224,7 +217,7 @@ def decode(worker, target: Target, reqs: list[Req], overlap: bool) -> int:
     return steps
 
 
-def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None) -> dict:
+def engine(model_path: str, control: str, tp: tuple | None = None) -> dict:
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
     from histospec_sgl.plugin.worker import HistoryWorker
@@ -233,7 +226,7 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
     args = ["--model-path", model_path, "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
             "--speculative-algorithm", "HISTORY", "--speculative-num-draft-tokens", str(D),
             "--attention-backend", "flashinfer"]
-    sa = prepare_server_args(args + ([] if overlap else ["--disable-overlap-schedule"]))
+    sa = prepare_server_args(args + ["--disable-overlap-schedule"])
     set_global_server_args_for_scheduler(sa)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, V, size=4).tolist() for _ in range(3)]
@@ -253,10 +246,7 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
         worker.broadcast = DraftBroadcast(group, src=0, rank_in_group=rank, world_size=2)
         if rank != 0:
             worker.drafter = None
-    # SGLang turns overlap scheduling off for --device cpu (its server args are read-only once
-    # resolved); a GPU server runs with it on. The worker reads the flag once, here.
     assert worker.enable_overlap is False
-    worker.enable_overlap = overlap
     if worker.drafter is not None and worker.drafter.control is not None:
         # Every width measured up front in every batch bucket (the engine measures d and plain
         # decoding in its first bucket, and the others once chosen or once a bucket has run
@@ -275,7 +265,7 @@ def engine(model_path: str, overlap: bool, control: str, tp: tuple | None = None
         reqs = [Req(f"e{epoch}p{k}s{s}", prompts[k], 2 * k + s, 20 + 6 * (2 * k + s))
                 for k in range(3) for s in range(2)]
         target.calls.clear()
-        steps = decode(worker, target, reqs, overlap)
+        steps = decode(worker, target, reqs)
         out["epochs"].append(dict(
             steps=steps, tokens=sum(r.max_new for r in reqs),
             identical=all(r.output_ids == policy.greedy(r.origin_input_ids, r.max_new) for r in reqs),
@@ -299,5 +289,5 @@ if __name__ == "__main__":
         rank, port = int(sys.argv[2]), sys.argv[3]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         tp = (dist.new_group([0, 1], backend="gloo"), rank)
-    results = {f"overlap={o},{c}": engine(sys.argv[1], o, c, tp) for o in (False, True) for c in ("fixed", "cost")}
+    results = {c: engine(sys.argv[1], c, tp) for c in ("fixed", "cost")}
     print("RESULT " + json.dumps(results))

@@ -330,6 +330,24 @@ class TestSampling:
         for b, seqs in bad.items():
             assert min(same_distribution(plain["t1"], seqs)) < 1e-10, b
 
+    def test_sampling_parameters_the_verify_path_would_change_are_decoded_plainly(self, peaked_servers):
+        """``min_p`` (which SGLang's verify path ignores) and a repetition penalty (which it applies
+        "relaxed"): 2,560 continuations of each, sampled through HISTORY under the default step policy
+        and at a fixed width, are distributed as plain decoding's, each decoded one token a step. Each
+        parameter moves plain decoding's own distribution (p < 1e-10 against plain sampling without
+        it), so a request verified as if it were not set would fail."""
+        plain_srv = peaked_servers["plain"]
+        base = _peaked(plain_srv, SAMPLED)[0]
+        for name, params in (("min_p", {**SAMPLED, "min_p": 0.3}),
+                             ("repetition_penalty", {**SAMPLED, "repetition_penalty": 1.6})):
+            want = _peaked(plain_srv, params)[0]
+            assert min(same_distribution(base, want)) < 1e-10, name
+            for tag in ("default", "history"):
+                seqs, per_step = _peaked(peaked_servers[tag], params, group=f"{tag}-{name}")
+                assert min(same_distribution(want, seqs)) > 1e-4, (name, tag)
+                # 4 tokens: the prefill's and 3 decode steps, each plain
+                assert per_step == pytest.approx(4 / 3), (name, tag, per_step)
+
     def test_siblings_draft_from_each_other_and_lenience_raises_acceptance(self, peaked_servers):
         """16 samples of one prompt decoding together, from no history, accept more per step when they
         share a group (drafting from each other in flight) than when each has its own
@@ -531,12 +549,15 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
 
 
 def test_bench_engine_methods_and_their_ratios():
-    """Each method's server, and the ratios of a row: ``plain_sync`` is plain decoding without the
-    overlap scheduler, and ``vs_plain_sync`` compares with it where a row has one."""
+    """Each method's server, and the ratios of a row: a method named with ``_sync`` runs without the
+    overlap scheduler, and ``vs_plain_sync`` compares with ``plain_sync`` where a row has one; a greedy
+    row says whether its outputs are plain decoding's for the same requests."""
     from histospec_sgl.bench import engine_bench as eb
 
     assert eb.server_spec("plain_sync") == ("plain", {}, ["--sleep-on-idle", "--disable-overlap-schedule"])
     assert eb.server_spec("plain") == ("plain", {}, ["--sleep-on-idle"])
+    assert eb.server_spec("history_cost_sync") == ("history", {"HISTOSPEC_CONTROL": "cost"},
+                                                   ["--sleep-on-idle", "--enable-metrics", "--disable-overlap-schedule"])
     assert eb.server_spec("history_cost")[:2] == ("history", {"HISTOSPEC_CONTROL": "cost"})
     assert eb.server_spec("history")[:2] == ("history", {"HISTOSPEC_CONTROL": "fixed"})
     with pytest.raises(ValueError, match="unknown method"):
@@ -550,6 +571,15 @@ def test_bench_engine_methods_and_their_ratios():
     assert (rows[2]["vs_plain"], rows[2]["vs_plain_sync"], rows[2]["verify_cost"]) == (0.84, 0.8, 1.2)
     assert rows[1]["vs_plain"] == 1.05 and rows[1]["vs_plain_sync"] == 1.0
     assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
+    greedy = {"pass": 1, "batch_size": 2, "temperature": 0.0, "siblings": 1}
+    rows = [{"method": "plain", **greedy, "_outputs": [[1, 2], [3, 4]]},
+            {"method": "history", **greedy, "_outputs": [[1, 2], [3, 4]]},
+            {"method": "history_cost", **greedy, "_outputs": [[1, 2], [3, 5]]},
+            {"method": "history", **point, "_outputs": [[1]]},
+            {"method": "ngram", **greedy, "batch_size": 16, "_outputs": [[1]]}]
+    eb._identical(rows)
+    assert [r["identical_to_plain"] for r in rows] == [True, True, False, None, None]
+    assert all("_outputs" not in r for r in rows)
 
 
 @pytest.mark.memory(5)
@@ -573,6 +603,11 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
     assert res["settings"]["sampled_requests"] == 4 and res["settings"]["fixed_length"] is False
     for x in res["rows"]:
         assert x["tokens_per_s"] > 0 and x["vs_plain"] > 0 and x["verify_cost"] > 0
+        # Every server runs SGLang's overlap scheduler (on a CPU as on a GPU); greedy rows are plain
+        # decoding's tokens, and HISTORY's contexts never disagreed with SGLang's.
+        assert x["overlap"] is True, x
+        assert x["identical_to_plain"] is (True if x["temperature"] == 0.0 else None), x
+        assert x["context_mismatches"] == (0 if x["method"] == "history" else None), x
         # Every request runs to 16 tokens: greedy rows run one batch (at batch 1, four requests one
         # after the other), sampled rows batches until 4 requests.
         assert x["tokens"] == 16 * 4, x

@@ -1,0 +1,175 @@
+"""HISTORY is lossless under SGLang's own overlap scheduler, the one every GPU user runs, for every
+request SGLang accepts: real ``sglang.launch_server`` processes on the CPU engine (bench/cpu_engine
+keeps the overlap scheduler on for speculation, which SGLang itself turns off on a CPU), greedy
+outputs compared token by token with a plain-decoding server's.
+
+Each HISTORY server runs with ``HISTOSPEC_CHECK_CONTEXT=1``: at every decode step each request's
+context in the index must be what SGLang holds (its processed output tokens, then the relayed ones
+not processed yet, adding up with ``seq_lens``), and ``histospec:context_mismatches_total`` must stay 0.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _engine_checks import server
+from _overlap import mismatches, requests, run
+
+from histospec_sgl.bench.engine_bench import width_steps
+from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+
+#: Each test starts one to three SGLang servers (15-30 s each on two cores).
+pytestmark = pytest.mark.timeout(900)
+#: Chunked prefill small enough that the scenario's long prompt (300 tokens) is prefilled in chunks,
+#: hidden states and custom logit processors allowed (requests ask for them).
+EXTRA = ["--chunked-prefill-size", "64", "--enable-return-hidden-states", "--enable-custom-logit-processor"]
+CHECKED = {"HISTOSPEC_CHECK_CONTEXT": "1"}
+
+
+def _counter(srv: EngineServer, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in srv.metrics().splitlines() if line.startswith(name + "{"))
+
+
+def _history(py: Path, model: Path, tmp: Path, tag: str, env: dict[str, str]) -> EngineServer:
+    """A HISTORY server on the engine's default step policy unless ``env`` names one."""
+    return server(py, model, "history", tmp, max_running=16, tag=tag,
+                  env={**CHECKED, "HISTOSPEC_CONTROL": "cost", **env}, extra=[*EXTRA, "--enable-metrics"])
+
+
+@pytest.fixture(scope="module")
+def plain(sglang_py, greedy_model, tmp_path_factory):
+    with server(sglang_py, greedy_model, "plain", tmp_path_factory.mktemp("plain"), max_running=16,
+                extra=EXTRA) as srv:
+        yield srv
+
+
+def _check_scenario(srv: EngineServer, plain: EngineServer, passes: int = 2) -> list[dict]:
+    """The scenario (tests/helpers/_overlap.py) ``passes`` times (a later pass drafts from the earlier
+    ones' history): every response equal to plain decoding's, no context mismatch. Returns each pass's
+    result."""
+    out = []
+    for p in range(passes):
+        res = run(srv, plain)
+        assert mismatches(res) == [], f"pass {p + 1}: {mismatches(res)}"
+        out.append(res)
+    assert _counter(srv, "histospec:context_mismatches_total") == 0
+    assert srv.overlap(), "the server runs SGLang's overlap scheduler"
+    assert "Traceback" not in srv.log_tail(10 ** 7)
+    return out
+
+
+def _tokens_per_step(res: dict) -> float:
+    outs = [o for r, o in zip(res["reqs"], res["got"].values()) if "abort_after" not in r]
+    return sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs)
+
+
+@pytest.mark.memory(6.5)
+def test_history_under_the_overlap_scheduler_equals_plain_decoding(sglang_py, greedy_model, plain, tmp_path):
+    """Greedy requests arriving while others decode, a long prompt prefilled in chunks, radix-cache
+    hits, aborts mid-decode and early stops at a stop token, twice over (the second pass drafts from
+    the first's history), under the default step policy and at a fixed width with SGLang's test
+    retraction (``SGLANG_TEST_RETRACT``: requests retracted and re-prefilled every few steps): every
+    response equals plain decoding's, and no request's context ever disagrees with SGLang's.
+
+    Taking every relayed token as missing from ``output_ids`` (the rule that gave different tokens on
+    a GPU, broken on purpose through ``CPU_ENGINE_BROKEN_FILE``) shows here as context mismatches."""
+    switch = tmp_path / "broken"
+    with running(_history(sglang_py, greedy_model, tmp_path, "default", {}),
+                 _history(sglang_py, greedy_model, tmp_path, "retract",
+                          {"HISTOSPEC_CONTROL": "fixed", "SGLANG_TEST_RETRACT": "1",
+                           "CPU_ENGINE_BROKEN_FILE": str(switch)})) as (default, retract):
+        passes = _check_scenario(default, plain)
+        widths = width_steps(default) or {}
+        assert {"1", "8"} <= {w for w, n in widths.items() if n > 0}, widths
+        assert _tokens_per_step(passes[1]) > 2.0
+        passes = _check_scenario(retract, plain)
+        assert _counter(retract, "sglang:num_retracted_requests_total") > 0
+        assert _tokens_per_step(passes[1]) > 2.0
+        switch.write_text("relay")
+        res = run(retract, plain, requests(seed=1))
+        switch.write_text("")
+        assert _counter(retract, "histospec:context_mismatches_total") > 0
+    assert all(len(o["output_ids"]) for o in res["got"].values())
+
+
+@pytest.mark.memory(4.5)
+def test_history_under_the_overlap_scheduler_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, plain,
+                                                             tmp_path):
+    """The same scenario on SGLang 0.5.23 (laid over the 0.5.17 environment), default step policy with
+    test retraction: every response equals plain decoding's (0.5.17's), no context mismatch."""
+    env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+           "SGLANG_TEST_RETRACT": "1"}
+    with _history(sglang_py, greedy_model, tmp_path, "0.5.23", env) as srv:
+        passes = _check_scenario(srv, plain)
+        assert _counter(srv, "sglang:num_retracted_requests_total") > 0
+        assert _tokens_per_step(passes[1]) > 2.0
+        with urllib.request.urlopen(srv.url + "/server_info", timeout=30) as r:
+            assert json.loads(r.read())["version"] == "0.5.23"
+
+
+def _disallowed_tokens_processor(py: Path) -> str:
+    """SGLang's own custom logit processor that bans the tokens a request names, serialized as a
+    client sends it."""
+    code = ("from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor as P; "
+            "print(P().to_str())")
+    return subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.memory(4)
+def test_every_request_and_every_step_returns_what_plain_decoding_returns(sglang_py, greedy_model, plain, tmp_path):
+    """On the default step policy, whichever way a step ran (plain, a narrower verify, width d):
+    ``--enable-return-hidden-states`` and top-k log-probs return plain decoding's rows, one per token.
+    And requests whose sampling SGLang's verify path does not reproduce (penalties, a custom logit
+    processor) are decoded plainly on every step, with plain decoding's tokens, while ``logit_bias``,
+    which both paths apply alike, is drafted and verified."""
+    import random
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 510) for _ in range(rng.randrange(12, 40))] for _ in range(8)]
+    sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+    with _history(sglang_py, greedy_model, tmp_path, "default", {}) as srv:
+        before = width_steps(srv) or {}
+        for p in range(3):
+            got = srv.generate(prompts, sp, return_logprob=True, top_logprobs_num=3, return_hidden_states=True)
+            want = plain.generate(prompts, sp, return_logprob=True, top_logprobs_num=3, return_hidden_states=True)
+            for o, w in zip(got, want):
+                assert o["output_ids"] == w["output_ids"], p
+                hs, hw = o["meta_info"]["hidden_states"], w["meta_info"]["hidden_states"]
+                assert len(hs) == len(hw) == 32
+                worst = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(hs, hw))
+                assert worst < 1e-3, (p, worst)
+                top = [[t[1] for t in row] for row in o["meta_info"]["output_top_logprobs"]]
+                assert top == [[t[1] for t in row] for row in w["meta_info"]["output_top_logprobs"]], p
+        after = width_steps(srv) or {}
+        ran = {w for w, n in after.items() if n > before.get(w, 0)}
+        # plain steps, width d, and a narrower verify width in between
+        assert {"1", "8"} <= ran and ran & {"2", "4"}, after
+        # Sampling parameters, greedy (deterministic): each after a pass without them, so that the
+        # history drafts what the unpenalized policy says.
+        processor = _disallowed_tokens_processor(sglang_py)
+        banned = sorted({o["output_ids"][3] for o in plain.generate(prompts, sp)})
+        cases = {"repetition_penalty": {"repetition_penalty": 1.3}, "frequency_penalty": {"frequency_penalty": 0.8},
+                 "presence_penalty": {"presence_penalty": 0.8}, "logit_bias": {"logit_bias": {str(banned[0]): 4.0}},
+                 "custom logit processor": {"custom_params": {"token_ids": banned}}}
+        for name, extra in cases.items():
+            params = {**sp, **extra}
+            kw = {"custom_logit_processor": processor} if "custom_params" in extra else {}
+            want = [o["output_ids"] for o in plain.generate(prompts, params, **kw)]
+            out = srv.generate(prompts, params, **kw)
+            assert [o["output_ids"] for o in out] == want, name
+            # Decode steps (SGLang's spec_verify_ct, plain ones included) against tokens past the
+            # prefill's: one each where every step is plain.
+            steps = sum(verify_steps(o) for o in out)
+            decoded = sum(len(o["output_ids"]) - 1 for o in out)
+            if name == "logit_bias":
+                assert decoded > 2 * steps, "logit_bias is verified: drafts are accepted"
+            else:
+                assert decoded == steps, f"{name}: every step plain"
+            assert any(w != o["output_ids"] for w, o in zip(want, plain.generate(prompts, sp))), \
+                f"{name} changes the outputs (else this checks nothing)"
+        assert _counter(srv, "histospec:context_mismatches_total") == 0
