@@ -339,10 +339,11 @@ def add_bench(sub: Any) -> None:
                     "sampling answers to the GRPO log's MATH questions; the default with --trace), or a model "
                     "directory")
     be.add_argument("--methods", default="plain,ngram,history,history_cost",
-                    help="comma list of plain, plain_sync (plain without the overlap scheduler), ngram, ngram_corpus "
-                    "(SGLang 0.5.23's NGRAM with an external corpus: the row's history in trace mode), history "
-                    "(HISTORY at the fixed width --draft-tokens, HISTOSPEC_CONTROL=fixed), history_cost (HISTORY under the "
-                    "engine's default policy, the cost model, its widest width --draft-tokens)")
+                    help="comma list of plain, ngram, ngram_corpus (SGLang 0.5.23's NGRAM with an external corpus: the "
+                    "row's history in trace mode), history (HISTORY at the fixed width --draft-tokens, "
+                    "HISTOSPEC_CONTROL=fixed), history_cost (HISTORY under the engine's default policy, the cost model, "
+                    "its widest width --draft-tokens); every server runs SGLang's overlap scheduler, as on a GPU, and "
+                    "plain_sync, ngram_sync, history_sync and history_cost_sync run the synchronous loop instead")
     be.add_argument("--trace", choices=["grpo"],
                     help="TRACE MODE (a benchmark): decode a logged RL step's responses with every token forced to "
                     "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "

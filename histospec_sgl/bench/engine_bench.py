@@ -25,9 +25,14 @@ of one verify step relative to one decode step at that batch size: the profile a
 needs. ``history`` is HISTORY at a fixed width (``HISTOSPEC_CONTROL=fixed``: every decode step
 verified at width d); ``history_cost`` is HISTORY with the cost model choosing each step's width
 (``HISTOSPEC_CONTROL=cost``); :data:`SETTINGS` holds each method's ``HISTOSPEC_*`` settings.
-``plain_sync`` is plain decoding without the overlap scheduler (:data:`SYNC_ARGS`), as SGLang runs
-speculative decoding on CPU; ``vs_plain_sync`` compares a row with it, so that a ratio says what the
-speculation does apart from the scheduler it runs under. ``ngram_corpus`` is SGLang 0.5.23's NGRAM
+Every server runs SGLang's overlap scheduler, as on a GPU (on a CPU SGLang itself turns it off for
+speculative decoding; the CPU engine's stand-ins keep it on); a method named with ``_sync``
+(``plain_sync``, ``history_sync``, ``history_cost_sync``, ``ngram_sync``) runs the synchronous loop
+instead (:data:`SYNC_ARGS`), and ``vs_plain_sync`` compares a row with ``plain_sync``. Each row says
+which scheduler ran it (``overlap``), whether a greedy row's outputs equal plain decoding's for the
+same requests (``identical_to_plain``; None where there is no plain row or the row samples), and how
+many requests' relayed tokens did not add up with SGLang's ``seq_lens`` on a HISTORY server
+(``context_mismatches``, its counter over the row; None for other methods). ``ngram_corpus`` is SGLang 0.5.23's NGRAM
 (laid over the environment's SGLang, :func:`sglang_0523`) with an external corpus; in trace mode it
 holds each row's history (:mod:`histospec_sgl.bench.engine_trace`), elsewhere nothing.
 
@@ -55,13 +60,15 @@ from histospec_sgl import settings
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
 from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
 
-METHODS = ("plain", "plain_sync", "ngram", "ngram_corpus", "history", "history_cost")
-#: ``plain_sync``: plain decoding without SGLang's overlap scheduler, which SGLang turns off for
-#: speculative decoding on CPU (on a GPU HISTORY runs with it): the same scheduler as HISTORY's there.
+METHODS = ("plain", "plain_sync", "ngram", "ngram_sync", "ngram_corpus", "history", "history_sync", "history_cost",
+           "history_cost_sync")
+#: A method named with ``_sync`` runs SGLang's synchronous loop instead of its overlap scheduler.
 SYNC_ARGS = ["--disable-overlap-schedule"]
 #: Each HISTORY method's settings: ``history`` at a fixed width, ``history_cost`` with the cost model
 #: picking each step's width (:mod:`histospec_sgl.engine.costmodel`).
 SETTINGS = {"history": {"HISTOSPEC_CONTROL": "fixed"}, "history_cost": {"HISTOSPEC_CONTROL": "cost"}}
+#: Row keys that are per-request outputs, compared across methods and then dropped from the rows.
+_OUTPUTS = "_outputs"
 
 
 def machine_info() -> dict[str, Any]:
@@ -173,11 +180,13 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     other. ``expect``: each traced request's forced tokens, checked against what the engine emitted
     (a trace run whose outputs differ from the log's would measure something else)."""
     widths_before = width_steps(srv)
+    mismatches_before = context_mismatches(srv)
     t0 = time.perf_counter()
-    tokens, steps, passes = 0, [], 0
+    tokens, steps, passes, outputs = 0, [], 0, []
     for k in range(0, len(ids), batch):
         chunk = rids[k: k + batch] if rids is not None else None
         out = srv.generate(ids[k: k + batch], params[k: k + batch], rids=chunk)
+        outputs += [list(o["output_ids"]) for o in out]
         tokens += sum(len(o["output_ids"]) for o in out)
         batch_steps = [verify_steps(o) for o in out]
         steps += batch_steps
@@ -193,7 +202,10 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     row: dict[str, Any] = {
         "tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
         "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
-        "step_ms": round(1000 * wall / max(1, passes), 3)}
+        "step_ms": round(1000 * wall / max(1, passes), 3), _OUTPUTS: outputs}
+    mismatches = context_mismatches(srv)
+    row["context_mismatches"] = (None if mismatches is None or mismatches_before is None
+                                 else mismatches - mismatches_before)
     if widths_before is not None:
         after = width_steps(srv) or {}
         row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
@@ -215,6 +227,18 @@ def width_steps(srv: EngineServer) -> dict[str, int] | None:
     return out
 
 
+def context_mismatches(srv: EngineServer) -> int | None:
+    """A HISTORY server's ``histospec:context_mismatches_total`` so far (with ``--enable-metrics``), or
+    None for a server that does not export it."""
+    if srv.method != "history":
+        return None
+    total = None
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:context_mismatches_total{"):
+            total = (total or 0) + int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 def step_seconds(srv: EngineServer) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``): width -> batch-size bucket -> seconds;
@@ -234,11 +258,13 @@ def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:
     """A method's server: the algorithm it runs, its ``HISTOSPEC_*`` settings and its extra arguments."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
-    env = SETTINGS.get(method, {})
+    sync = method.endswith("_sync")
+    env = SETTINGS.get(method.removesuffix("_sync"), {})
     algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else "ngram"
-    # HISTORY servers export their steps per verify width (each row's ``width_steps``).
+    # HISTORY servers export their steps per verify width (each row's ``width_steps``) and their
+    # context mismatches.
     metrics = ["--enable-metrics"] if algo == "history" else []
-    return algo, dict(env), ["--sleep-on-idle", *metrics, *(SYNC_ARGS if method == "plain_sync" else [])]
+    return algo, dict(env), ["--sleep-on-idle", *metrics, *(SYNC_ARGS if sync else [])]
 
 
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
@@ -316,6 +342,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     # Several large servers loading at once starve each other's KV-pool sizing (five SmolLM2 servers
     # did); two side by side do not.
     with running(*servers.values(), one_at_a_time=large and len(servers) > 2):
+        overlap = {m: srv.overlap() for m, srv in servers.items()}
         for srv in servers.values():
             srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
                          {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
@@ -328,8 +355,9 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                                repeats, sampled_requests, log)
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
-             **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
+             "overlap": overlap[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
+    _identical(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
 
 
@@ -425,6 +453,13 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if k == "step_seconds":  # the step costs the policy had measured by the end of the last run
             out[k] = runs[-1][k]
             continue
+        if k == _OUTPUTS:  # every run's outputs, in order
+            out[k] = [o for r in runs for o in r[k]]
+            continue
+        if k == "context_mismatches":  # summed over the runs
+            vals_ = [r[k] for r in runs]
+            out[k] = None if None in vals_ else sum(vals_)
+            continue
         vals = sorted(r[k] for r in runs)
         mid = len(vals) // 2
         out[k] = vals[mid] if len(vals) % 2 else round((vals[mid - 1] + vals[mid]) / 2, 4)
@@ -452,6 +487,23 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_plain_sync"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
 
 
+def _identical(rows: list[dict[str, Any]]) -> None:
+    """``identical_to_plain`` on every row: for a greedy row, whether every output equals the plain
+    row's for the same requests (same pass, batch size and siblings); None where there is no plain row
+    or the row samples. The outputs themselves leave the rows here."""
+    def point(r: dict[str, Any]) -> tuple:
+        return tuple(r[k] for k in ("pass", "batch_size", "temperature", "siblings"))
+
+    # plain last, so that its outputs are the reference where plain_sync ran too
+    plain = {point(r): r[_OUTPUTS] for r in sorted(rows, key=lambda r: r["method"] == "plain")
+             if r["method"] in ("plain", "plain_sync")}
+    for r in rows:
+        ref = plain.get(point(r))
+        r["identical_to_plain"] = None if ref is None or r["temperature"] > 0 else r[_OUTPUTS] == ref
+    for r in rows:
+        r.pop(_OUTPUTS)
+
+
 def print_table(result: dict[str, Any]) -> None:
     m = result["machine"]
     print(f"histospec-sgl bench engine: {result['model'].get('kind', result['model']['path'])} model, "
@@ -459,7 +511,8 @@ def print_table(result: dict[str, Any]) -> None:
           f"d={result['settings']['draft_tokens']}"
           + (" -- TRACE MODE (benchmark): logged tokens forced" if result["settings"].get("mode") == "trace" else ""))
     cols = ["method", "mode", "pass", "batch_size", "temperature", "siblings", "tokens_per_s", "tokens_per_step",
-            "step_ms", "vs_plain", "vs_plain_sync", "verify_cost"]
+            "step_ms", "vs_plain", "vs_plain_sync", "verify_cost", "overlap", "identical_to_plain",
+            "context_mismatches"]
     rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["siblings"], r["batch_size"], r["pass"],
                                                  METHODS.index(r["method"])))
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]

@@ -261,6 +261,12 @@ class EngineServer:
         """SGLang's ``/flush_cache`` (what trainers call after a weight update); :func:`flush_cache`."""
         flush_cache(self.url, timeout)
 
+    def overlap(self) -> bool:
+        """Whether the server runs SGLang's overlap scheduler (its ``/server_info``)."""
+        with urllib.request.urlopen(self.url + "/server_info", timeout=30) as r:
+            info = json.loads(r.read())
+        return not info.get("disable_overlap_schedule", False)
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             return r.read().decode()
