@@ -22,7 +22,7 @@ overlap relay. What differs:
   width d or decodes plainly (the target's own DECODE forward and sampler, one token per request),
   whichever the step costs it times per batch size and the acceptance the drafts promise say gives
   more tokens per second (:class:`~histospec_sgl.engine.costmodel.EngineControl`); a step in which
-  no request has a draft is decoded plainly. ``HISTOSPEC_CONTROL=fixed``, the default, verifies
+  no request has a draft is decoded plainly (the default). ``HISTOSPEC_CONTROL=fixed`` verifies
   every decode step at width d, as NGRAM does;
 - with ``--enable-metrics`` the drafter's counters and the index size are Prometheus metrics
   (:mod:`histospec_sgl.plugin.metrics`).
