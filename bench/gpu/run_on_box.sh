@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU job: HISTORY end to end on a GPU machine. Run it from the repository root of a copy of
 # the checkout that carries .devpayload (scripts/gpu_payload.sh builds it; the machine needs no
-# network and no Rust), within 10 minutes:
+# network and no Rust), as one call of at most 10 minutes (bench/gpu/NOTES.md: what runs first):
 #   OUT=gpu-out bash bench/gpu/run_on_box.sh
-# Writes everything under $OUT: environment facts, kernel check, server logs, e2e.json.
+# Writes everything under $OUT: environment facts, kernel check, server logs, e2e.json (and
+# e2e.partial.json after each phase).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 S=$(mktemp -d)
@@ -19,7 +20,7 @@ cd "$S"
 echo "unpacked in $(( $(date +%s) - t0 )) s"
 export PYTHONPATH="$S/site" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 \
        TVM_FFI_CACHE_DIR="$S/jit/tvm-ffi" FLASHINFER_WORKSPACE_BASE="$S/jit" TOKENIZERS_PARALLELISM=false \
-       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_LOG_EVERY=50
+       SGLANG_JIT_CACHE_DIR="$S/jit/sglang" HISTOSPEC_LOG_EVERY=50 HISTOSPEC_MODEL_CACHE="$S/models"
 if [ -f "$ROOT/.devpayload/jitcache.tar.xz" ]; then mkdir -p "$S/jit" && tar -C "$S/jit" -xJf "$ROOT/.devpayload/jitcache.tar.xz"; fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 echo "== kernel check (gpu-box.md section 9.1)"
@@ -28,7 +29,7 @@ python3 -m histospec_sgl.cli launch-server --check || echo "plugin check FAILED"
 echo "== tiny model"
 python3 "$ROOT/.devpayload/make_tiny_model.py" "$S/tiny" || { echo "tiny model failed"; exit 1; }
 echo "== e2e"
-timeout "${E2E_TIMEOUT:-480}" python3 "$ROOT/bench/gpu/e2e.py" --model "$S/tiny" --out "$OUT" ${E2E_ARGS:-}
+timeout "${E2E_TIMEOUT:-540}" python3 "$ROOT/bench/gpu/e2e.py" --model "$S/tiny" --out "$OUT" ${E2E_ARGS:-}
 rc=$?
 # The index's threads on the box's cores (no GPU needed): WORKER_THREADS="1 4 8" runs bench worker once
 # per count, each under WORKER_TIMEOUT seconds, after the e2e check so that it never eats its time.
