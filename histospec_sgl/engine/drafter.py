@@ -110,7 +110,7 @@ class BatchDrafter:
                            "starts), or its C library has no such switch (glibc >= 2.35 on Linux); the "
                            "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
-        #: Whether each step drafts: ``HISTOSPEC_CONTROL=fixed`` (the default), always d; ``cost``, the
+        #: Whether each step drafts: ``HISTOSPEC_CONTROL=fixed``, always d; ``cost`` (the default), the
         #: width the measured step costs and the drafts' promised acceptance say gives more tokens per
         #: second (:class:`EngineControl`, whose clock the engine's worker feeds).
         self.policy: StepPolicy = (EngineControl(draft_tokens) if self.config.control == "cost" else
