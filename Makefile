@@ -11,7 +11,8 @@ test: ## every test (Rust then Python), as CI runs them
 	bash scripts/test.sh
 
 test-fast: ## Rust and the Python tests that need no .venv-sglang (a few minutes; after make develop)
-	cargo nextest run --workspace --exclude histospec-py
+	if cargo nextest --version >/dev/null 2>&1; then cargo nextest run --workspace --exclude histospec-py; \
+	else cargo test --workspace --exclude histospec-py; fi
 	$(VENV)/python -m pytest tests -m "not sglang"
 
 bench: ## the index benchmark, JSON in bench/out/index.json
