@@ -766,8 +766,8 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
     from histospec_sgl.sync.engine import EngineSync
 
     dirs = [tmp_path / f"shard-{i}" for i in range(2)]
-    # Each shard holds 2 KB of records in memory and reads the rest back from its data dir.
-    held = ["--memory-bytes", "2048"]
+    # Each shard holds 2 KiB of records in memory (a size as the docs write it) and reads the rest back from its data dir.
+    held = ["--memory-bytes", "2k"]
     shards = [DraftServerProcess(data_dir=d, log=tmp_path / f"s{i}.log", extra=held) for i, d in enumerate(dirs)]
     address = ",".join(s.address for s in shards)
     recs = _records(80, seed=21, prompts=8)

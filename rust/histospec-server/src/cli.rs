@@ -30,18 +30,18 @@ pub struct Args {
     /// retain at most N records (0: no limit)
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub max_records: u64,
-    /// largest gRPC message
-    #[arg(long, default_value_t = 64 << 20)]
+    /// largest gRPC message (a size: bytes, or 64M, 1G; binary units)
+    #[arg(long, default_value_t = 64 << 20, value_name = "SIZE", value_parser = size::<usize>)]
     pub max_message_bytes: usize,
     /// largest record, in tokens
     #[arg(long, default_value_t = 1 << 20)]
     pub max_tokens_per_record: usize,
-    /// hold at most N bytes of encoded records in memory, reading older ones back from --data-dir
-    /// when a client asks for them (0: all in memory)
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    /// hold at most SIZE of encoded records in memory (bytes, or 256M, 1G; binary units), reading
+    /// older ones back from --data-dir when a client asks for them (0: all in memory)
+    #[arg(long, default_value_t = 0, value_name = "SIZE", value_parser = size::<u64>)]
     pub memory_bytes: u64,
-    /// compact the log into a snapshot after this much log
-    #[arg(long, default_value_t = 256 << 20)]
+    /// compact the log into a snapshot after this much log (a size, as --memory-bytes)
+    #[arg(long, default_value_t = 256 << 20, value_name = "SIZE", value_parser = size::<u64>)]
     pub snapshot_every_bytes: u64,
     /// messages buffered per subscriber
     #[arg(long, default_value_t = 8)]
@@ -55,6 +55,16 @@ pub struct Args {
     /// allow listening beyond loopback without a token (a network you trust)
     #[arg(long)]
     pub insecure: bool,
+}
+
+/// A size as every histospec command takes one: bytes (`1000000`), or a number with a binary unit
+/// (`256M`, `1G`, `512MiB`, `1.5k`), the same values as the Python side's `parse_size`.
+fn size<T: TryFrom<u64>>(text: &str) -> Result<T, String> {
+    let bytes = parse_size::Config::new()
+        .with_binary()
+        .parse_size(text)
+        .map_err(|e| format!("{e} (examples: 256M, 1G, 1000000)"))?;
+    T::try_from(bytes).map_err(|_| format!("{bytes} bytes is too large on this machine"))
 }
 
 pub fn loopback(listen: &str) -> bool {
@@ -175,5 +185,34 @@ mod tests {
         assert_eq!(a.max_message_bytes, 64 << 20);
         assert!(Args::try_parse_from(["x", "--tls-cert", "a.pem"]).is_err());
         assert!(Args::try_parse_from(["x", "--max-records", "many"]).is_err());
+    }
+
+    #[test]
+    fn sizes_take_the_values_every_histospec_command_takes() {
+        for (text, bytes) in [
+            ("256M", 256u64 << 20),
+            ("1G", 1 << 30),
+            ("512MiB", 512 << 20),
+            ("4k", 4096),
+            ("1000000", 1_000_000),
+            ("0", 0),
+        ] {
+            let a =
+                Args::try_parse_from(["x", "--memory-bytes", text, "--snapshot-every-bytes", text])
+                    .unwrap();
+            assert_eq!(
+                (a.memory_bytes, a.snapshot_every_bytes),
+                (bytes, bytes),
+                "{text}"
+            );
+        }
+        let a = Args::try_parse_from(["x", "--max-message-bytes", "16M"]).unwrap();
+        assert_eq!(a.max_message_bytes, 16 << 20);
+        for bad in ["lots", "-1", "12Q"] {
+            assert!(
+                Args::try_parse_from(["x", "--memory-bytes", bad]).is_err(),
+                "{bad}"
+            );
+        }
     }
 }
