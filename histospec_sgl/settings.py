@@ -391,12 +391,16 @@ def check_names(environ: Mapping[str, str] | None = None) -> None:
                            "variable")
 
 
-def table(scopes: tuple[str, ...] | None = None, *, with_scope: bool = False) -> str:
-    """The settings of ``scopes`` (default: all) as a Markdown table."""
+def table(scopes: tuple[str, ...] | None = None, *, with_scope: bool = False,
+          flagged: bool | None = None) -> str:
+    """The settings of ``scopes`` (default: all) as a Markdown table; ``flagged``: only the settings
+    with (True) or without (False) a ``--history-*`` option."""
     head = "| variable | scope | default | meaning |" if with_scope else "| variable | default | meaning |"
     rows = [head, "|---|---|---|---|" if with_scope else "|---|---|---|"]
     for s in SETTINGS:
         if scopes is not None and s.scope not in scopes:
+            continue
+        if flagged is not None and bool(s.flag) != flagged:
             continue
         cells = [f"`{s.env}`", *([s.scope] if with_scope else []), s.shown_default(), s.help]
         rows.append("| " + " | ".join(cells) + " |")

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from histospec_sgl import settings
-from histospec_sgl.engine.config import HistoryConfig, HistoryConfigError, settings_table
+from histospec_sgl.engine.config import ENGINE_SCOPES, HistoryConfig, HistoryConfigError
 from histospec_sgl.hugepages import prepare_children
 from histospec_sgl.plugin import flag_value
 
@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         "drafts from the history of earlier responses to the same prompt. Arguments other than the "
         "ones below go to SGLang unchanged (see python -m sglang.launch_server --help).",
         epilog="Each --history-* option sets the environment variable of the same setting:\n\n"
-        + settings_table(),
+        + settings.table(ENGINE_SCOPES, flagged=True)
+        + "\n\nThe engine reads these without an option; set them in its environment:\n"
+        + ", ".join(s.env for s in settings.SETTINGS if s.scope in ENGINE_SCOPES and not s.flag),
         add_help=True,
     )
     ap.add_argument("--check", action="store_true",

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from histospec_sgl import HistoryIndex
+from histospec_sgl import HistoryIndex, settings
 from histospec_sgl.engine.config import HistoryConfig, HistoryConfigError, parse_size, settings_table
 from histospec_sgl.engine.drafter import group_of
 
@@ -99,6 +99,13 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def test_launch_server_help_and_errors():
     r = _cli("launch-server", "--help")
     assert r.returncode == 0 and "--history-load" in r.stdout and "HISTOSPEC_MEMORY_BUDGET" in r.stdout
+    # The table names only the settings that have an option; the others are listed as environment-only.
+    table, _, tail = r.stdout.partition("without an option")
+    env_only = tail.split(":", 1)[1].replace(",", " ").split()
+    for s in settings.SETTINGS:
+        if s.scope in ("engine", "client"):
+            assert (f"`{s.env}`" in table) == bool(s.flag), s.env
+            assert (s.env in env_only) != bool(s.flag), s.env
     r = _cli("launch-server", "--history-memory-budget", "lots", "--model-path", "m")
     assert r.returncode == 2 and "HISTOSPEC_MEMORY_BUDGET='lots'" in r.stderr
     r = _cli("launch-server", "--model-path", "m", "--history-draft-knobs", "recency=bogus")
