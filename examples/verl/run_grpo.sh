@@ -12,6 +12,7 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 source "$HERE/../common.sh"
 need MODEL "the model to train (a Hugging Face path or name)"
 need DATA "the folder with train.parquet and test.parquet"
+job_env "{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER_ACTOR\": \"$ACTOR\"}}"
 checked
 
 SPEC=()
@@ -24,7 +25,7 @@ fi
 draft_server
 
 run ray job submit --address="$RAY_DASHBOARD" \
-  --runtime-env-json="$(runtime_env "{\"env_vars\": {\"HISTOSPEC_DRAFT_SERVER_ACTOR\": \"$ACTOR\"}}")" \
+  --runtime-env-json="$JOB_ENV" \
   -- python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   data.train_files="$DATA/train.parquet" data.val_files="$DATA/test.parquet" \

@@ -17,9 +17,12 @@ from sglang_subprocess import result, run_script
 
 from conftest import ROOT, shared_path
 
-EXAMPLES = {"slime": ["--hf-checkpoint", "/models/m", "--rollout-batch-size", "16"],
+#: What a user passes, as each example's header shows it: nothing more (the examples add the rest).
+EXAMPLES = {"slime": ["--hf-checkpoint", "/models/m", "--prompt-data", "/data/math.jsonl", "--rollout-batch-size",
+                      "32", "--num-rollout", "100"],
             "verl": ["trainer.total_epochs=3"], "openrlhf": ["--rollout.temperature", "0.9"]}
-NEEDS = {"slime": ["SLIME_DIR", "--hf-checkpoint"], "verl": ["MODEL", "DATA"], "openrlhf": ["MODEL", "DATA"]}
+NEEDS = {"slime": ["SLIME_DIR", "--hf-checkpoint", "--prompt-data", "--rollout-batch-size", "--num-rollout"],
+         "verl": ["MODEL", "DATA"], "openrlhf": ["MODEL", "DATA"]}
 
 
 def _run(trainer: str, tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -98,6 +101,7 @@ def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path
         assert got["record"] == "histospec_sgl.integrations.slime.record"
         assert got["config"] == str(ROOT / "examples" / "slime" / "histospec.yaml")
         assert got["hf_checkpoint"] == "/models/m" and got["n_samples"] == 8
+        assert (got["rollout_batch_size"], got["num_rollout"], got["prompt_data"]) == (32, 100, "/data/math.jsonl")
     elif trainer == "verl":
         assert (got["name"], got["n"], got["algorithm"]) == ("sglang", 8, "HISTORY")
         assert got["router"] == str(ROOT / "examples" / "verl" / "router.yaml")
@@ -115,3 +119,47 @@ def test_verl_spec_rl_switch_adds_the_agent_loop(tmp_path, sglang_py):
     got = result(run_script(sglang_py, "example_parse.py", "verl", json.dumps(argv[3:]), timeout=300))
     assert got["agent_loop"] == "histospec_specrl"
     assert got["agent_config"] == str(ROOT / "examples" / "verl" / "agent_loops.yaml")
+
+
+@pytest.mark.parametrize("form", [["--rollout.n_samples_per_prompt", "16"], ["--rollout.n_samples_per_prompt=16"]])
+def test_openrlhf_group_size_is_the_trainers_flag(form, tmp_path, sglang_py):
+    """The user's --rollout.n_samples_per_prompt is the one group size: the trainer gets it once and the
+    SPEC-RL executor's HISTOSPEC_N_SAMPLES follows it (a group of 16 gets 16 slots, not 8)."""
+    r, _ = _run("openrlhf", tmp_path, *form, DRY_RUN="1", MODEL="/models/m", DATA="/data/d")
+    assert r.returncode == 0, r.stderr
+    env, argv = _submitted(r.stdout)
+    assert env["env_vars"]["HISTOSPEC_N_SAMPLES"] == "16"
+    assert sum(a.startswith("--rollout.n_samples_per_prompt") for a in argv) == 1, argv
+    got = result(run_script(sglang_py, "example_parse.py", "openrlhf", json.dumps(argv[3:]), timeout=300))
+    assert got["n"] == 16
+
+
+@pytest.mark.parametrize("conflict", [{"N_SAMPLES": "8"},
+                                      {"RUNTIME_ENV_JSON": json.dumps({"env_vars": {"HISTOSPEC_N_SAMPLES": "8"}})}])
+def test_openrlhf_refuses_a_second_group_size(conflict, tmp_path):
+    r, log = _run("openrlhf", tmp_path, "--rollout.n_samples_per_prompt", "16", MODEL="/models/m", DATA="/data/d",
+                  **conflict)
+    assert r.returncode == 2 and not log.exists(), r.stderr
+    assert "n_samples_per_prompt" in r.stderr and "16" in r.stderr, r.stderr
+
+
+def test_slime_checks_its_flags_and_paths_before_it_starts_anything(tmp_path):
+    slime_dir = tmp_path / "slime"
+    slime_dir.mkdir()
+    (slime_dir / "train.py").write_text("")
+    model = tmp_path / "model"
+    model.mkdir()
+    # Every flag slime requires, but a prompt file that is not there.
+    r, log = _run("slime", tmp_path, "--hf-checkpoint", str(model), "--prompt-data", str(tmp_path / "nope.jsonl"),
+                  "--rollout-batch-size", "32", "--num-epoch", "3", SLIME_DIR=str(slime_dir))
+    assert r.returncode == 2 and not log.exists(), r.stderr
+    assert f"--prompt-data {tmp_path / 'nope.jsonl'}: no such file" in r.stderr and "--hf-checkpoint" not in r.stderr
+    # Without the batch size (slime's parser requires it) and a length: both named, nothing started.
+    (tmp_path / "p.jsonl").write_text("{}\n")
+    r, log = _run("slime", tmp_path, "--hf-checkpoint", str(model), "--prompt-data", str(tmp_path / "p.jsonl"),
+                  SLIME_DIR=str(slime_dir))
+    assert r.returncode == 2 and not log.exists(), r.stderr
+    assert "--rollout-batch-size" in r.stderr and "--num-rollout or --num-epoch" in r.stderr, r.stderr
+    # A SLIME_DIR without slime's train.py.
+    r, log = _run("slime", tmp_path, *EXAMPLES["slime"], SLIME_DIR=str(tmp_path))
+    assert r.returncode == 2 and "no train.py" in r.stderr and not log.exists(), r.stderr

@@ -36,7 +36,9 @@ def slime(argv: list[str]) -> dict:
     return {"unknown": rest, "algorithm": args.sglang_speculative_algorithm,
             "draft_tokens": args.sglang_speculative_num_draft_tokens, "generate": args.custom_generate_function_path,
             "record": args.rollout_all_samples_process_path, "config": args.custom_config_path,
-            "hf_checkpoint": args.hf_checkpoint, "n_samples": args.n_samples_per_prompt}
+            "hf_checkpoint": args.hf_checkpoint, "n_samples": args.n_samples_per_prompt,
+            "rollout_batch_size": args.rollout_batch_size, "num_rollout": args.num_rollout,
+            "prompt_data": args.prompt_data}
 
 
 def verl(argv: list[str]) -> dict:
