@@ -299,8 +299,8 @@ SETTINGS: tuple[Setting, ...] = (
             "the draft server's log filter (tracing's EnvFilter syntax, e.g. debug or histospec_server=trace)"),
     # Offline tools and benchmarks.
     Setting("HISTOSPEC_DATA_DIR", _O, _path, None,
-            "the rollout logs' root for replay and the benchmarks (default: ../shared/data/rollouts beside "
-            "the checkout or the working directory)"),
+            "the rollout logs' root for replay and the benchmarks; when set, the only one looked at (default: "
+            "../shared/data/rollouts beside the checkout or the working directory)"),
     Setting("HISTOSPEC_TOKENIZER", _O, _path, None,
             "the tokenizer for text rollout logs (default: the Qwen3 tokenizer beside the data root)"),
     Setting("HISTOSPEC_MODEL_CACHE", _O, _path, None,
@@ -316,7 +316,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_TEST_MODEL", _X, _path, None, "the model a Ray cluster test's engines load"),
     Setting("HISTOSPEC_TEST_ACTOR", _X, _text, None, "set in a test actor's runtime env"),
     Setting("HISTOSPEC_TINY_MODEL", _X, _path, None, "tests/engine/test_gpu.py: the tiny model to run on a GPU"),
-    Setting("HISTOSPEC_SHARED", _X, _path, None, "the shared data, trainers and device folder (default ../shared)"),
+    Setting("HISTOSPEC_SHARED", _X, _path, None,
+            "the folder beside the checkout that holds what the repository cannot ship (data/rollouts: the GRPO "
+            "and expert-iteration logs; data/tokenizers/qwen3; trainers/slime; device); when set, the only "
+            "one looked at (default ../shared)"),
+    Setting("HISTOSPEC_REQUIRE_SHARED", _X, _choice("0", "1"), "0",
+            "1: tests that read the shared folder fail when it is missing instead of skipping (.ci/run sets it)"),
     Setting("HISTOSPEC_SLIME_SRC", _X, _path, None, "slime's source for its tests (default ../shared/trainers/slime)"),
     Setting("HISTOSPEC_FUZZ_EXAMPLES", _X, _int(1), 150, "examples of the index's stateful property test"),
     Setting("HISTOSPEC_SGLANG_VERSION", _X, _text, "0.5.17", "the SGLang scripts/setup_sglang_env.sh installs"),

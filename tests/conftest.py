@@ -59,8 +59,11 @@ def module_durations() -> dict[str, float]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if SGLANG_FIXTURES & set(getattr(item, "fixturenames", ())):
+        used = set(getattr(item, "fixturenames", ()))
+        if SGLANG_FIXTURES & used:
             item.add_marker(pytest.mark.sglang)
+        if SHARED_FIXTURES & used:
+            item.add_marker(pytest.mark.shared)
     took = module_durations()
     items.sort(key=lambda item: -took.get(item.path.name, 0.0))  # stable: the rest keep their order
 
@@ -159,22 +162,77 @@ def greedy_model(sglang_py: Path) -> Path:
 
 def shared_path(*parts: str) -> Path | None:
     """A path in the shared folder beside the checkout (trainer sources, data; never copied here):
-    ``$HISTOSPEC_SHARED``, ``../shared`` or ``/work/shared``."""
-    for base in (os.environ.get("HISTOSPEC_SHARED"), ROOT.parent / "shared", Path("/work/shared")):
-        if base and Path(base).joinpath(*parts).exists():
+    ``$HISTOSPEC_SHARED`` when set (then only it), else ``../shared`` or ``/work/shared``."""
+    env = os.environ.get("HISTOSPEC_SHARED")
+    for base in ([env] if env else [ROOT.parent / "shared", Path("/work/shared")]):
+        if Path(base).joinpath(*parts).exists():
             return Path(base).joinpath(*parts)
     return None
 
 
+def shared_missing(what: str, provide: str) -> NoReturn:
+    """What the repository cannot ship (the unlicensed rollout logs, slime's source, the Qwen3
+    tokenizer) is missing: where .ci/run requires it (HISTOSPEC_REQUIRE_SHARED=1) the test fails,
+    elsewhere it skips with one line naming what is missing and what provides it."""
+    line = f"needs {what}: {provide}"
+    if os.environ.get("HISTOSPEC_REQUIRE_SHARED") == "1":
+        pytest.fail(line + " (HISTOSPEC_REQUIRE_SHARED=1)")
+    pytest.skip(line)
+
+
+#: Fixtures that read the shared folder: a test using any of them is marked ``shared``.
+SHARED_FIXTURES = frozenset({"data_root", "slime_src", "qwen_tokenizer", "text_model", "text_engine"})
+SHARED_HINT = "set HISTOSPEC_SHARED, or put it in ../shared beside the checkout"
+
+
+def rollout_root() -> Path | None:
+    """The rollout logs' root, as the replay finds it (``$HISTOSPEC_DATA_DIR``, else the shared
+    folder's data/rollouts), when it holds the GRPO log."""
+    from histospec_sgl.replay.data import default_data_root
+
+    env = os.environ.get("HISTOSPEC_DATA_DIR")
+    root = Path(env) if env else (shared_path("data", "rollouts") or default_data_root())
+    if root is not None and (root / "cs336-grpo-math" / "grpo_rollouts.jsonl.gz").exists():
+        return root
+    return None
+
+
 @pytest.fixture(scope="session")
-def text_model() -> Path:
+def data_root() -> Path:
+    """The real rollout logs (the GRPO and expert-iteration logs on MATH: not redistributable)."""
+    root = rollout_root()
+    if root is None:
+        shared_missing("the GRPO log (cs336-grpo-math/grpo_rollouts.jsonl.gz)",
+                       "set HISTOSPEC_DATA_DIR to its rollouts folder, or put it in ../shared/data/rollouts")
+    return root
+
+
+@pytest.fixture(scope="session")
+def slime_src() -> Path:
+    """slime's source (not on PyPI)."""
+    env = os.environ.get("HISTOSPEC_SLIME_SRC")
+    src = Path(env) if env else shared_path("trainers", "slime")
+    if src is None or not (src / "slime" / "rollout" / "sglang_rollout.py").exists():
+        shared_missing("slime's source (github.com/THUDM/slime)",
+                       "set HISTOSPEC_SLIME_SRC to its checkout, or put it in ../shared/trainers/slime")
+    return src
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Path:
+    qwen = shared_path("data", "tokenizers", "qwen3")
+    if qwen is None:
+        shared_missing("the Qwen3 tokenizer (data/tokenizers/qwen3)", SHARED_HINT)
+    return qwen
+
+
+@pytest.fixture(scope="session")
+def text_model(qwen_tokenizer: Path) -> Path:
     """Random weights with the Qwen3 tokenizer (151,936 ids, 64 wide): the trainers' text paths
     (tokenize, chat template, detokenize) run for real."""
     if not SGLANG_PY.exists():
         sglang_missing(".venv-sglang is missing", "needs .venv-sglang")
-    qwen = shared_path("data", "tokenizers", "qwen3")
-    if qwen is None:
-        sglang_missing("the Qwen3 tokenizer is missing from ../shared/data/tokenizers", "needs the Qwen3 tokenizer")
+    qwen = qwen_tokenizer
     return build_model(SGLANG_PY, "random", vocab=151936, hidden=64, layers=2, heads=2, kv_heads=1,
                        intermediate=128, tokenizer=str(qwen))
 

@@ -100,17 +100,18 @@ class Rollout:
 
 
 def _candidates() -> list[Path]:
-    out = []
     env = settings.value("HISTOSPEC_DATA_DIR")
-    if env:
-        out.append(Path(env))
+    if env:  # set: the only place looked at
+        return [Path(env)]
+    out = []
     repo = Path(__file__).resolve().parents[2]
     out += [repo.parent / "shared" / "data" / "rollouts", Path.cwd().parent / "shared" / "data" / "rollouts"]
     return out
 
 
 def default_data_root() -> Path | None:
-    """``$HISTOSPEC_DATA_DIR``, else ``../shared/data/rollouts`` beside the repository or cwd."""
+    """``$HISTOSPEC_DATA_DIR`` (when set, only it), else ``../shared/data/rollouts`` beside the
+    repository or cwd."""
     for c in _candidates():
         if c.is_dir():
             return c

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from sglang_subprocess import result, run_script
 
-from conftest import ROOT, shared_path
+from conftest import ROOT
 
 #: What a user passes, as each example's header shows it: nothing more (the examples add the rest).
 EXAMPLES = {"slime": ["--hf-checkpoint", "/models/m", "--prompt-data", "/data/math.jsonl", "--rollout-batch-size",
@@ -70,8 +70,9 @@ def test_missing_settings_stop_the_script_before_it_starts_anything(trainer, tmp
         assert name in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("trainer", sorted(EXAMPLES))
-def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path, sglang_py):
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.shared) if t == "slime" else t
+                                     for t in sorted(EXAMPLES)])
+def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path, sglang_py, request):
     user_env = {"env_vars": {"WANDB_API_KEY": "k", "HISTOSPEC_LENIENCE": "1.5"}, "pip": ["my-reward-lib"]}
     r, _ = _run(trainer, tmp_path, *EXAMPLES[trainer], DRY_RUN="1", MODEL="/models/m", DATA="/data/d",
                 SLIME_DIR="/root/slime", RUNTIME_ENV_JSON=json.dumps(user_env))
@@ -83,9 +84,7 @@ def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path
     assert env["env_vars"]["HISTOSPEC_DRAFT_SERVER_ACTOR"] == "histospec/histospec-draft-server"
     penv = {}
     if trainer == "slime":
-        src = Path(os.environ["HISTOSPEC_SLIME_SRC"]) if os.environ.get("HISTOSPEC_SLIME_SRC") else shared_path(
-            "trainers", "slime")
-        assert src is not None and (src / "slime").is_dir(), "slime's source (../shared/trainers/slime)"
+        src = request.getfixturevalue("slime_src")  # slime's parser, from its source
         assert argv[:2] == ["python3", "/root/slime/train.py"]
         argv, penv = argv[2:], {"PYTHONPATH": str(src)}
     elif trainer == "verl":

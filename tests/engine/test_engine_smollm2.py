@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _engine_checks import greedy_passes, same_distribution, sample, server
 
-from conftest import ROOT, build_model, shared_path
+from conftest import ROOT, build_model
 from histospec_sgl.bench.engine_server import EngineServer, running
 
 D = 8
@@ -25,14 +25,6 @@ pytestmark = pytest.mark.timeout(900)
 @pytest.fixture(scope="module")
 def smollm2(sglang_py) -> Path:
     return build_model(sglang_py, "smollm2")
-
-
-@pytest.fixture(scope="module")
-def data_root() -> Path:
-    root = shared_path("data", "rollouts")
-    assert root is not None and (root / "cs336-grpo-math" / "grpo_rollouts.jsonl.gz").exists(), \
-        "the GRPO log is not beside the checkout (../shared/data/rollouts)"
-    return root
 
 
 @pytest.fixture(scope="module")

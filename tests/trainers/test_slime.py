@@ -32,7 +32,7 @@ import pytest
 from _engine_checks import FIXED
 from _greedy import check_phases, run_in_group
 
-from conftest import DRIVERS, ROOT, driver_path, require_modules, sglang_missing, shared_path
+from conftest import DRIVERS, ROOT, driver_path, require_modules
 from histospec_sgl import group_key, procs
 from histospec_sgl.bench.engine_server import verify_steps
 from histospec_sgl.procs import free_port
@@ -42,14 +42,10 @@ DRIVER = DRIVERS / "slime_driver.py"
 
 
 @pytest.fixture(scope="module")
-def slime_src(sglang_py) -> Path:
-    src = Path(os.environ["HISTOSPEC_SLIME_SRC"]) if os.environ.get("HISTOSPEC_SLIME_SRC") else shared_path(
-        "trainers", "slime")
-    if src is None or not (src / "slime" / "rollout" / "sglang_rollout.py").exists():
-        sglang_missing("slime's source is missing: set HISTOSPEC_SLIME_SRC or put it in ../shared/trainers/slime",
-                       "needs slime's source (HISTOSPEC_SLIME_SRC)")
+def slime_src(slime_src, sglang_py) -> Path:
+    """slime's source (tests/conftest.py), with its dependencies in .venv-sglang."""
     require_modules(sglang_py, "sglang_router, pyarrow, pylatexenc", "slime's dependencies are")
-    return src
+    return slime_src
 
 
 def _group(prompt: str) -> int:

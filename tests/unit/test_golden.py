@@ -9,12 +9,10 @@ full replay suite's before and after). Regenerate with
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 
-from conftest import shared_path
 from histospec_sgl.replay.run import ReplayOptions, run_replay
 
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")
@@ -54,12 +52,13 @@ def measure(opts: dict) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("opts, expected", GOLDEN, ids=["-".join(str(v) for v in o.values()) for o, _ in GOLDEN])
-def test_tokens_per_verify_step_are_the_golden_numbers(opts, expected):
-    if opts["preset"] != "humaneval-sample" and shared_path("data", "rollouts") is None:
-        if os.environ.get("HISTOSPEC_REQUIRE_SGLANG") == "1":  # scripts/test.sh: the shared data must be there
-            pytest.fail("../shared/data/rollouts is missing")
-        pytest.skip("needs ../shared/data/rollouts")
+@pytest.mark.parametrize("opts, expected", [
+    pytest.param(o, e, id="-".join(str(v) for v in o.values()),
+                 marks=() if o["preset"] == "humaneval-sample" else pytest.mark.shared)
+    for o, e in GOLDEN])
+def test_tokens_per_verify_step_are_the_golden_numbers(opts, expected, request):
+    if opts["preset"] != "humaneval-sample":
+        request.getfixturevalue("data_root")  # the MATH logs and the full HumanEval set, beside the checkout
     got = measure(opts)
     assert {k: got[k] for k in expected} == expected
 

@@ -20,7 +20,7 @@ from histospec_sgl.replay import (
     load_rollouts,
     run_replay,
 )
-from histospec_sgl.replay.data import PRESETS, default_data_root, default_tokenizer, preset_path
+from histospec_sgl.replay.data import PRESETS, default_tokenizer, preset_path
 from histospec_sgl.replay.measure import Track, replay, run_method
 from histospec_sgl.replay.methods import CopyBound, Ours, PromptLookup, SGLangTrie
 from histospec_sgl.replay.run import load_cases
@@ -291,8 +291,7 @@ def test_text_log_without_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
         run_replay(opts)
 
 
-SHARED = default_data_root()
-needs_shared = pytest.mark.skipif(SHARED is None, reason="../shared/data/rollouts is not present on this machine")
+needs_shared = pytest.mark.usefixtures("data_root")  # the real rollout logs, beside the checkout
 
 
 @needs_shared
