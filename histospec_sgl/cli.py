@@ -12,31 +12,22 @@ from typing import Any
 
 from histospec_sgl import hugepages
 from histospec_sgl.bench.commands import add_bench
-from histospec_sgl.cliutil import command, floats, kv, names, write_json
+from histospec_sgl.cliutil import add_log_fields, command, floats, kv, log_fields, names, write_json
 from histospec_sgl.install import pip_line
 from histospec_sgl.settings import parse_size
 from histospec_sgl.simulate.cli import add_simulate
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from histospec_sgl.replay.data import FieldMap, ReplayDataError
+    from histospec_sgl.replay.data import ReplayDataError
     from histospec_sgl.replay.report import print_table, write_plots
     from histospec_sgl.replay.run import ReplayOptions, default_peers, run_replay
 
-    fields = None
-    if args.input:
-        if not (args.prompt_field and args.response_field):
-            print("error: --input needs --prompt-field and --response-field", file=sys.stderr)
-            return 2
-        fields = FieldMap(
-            prompt=args.prompt_field,
-            response=args.response_field,
-            group=args.group_field,
-            step=args.step_field or args.epoch_field,
-            sample=args.sample_field,
-            policy=args.policy_field,
-            token_ids=args.token_ids,
-        )
+    try:
+        fields = log_fields(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     opts = ReplayOptions(
         preset=args.preset,
         input=Path(args.input) if args.input else None,
@@ -95,17 +86,8 @@ def _add_replay(sub: Any) -> None:
     )
     src = rp.add_argument_group("input")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a built-in dataset (see docs/benchmarks.md)")
-    src.add_argument("--input", metavar="PATH", help="a JSONL or JSONL.gz log (with the --*-field mapping)")
     src.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
-    src.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
-    src.add_argument("--prompt-field")
-    src.add_argument("--response-field", help="text, or a list of texts (several samples)")
-    src.add_argument("--group-field", help="prompt group id (default: the prompt itself)")
-    src.add_argument("--step-field", help="training step / iteration of the sample")
-    src.add_argument("--epoch-field", help="alias of --step-field")
-    src.add_argument("--sample-field")
-    src.add_argument("--policy-field", help="run / checkpoint id (cross-policy)")
-    src.add_argument("--token-ids", action="store_true", help="prompt and response fields hold token-id lists")
+    add_log_fields(src)
     sc = rp.add_argument_group("scenario")
     sc.add_argument("--scenario", choices=SCENARIOS, default="cross-sample")
     sc.add_argument("--draft-tokens", type=int, default=16,

@@ -67,3 +67,32 @@ def floats(text: str) -> list[float]:
 def names(text: str) -> list[str]:
     """A comma list of names; "none" or empty for none."""
     return [] if text.strip() in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_log_fields(group: Any) -> None:
+    """A rollout log's field options (``--input`` with its mapping), for ``replay`` and ``simulate``."""
+    group.add_argument("--input", metavar="PATH", help="a JSONL or JSONL.gz log (with the --*-field mapping)")
+    group.add_argument("--tokenizer", metavar="PATH",
+                       help="tokenizers tokenizer.json for a text log (default: Qwen3 beside the data)")
+    group.add_argument("--prompt-field")
+    group.add_argument("--response-field", help="text, or a list of texts (several samples)")
+    group.add_argument("--group-field", help="prompt group id (default: the prompt itself)")
+    group.add_argument("--step-field", help="training step / iteration of the sample")
+    group.add_argument("--epoch-field", help="alias of --step-field")
+    group.add_argument("--sample-field")
+    group.add_argument("--policy-field", help="run / checkpoint id (cross-policy)")
+    group.add_argument("--token-ids", action="store_true", help="prompt and response fields hold token-id lists")
+
+
+def log_fields(args: argparse.Namespace) -> Any:
+    """The :class:`~histospec_sgl.replay.data.FieldMap` of ``--input``'s options (None without
+    ``--input``). Raises ValueError when the prompt or response field is missing."""
+    from histospec_sgl.replay.data import FieldMap
+
+    if not args.input:
+        return None
+    if not (args.prompt_field and args.response_field):
+        raise ValueError("--input needs --prompt-field and --response-field")
+    return FieldMap(prompt=args.prompt_field, response=args.response_field, group=args.group_field,
+                    step=args.step_field or args.epoch_field, sample=args.sample_field, policy=args.policy_field,
+                    token_ids=args.token_ids)

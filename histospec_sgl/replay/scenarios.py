@@ -177,13 +177,16 @@ class StepSpec:
     a prompt's samples per step), so one policy answers every prompt, as in a trainer's step;
     ``mixed``: each group's policy is drawn at random (policies that differ in how long they answer
     share the step). ``siblings``: a group's samples draft from each other while they decode
-    (:func:`histospec_sgl.simulate.step.group_traces`), as HISTORY does; off, from the history alone."""
+    (:func:`histospec_sgl.simulate.step.group_traces`), as HISTORY does; off, from the history alone.
+    ``history_policies``: how many other policies (a log of several) or earlier steps of the prompt
+    (a log of one policy, with steps) give the group's history (:func:`history_source`)."""
 
     groups: int = 32
     history_policies: int = 2
     seed: int = 0
     kind: str = "one-policy"
     siblings: bool = True
+    per_group: int = 0  # samples per group (0: all the log has)
 
 
 @dataclass
@@ -198,8 +201,62 @@ class ChosenGroup:
     history: list[Any]
 
 
+#: Where a drawn group's history comes from (:func:`history_source`).
+HISTORY_SOURCES = {
+    "policies": "other policies' responses to the prompt at the same step",
+    "earlier steps": "the prompt's responses at its earlier steps (epochs) in the log",
+    "none": "none (the log has one policy and no earlier step of a prompt): siblings only",
+}
+
+
+def history_source(rows: Sequence[Rollout]) -> str:
+    """``policies`` for a log of several policies (the presets), else ``earlier steps`` when some
+    prompt was sampled at more than one step, else ``none``."""
+    if len({r.policy for r in rows}) > 1:
+        return "policies"
+    steps: dict[Any, set] = defaultdict(set)
+    for r in rows:
+        if r.step is not None:
+            steps[r.group].add(r.step)
+    return "earlier steps" if any(len(v) > 1 for v in steps.values()) else "none"
+
+
+def _choose_across_steps(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
+    """A step from a log of one policy: each group is a prompt's samples at one logged step, its
+    history the prompt's responses at up to ``spec.history_policies`` of its latest earlier steps
+    (what the epochs before gave). Groups that have such history are drawn first; a log without
+    steps gives groups of siblings alone."""
+    by_key = _buckets(rows, lambda r: (r.group, r.step), in_log_order=True)
+    steps_of: dict[Any, list[Any]] = defaultdict(list)
+    for grp, step in by_key:
+        if step is not None:
+            steps_of[grp].append(step)
+    entries = []
+    for grp, step in sorted(by_key, key=lambda k: (k[1] if k[1] is not None else -1, repr(k[0]))):
+        earlier = sorted(s for s in steps_of[grp] if step is not None and s < step)
+        entries.append((grp, step, earlier[-spec.history_policies:] if spec.history_policies else []))
+    with_history = [e for e in entries if e[2]]
+    pool = with_history if len(with_history) >= spec.groups and spec.history_policies else entries
+    if len(pool) < spec.groups:
+        raise ValueError(f"the log has {len(pool)} prompt groups (a prompt at a step); asked for {spec.groups} "
+                         "(--groups)")
+    rng = random.Random(spec.seed)
+    if spec.kind == "mixed":
+        chosen = rng.sample(pool, spec.groups)
+    else:  # consecutive groups in step order, as a trainer's step samples them
+        first = rng.randrange(len(pool) - spec.groups + 1)
+        chosen = pool[first:first + spec.groups]
+    out = []
+    for grp, step, earlier in chosen:
+        samples = sorted(by_key[(grp, step)], key=lambda m: m.sample)
+        out.append(ChosenGroup((grp, step), samples[0].policy, samples[:spec.per_group or None],
+                               [m for s in earlier for m in by_key[(grp, s)]]))
+    return out
+
+
 def choose_groups(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
-    """The ``spec.groups`` groups of a step from a log with several policies (``Rollout`` rows):
+    """The ``spec.groups`` groups of a step from a log (``Rollout`` rows). A log of one policy:
+    :func:`_choose_across_steps`. A log with several policies:
     each group is one policy's samples of one prompt at one logged step, its history the same
     prompt's responses from ``spec.history_policies`` other policies at that step (the responses
     an earlier epoch of a closely related policy gives). ``spec.kind`` says how the groups are
@@ -207,6 +264,8 @@ def choose_groups(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
     ``bench engine --trace``."""
     if spec.kind not in STEP_KINDS:
         raise ValueError(f"unknown step kind {spec.kind!r}; choose from {', '.join(STEP_KINDS)}")
+    if history_source(rows) != "policies":
+        return _choose_across_steps(rows, spec)
     by_key = _buckets(rows, lambda r: (r.group, r.step), in_log_order=True)
     # The policies of each (prompt, step) that has enough other policies' responses at that step.
     policies = _answered(by_key, 1 + spec.history_policies)
@@ -235,7 +294,7 @@ def choose_groups(rows: Sequence[Rollout], spec: StepSpec) -> list[ChosenGroup]:
         others = rng.sample(sorted({m.policy for m in members if m.policy != target}, key=repr),
                             spec.history_policies)
         out.append(ChosenGroup((grp, step), target, sorted((m for m in members if m.policy == target),
-                                                           key=lambda m: m.sample),
+                                                           key=lambda m: m.sample)[:spec.per_group or None],
                                [m for m in members if m.policy in others]))
     return out
 

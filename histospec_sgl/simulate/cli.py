@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.cliutil import counts, report
+from histospec_sgl.cliutil import add_log_fields, counts, log_fields, report
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -25,11 +25,13 @@ def _simulate(args: argparse.Namespace) -> int:
         report(r, run.print_check, args.json)
         return 0
     try:
-        r = run.run(args.preset, Path(args.data_root) if args.data_root else None,
+        fields = log_fields(args)
+        preset = args.preset or (None if args.input else "grpo")
+        r = run.run(preset, Path(args.data_root) if args.data_root else None,
                     Path(args.tokenizer) if args.tokenizer else None, args.profile, args.groups,
                     args.max_running, args.widths, args.fixed_width,
                     args.history_policies, args.seed, args.plot, args.steps, args.engines, args.step_kind,
-                    not args.no_siblings)
+                    not args.no_siblings, Path(args.input) if args.input else None, fields, args.per_group)
     except (ReplayDataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -49,7 +51,13 @@ def add_simulate(sub: Any) -> None:
         "baseline (FCFS, plain decoding), history_fixed, history_cost_model, length_first, full. Figures are "
         "simulated, on the named profile.",
     )
-    sp.add_argument("--preset", default="grpo", help="grpo (default) or ei: logs with several policies per prompt")
+    from histospec_sgl.replay.data import PRESETS
+
+    src = sp.add_argument_group("input (a preset, or your own log with the replay's field options)")
+    src.add_argument("--preset", choices=sorted(PRESETS),
+                     help="a built-in log (default grpo; humaneval-sample ships with the package)")
+    src.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
+    add_log_fields(src)
     sp.add_argument("--profile", default="h100-8b-analytic",
                     help="an analytic profile by name (h100-8b-analytic) or a measured profile JSON")
     sp.add_argument("--groups", type=int, default=32, help="prompts in the step (default 32, slime's GRPO batch)")
@@ -58,7 +66,11 @@ def add_simulate(sub: Any) -> None:
     sp.add_argument("--widths", type=counts, default=[4, 8, 12, 16], help="verify widths the cost model may pick (default 4,8,12,16)")
     sp.add_argument("--fixed-width", type=int, default=12, help="history_fixed's width (default 12, NGRAM's default)")
     sp.add_argument("--history-policies", type=int, default=2,
-                    help="other policies whose responses to the prompt form its history (default 2)")
+                    help="a group's history: the responses of this many other policies at the same step (a log of "
+                    "several policies, the presets), or of the prompt's latest earlier steps (a log of one "
+                    "policy with --step-field); 0: siblings only (default 2)")
+    sp.add_argument("--per-group", type=int, default=0,
+                    help="samples per group decoded in the step (default 0: every sample the log has)")
     sp.add_argument("--seed", type=int, default=0, help="the first step's seed (default 0)")
     sp.add_argument("--steps", type=int, default=5,
                     help="steps simulated (seeds seed, seed+1, ...); figures are medians with ranges (default 5)")
@@ -70,8 +82,6 @@ def add_simulate(sub: Any) -> None:
     sp.add_argument("--engines", type=int, default=1,
                     help="engines the step's groups are spread over by a hash of the group, each with the KV budget "
                          "(slime: one engine per GPU with --rollout-num-gpus-per-engine 1; default 1)")
-    sp.add_argument("--data-root", metavar="DIR", help="where the presets' files live (default ../shared/data/rollouts)")
-    sp.add_argument("--tokenizer", metavar="PATH", help="tokenizers tokenizer.json (default: Qwen3 beside the data)")
     sp.add_argument("--json", metavar="PATH", help="write the result as JSON")
     sp.add_argument("--plot", metavar="PNG", help="write the timeline of the first KV budget")
     sp.add_argument("--check", metavar="ENGINE_JSON",

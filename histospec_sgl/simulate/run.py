@@ -8,26 +8,31 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl.replay.data import (
+    FieldMap,
     ReplayDataError,
     Tokenization,
     default_tokenizer,
+    load_rollouts,
     preset_rows,
 )
 from histospec_sgl.simulate import step as simulate
 from histospec_sgl.simulate.profile import resolve
 
-#: Logs with several policies per prompt and step, as a simulated step's history needs.
-SIMULATE_PRESETS = ("grpo", "ei")
 
-
-def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_name: str, groups: int,
+def run(preset: str | None, data_root: Path | None, tokenizer: Path | None, profile_name: str, groups: int,
         max_running: list[int], widths: list[int], fixed_width: int, history_policies: int, seed: int,
         plot: str | None = None, steps: int = 5, engines: int = 1, kind: str = "one-policy",
-        siblings: bool = True) -> dict[str, Any]:
+        siblings: bool = True, input: Path | None = None, fields: FieldMap | None = None,
+        per_group: int = 0) -> dict[str, Any]:
     """Simulates ``steps`` rollout steps (seeds ``seed``, ``seed + 1``, ...) under every policy, at
-    each KV budget in ``max_running``; figures are medians over the steps, with their ranges."""
-    if preset not in SIMULATE_PRESETS:
-        raise ReplayDataError(f"simulate needs a log with several policies per prompt: {', '.join(SIMULATE_PRESETS)}")
+    each KV budget in ``max_running``; figures are medians over the steps, with their ranges. The
+    log is a preset (``preset``) or the user's own (``input`` with its ``fields``); a group's history
+    is other policies' responses at the same step, or the prompt's earlier steps in a log of one
+    policy (:func:`~histospec_sgl.replay.scenarios.history_source`)."""
+    if (preset is None) == (input is None):
+        raise ReplayDataError("give exactly one of --preset NAME or --input PATH")
+    if input is not None and fields is None:
+        raise ReplayDataError("--input needs --prompt-field and --response-field")
     if fixed_width not in widths:
         raise ValueError(f"--fixed-width {fixed_width} is not one of --widths {widths}")
     if steps < 1:
@@ -35,10 +40,19 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
     if engines < 1:
         raise ValueError(f"--engines must be >= 1, got {engines}")
     profile = resolve(profile_name)
-    rows = preset_rows(preset, data_root, tokenizer, tokenize=False)  # only the step's rows are tokenized
+    if per_group < 0:
+        raise ValueError(f"--per-group must be >= 0, got {per_group}")
+    # Only the step's rows are tokenized (a text log's), with the given tokenizer or the default.
+    if input is not None:
+        assert fields is not None
+        rows = load_rollouts(input, fields)
+    else:
+        assert preset is not None
+        rows = preset_rows(preset, data_root, tokenizer, tokenize=False)
     tok = Tokenization(tokenizer or default_tokenizer())
-    built = [simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed + k, kind, siblings), widths,
-                                 ensure=tok.ensure) for k in range(steps)]
+    built = [simulate.build_step(rows, simulate.StepSpec(groups, history_policies, seed + k, kind, siblings,
+                                                         per_group), widths, ensure=tok.ensure)
+             for k in range(steps)]
     sweep = []
     first: dict[str, simulate.Outcome] | None = None
     for r in max_running:
@@ -57,6 +71,7 @@ def run(preset: str, data_root: Path | None, tokenizer: Path | None, profile_nam
         "analytic": profile.analytic,
         "profile_description": profile.description,
         "preset": preset,
+        "input": str(input) if input is not None else None,
         "step": {"kind": kind, "groups": groups, "steps": steps, "engines": engines, "siblings": siblings,
                  "requests": infos[0]["requests"], "history": infos[0]["history"],
                  "max_running": max_running[0], "widths": widths, "fixed_width": fixed_width,
@@ -89,6 +104,7 @@ def print_simulation(result: dict[str, Any]) -> None:
         t = Table(title=f"simulated rollout step: profile {result['profile']} ({kind}), {st['requests']} requests "
                         f"({st['kind']}){where}, at most {s['max_running']} running; median of {st['steps']} steps "
                         "[range]")
+        t.caption = f"a group's history: {st['built'][0]['history']}"
         for c in ("policy", "makespan s", "tail s (last 10%)", "tokens/s", "vs baseline", "makespan", "tail",
                   "slower steps"):
             t.add_column(c, justify="left" if c == "policy" else "right")

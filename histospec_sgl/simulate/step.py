@@ -38,7 +38,7 @@ from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Ours
-from histospec_sgl.replay.scenarios import StepSpec, choose_groups
+from histospec_sgl.replay.scenarios import HISTORY_SOURCES, StepSpec, choose_groups, history_source
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
@@ -359,7 +359,7 @@ def aggregate(steps: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
 
 def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progress: Any = None,
                ensure: Any = None) -> tuple[list[SimRequest], dict[str, Any]]:
-    """A step of ``spec.groups`` groups from a log with several policies (:func:`choose_groups`),
+    """A step of ``spec.groups`` groups from a log (:func:`choose_groups`),
     with every request's draft traces. ``ensure(rows)`` fills the token ids of the rows the step
     uses (rows of text logs)."""
     chosen = choose_groups(rows, spec)
@@ -376,10 +376,19 @@ def build_step(rows: Sequence[Any], spec: StepSpec, widths: Sequence[int], progr
                 progress()
     info = {"kind": spec.kind, "groups": spec.groups, "requests": len(reqs), "tokens": sum(r.length for r in reqs),
             "history_responses": history_responses,
-            "history": f"{spec.history_policies} other policies' responses to the prompt at the same step",
+            "history": _history_text(rows, spec),
             "siblings": spec.siblings,
             "sampled_by": sorted({str(g.policy) for g in chosen}), "seed": spec.seed}
     return reqs, info
+
+
+def _history_text(rows: Sequence[Any], spec: StepSpec) -> str:
+    source = history_source(rows)
+    if source == "none" or not spec.history_policies:
+        return HISTORY_SOURCES["none"]
+    if source == "policies":
+        return f"{spec.history_policies} other policies' responses to the prompt at the same step"
+    return f"the prompt's responses at up to {spec.history_policies} of its earlier steps (epochs) in the log"
 
 
 def group_requests(key: Hashable, prompt: Sequence[int], history: Sequence[Sequence[int]],

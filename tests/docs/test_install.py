@@ -49,6 +49,15 @@ def test_main_job_from_a_plain_install(plain_venv, tmp_path):
     assert (tmp_path / "r.json").stat().st_size > 0
 
 
+def test_simulate_on_the_shipped_sample_from_a_plain_install(plain_venv, tmp_path):
+    """The README's simulate line: a whole step of the shipped HumanEval sample, from a bare install."""
+    r = _cli(plain_venv, "simulate", "--preset", "humaneval-sample", "--groups", "8", "--per-group", "8",
+             "--max-running", "32", "--steps", "2", "--json", str(tmp_path / "s.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "Traceback" not in r.stderr and "history_cost_model" in r.stdout
+    assert (tmp_path / "s.json").stat().st_size > 0
+
+
 @pytest.mark.parametrize("args, needs", [
     (("replay", "--preset", "humaneval-sample", "--plot", "plots"), "pip install './histospec-sgl[bench]'"),
     (("bench", "engine", "--batch-sizes", "1", "--repeats", "1"), "pip install sglang"),

@@ -15,7 +15,7 @@ from histospec_sgl.bench.length_bench import Response, evaluate, spearman
 from histospec_sgl.engine.costmodel import CostModel, EngineControl
 from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.length import LengthPredictor, expected_longest
-from histospec_sgl.replay.data import Rollout, default_data_root
+from histospec_sgl.replay.data import Rollout
 from histospec_sgl.replay.scenarios import StepSpec
 from histospec_sgl.simulate.profile import H100_8B, Measured, resolve
 from histospec_sgl.simulate.step import (
@@ -298,7 +298,63 @@ def test_group_traces_draft_from_siblings_decoding_alongside():
 
 # -- the commands on the logs -----------------------------------------------------------------------
 
-needs_logs = pytest.mark.skipif(default_data_root() is None, reason="the shared rollout logs are not beside the checkout")
+
+def _own_log(tmp_path):
+    """A user's own text log: 12 prompts sampled at steps 0 and 1, 4 samples each (the second epoch's
+    answers close to the first's), and a word-level tokenizer (tokenizers) trained on it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(7)
+    words = [f"w{i}" for i in range(60)]
+    rows = []
+    for p in range(12):
+        answer = [words[i] for i in rng.integers(0, 60, 40)]
+        for step in (0, 1):
+            for k in range(4):
+                text = list(answer)
+                for j in rng.integers(0, 40, 3):  # each sample changes a few words of the prompt's answer
+                    text[j] = words[int(rng.integers(0, 60))]
+                rows.append({"question": f"q{p} solve", "completion": " ".join(text), "epoch": step, "uid": p})
+    log = tmp_path / "mine.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([r["question"] + " " + r["completion"] for r in rows],
+                            trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return log, tmp_path / "tokenizer.json"
+
+
+def test_simulate_runs_on_your_own_log(tmp_path):
+    """``simulate --input`` with the replay's field options and a tokenizer: a log of one policy with
+    steps gives each group its prompt's earlier step as history, and the same report as the presets."""
+    log, tok = _own_log(tmp_path)
+    out = tmp_path / "sim.json"
+    base = [sys.executable, "-m", "histospec_sgl.cli", "simulate", "--input", str(log), "--tokenizer", str(tok)]
+    r = subprocess.run([*base, "--prompt-field", "question", "--response-field", "completion", "--group-field",
+                        "uid", "--step-field", "epoch", "--groups", "6", "--max-running", "12", "--steps", "2",
+                        "--history-policies", "1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["input"] == str(log) and res["preset"] is None and "simulated rollout step" in r.stdout
+    for b in res["step"]["built"]:
+        # Every group is a prompt at step 1, its history the prompt's 4 answers at step 0.
+        assert (b["requests"], b["history_responses"]) == (6 * 4, 6 * 4)
+        assert "earlier steps" in b["history"]
+    pol = res["policies"]
+    assert pol["baseline"]["ratio_vs_baseline"] == 1.0
+    assert pol["history_cost_model"]["ratio_vs_baseline"] > 1.2  # the second epoch rhymes with the first
+    # Without steps in the mapping there is no earlier step: siblings alone, said so.
+    r = subprocess.run([*base, "--prompt-field", "question", "--response-field", "completion", "--groups", "6",
+                        "--max-running", "12", "--steps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    built = json.loads(out.read_text())["step"]["built"][0]
+    assert built["history_responses"] == 0 and "siblings only" in built["history"]
+    r = subprocess.run([*base, "--response-field", "completion"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--prompt-field" in r.stderr and "Traceback" not in r.stderr
+
+needs_logs = pytest.mark.usefixtures("data_root")  # the real rollout logs, beside the checkout
 
 
 @needs_logs
