@@ -226,7 +226,8 @@ def _add_ray(sub: Any) -> None:
         "draft-server", help="start (or find) the draft server as a detached, named actor on the head node",
         description="Starts the draft server as a detached Ray actor pinned to the head node (num_cpus=0) and "
         "prints its address; a second call prints the running one's. It requires a token unless --insecure: "
-        "the one in --auth-token-file, else one the actor makes (kept in --data-dir). Engines and trainers "
+        "the one in --auth-token-file, else one made when the actor is created (kept in --data-dir), the same "
+        "after every restart of the actor or its server. Engines and trainers "
         "get the address and token through HISTOSPEC_DRAFT_SERVER_ACTOR=ns/name with the setup hook "
         "histospec_sgl.integrations.ray_setup.setup in the job's runtime env.")
     rd.add_argument("--address", default="auto", help="Ray cluster to connect to (default auto: the running one)")
@@ -234,10 +235,11 @@ def _add_ray(sub: Any) -> None:
     rd.add_argument("--namespace", default="histospec")
     _server_options(rd, "0.0.0.0:50061", " (on the head node)")
     rd.add_argument("--log", metavar="F", help="the server's stderr, on the head node")
-    rd.add_argument("--shards", type=int, default=1, metavar="N",
-                    help="run the server as N shards, each its own actor, process, port (port + i for a fixed "
-                    "--listen port) and --data-dir/shard-i; a group's records live on shard key mod N and "
-                    "clients get the comma list of addresses")
+    rd.add_argument("--shards", type=int, default=None, metavar="N",
+                    help="run the server as N shards (default 1), each its own actor, process, port (port + i for "
+                    "a fixed --listen port) and --data-dir/shard-i; a group's records live on shard key mod N and "
+                    "clients get the comma list of addresses. A running server asked for other --shards or "
+                    "--data-dir refuses")
     rd.add_argument("--stop", action="store_true", help="stop the running actor instead")
     rd.add_argument("--status", action="store_true",
                     help="print the running actor's address (exit 0), or that there is none (exit 1); start nothing")

@@ -82,14 +82,16 @@ class DraftServerOwner:
     def __init__(self, listen: str, data_dir: str | None, extra: list[str] | None = None,
                  log: str | None = None, watch_every: float = 0.5, *, token_file: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, insecure: bool = False,
-                 token: str | None = None, shard: int = 0, shards: int = 1):
+                 token: str | None = None, shard: int = 0, shards: int = 1, new_token: str | None = None):
         import threading
 
         self._data_dir, self._log = data_dir, log
         self._shard, self._shards = shard, shards
         self._extra = list(extra or [])
-        # The token: the user's file, else shard 0's (given to the other shards), else the one this
-        # actor made before (a restart), else a new one.
+        # The token: the user's file; else shard 0's (given to the other shards); else the one kept
+        # in the data dir (a restart of a server that had one); else the one the creating driver made
+        # (``new_token``: Ray starts a restarted actor with the same arguments, so an actor without a
+        # data dir keeps its token across restarts too); else a new one.
         self._token: str | None = None
         if token and not token_file:
             home = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="histospec-draft-"))
@@ -105,7 +107,7 @@ class DraftServerOwner:
             if made.exists():
                 self._token = made.read_text().strip()
             else:
-                self._token = secrets.token_urlsafe(32)
+                self._token = new_token or secrets.token_urlsafe(32)
                 _private_file(home, made.name, self._token.encode())
             token_file = str(made)
         elif not is_loopback(listen):
@@ -128,6 +130,15 @@ class DraftServerOwner:
             if listen.endswith(":0") and bound.exists():
                 # A restart after the process died: the port it had, which engines were given.
                 listen = bound.read_text().strip()
+        if not listen.endswith(":0"):
+            # A restarted actor: the server of the actor that died goes with it (it dies with its
+            # parent); its port is free again in a moment.
+            from histospec_sgl.procs import wait_port_free
+
+            try:
+                wait_port_free(int(listen.rsplit(":", 1)[1]))
+            except TimeoutError:
+                pass  # taken by something else: the server's start says so
         self._proc = self._start(listen)
         if bound is not None:
             bound.write_text(self._proc.address)
@@ -183,6 +194,12 @@ class DraftServerOwner:
         """(this shard, how many shards the server has)."""
         return self._shard, self._shards
 
+    def config(self) -> dict[str, Any]:
+        """What it was started with that a second ``get_or_create`` must not contradict: ``shards``
+        and the job's ``data_dir`` (None: history in memory only)."""
+        job = self._data_dir if self._shards == 1 or not self._data_dir else str(Path(self._data_dir).parent)
+        return {"shards": self._shards, "data_dir": job}
+
     def alive(self) -> bool:
         return self._proc.alive()
 
@@ -214,40 +231,56 @@ def get_or_create(*, name: str = NAME, namespace: str = NAMESPACE, listen: str =
                   data_dir: str | os.PathLike[str] | None = None, extra: list[str] | None = None,
                   log: str | os.PathLike[str] | None = None, timeout: float = 60.0,
                   token_file: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                  insecure: bool = False, shards: int = 1) -> tuple[Any, str]:
+                  insecure: bool = False, shards: int | None = None) -> tuple[Any, str]:
     """The running draft-server actor ``namespace/name``, or a new one on the head node.
 
     Needs ``ray.init()`` first. Returns ``(actor handle, "host:port")`` (shard 0's handle and every
     shard's address, comma-separated, when sharded). A second call (from any driver of the cluster)
-    returns the running actor; the other arguments apply only when it is created. The server requires a
+    returns the running actor; the other arguments apply only when it is created, except ``shards`` and
+    ``data_dir``: given (not None) and not what it runs with, the call is refused (ValueError). The server requires a
     token unless ``insecure``: ``token_file`` (a path on the head node), else one the actor makes and
     keeps in ``data_dir``. ``tls_cert``/``tls_key``: serve TLS (paths on the head node). ``shards``:
-    that many servers, a group's records on shard ``group_key mod shards`` (ports ``port + i`` for a
-    fixed ``listen`` port, each its own for ``:0``).
+    that many servers (default 1), a group's records on shard ``group_key mod shards`` (ports
+    ``port + i`` for a fixed ``listen`` port, each its own for ``:0``).
     """
     import ray
 
     if not ray.is_initialized():
         raise RuntimeError("call ray.init() (or connect to the cluster) before get_or_create")
-    if shards < 1:
+    if shards is not None and shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
+    data_dir = os.path.abspath(data_dir) if data_dir is not None else None  # the head node's, as the actor sees it
+    creating = shards or 1
+
+    # Made here, given to the actor: a restart of the actor (same arguments) keeps the token that
+    # engines and publishers hold, with or without a data dir.
+    new_token = None if (insecure or token_file) else secrets.token_urlsafe(32)
 
     def one(i: int, token: str | None = None) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         host, port = listen.rsplit(":", 1)
         at = listen if i == 0 or int(port) == 0 else f"{host}:{int(port) + i}"
-        home = data_dir if shards == 1 or not data_dir else Path(data_dir) / f"shard-{i}"
+        home = data_dir if creating == 1 or not data_dir else Path(data_dir) / f"shard-{i}"
         return ray.remote(DraftServerOwner).options(
             name=shard_name(name, i), namespace=namespace, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_restarts=-1, max_task_retries=-1,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=head_node_id(), soft=False),
         ).remote(at, str(home) if home else None, list(extra or []),
-                 f"{log}.shard-{i}" if log and shards > 1 else (str(log) if log else None),
+                 f"{log}.shard-{i}" if log and creating > 1 else (str(log) if log else None),
                  token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, insecure=insecure, token=token,
-                 shard=i, shards=shards)
+                 shard=i, shards=creating, new_token=new_token if i == 0 else None)
 
     actor = one(0)
+    have = ray.get(actor.config.remote(), timeout=timeout)
+    if (shards is not None and have["shards"] != shards) or (data_dir is not None and have["data_dir"] != data_dir):
+        running = f"--shards {have['shards']} and " + (f"--data-dir {have['data_dir']}" if have["data_dir"]
+                                                        else "no --data-dir")
+        raise ValueError(f"the draft server {namespace}/{name} is running with {running}; asked for "
+                         + " and ".join(x for x in (f"--shards {shards}" if shards is not None else "",
+                                                    f"--data-dir {data_dir}" if data_dir is not None else "") if x)
+                         + ". Ask for what it runs with, or stop it first (histospec-sgl ray draft-server --stop; "
+                         "docs/draft-server.md says what a changed shard count does to its history)")
     first = ray.get(actor.client_settings.remote(), timeout=timeout)
     _, running = ray.get(actor.shard.remote(), timeout=timeout)  # a running server keeps its own count
     for i in range(1, running):

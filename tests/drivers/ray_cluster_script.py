@@ -15,6 +15,9 @@ driver reaches it; then the server process is killed, the actor starts it again,
 sync finds the record from before the kill and one published after. The server requires the token
 the actor made (a publisher without it is refused); the engine actor and a trainer's SPEC-RL store
 get it through the actor. Prints one JSON line.
+
+``python ray_cluster_script.py restart ADDRESS DATA_DIR OTHER_DIR``: :func:`restart` (``DATA_DIR``
+empty: no data dir). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -159,8 +162,63 @@ def engine(address: str) -> None:
         ray.shutdown()
 
 
+def restart(address: str, data_dir: str, other_dir: str) -> None:
+    """A draft-server actor (with ``data_dir``, or without when it is empty) whose server process is
+    killed, then whose actor is killed (Ray starts it again with the same arguments), while a
+    publisher holding the token it was given goes on publishing: every batch is acknowledged, the token
+    stays the same, and with a data dir every acknowledged record is there at the end. A second call
+    with other shards or another data dir is refused."""
+    from histospec_sgl.integrations import ray_draft_server as rds
+    from histospec_sgl.procs import free_port
+    from histospec_sgl.sync.client import HistoryPublisher
+
+    ray.init(address=address, log_to_driver=False)
+    name = "restart-" + ("dir" if data_dir else "nodir")
+    out: dict = {}
+    try:
+        actor, server = rds.get_or_create(name=name, listen=f"127.0.0.1:{free_port()}", data_dir=data_dir or None)
+        token = rds.client_settings(name)["token"]
+        for label, kwargs in (("other_shards", {"shards": 2}), ("other_dir", {"data_dir": other_dir})):
+            try:
+                rds.get_or_create(name=name, **kwargs)
+                out[label] = "accepted"
+            except ValueError as e:
+                out[label] = str(e)
+
+        def batch(pub, k0: int) -> None:
+            for k in range(k0, k0 + 10):
+                pub.publish([500 + k, 1, 2], [k, k + 1], group=k, version=1)
+            pub.flush()  # raises unless every record was acknowledged
+
+        with HistoryPublisher(server, auth_token=token, max_attempts=120, max_backoff=1.0) as pub:
+            batch(pub, 0)
+            os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)  # the server process
+            batch(pub, 10)
+            before = ray.get(actor.pid.remote())
+            ray.kill(actor, no_restart=False)  # the actor: Ray starts it again with the same arguments
+            deadline = time.monotonic() + 120
+            while True:  # until the restarted actor's server answers (ray.kill does not wait)
+                try:
+                    if ray.get(actor.pid.remote(), timeout=30) != before:
+                        break
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass
+                assert time.monotonic() < deadline, "the draft-server actor was not restarted"
+                time.sleep(0.2)
+            batch(pub, 20)
+            out["records"] = pub.stats()["records"]
+        out["token_same"] = rds.client_settings(name)["token"] == token
+        out["address_same"] = rds.lookup(name) == server
+        rds.stop(name)
+    finally:
+        ray.shutdown()
+    print(json.dumps(out))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "hook":
         hook()
+    elif sys.argv[1] == "restart":
+        restart(*sys.argv[2:5])
     else:
         engine(sys.argv[2])

@@ -105,6 +105,14 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         gone = _run(ray_py, greedy_model, *stop_cli)
         assert gone.returncode == 1 and "no actor" in gone.stdout
         _sharded(ray_py, greedy_model, head, tmp_path / "sharded")
+        # The server process killed, then its actor: publishers holding the token go on, with or without
+        # a data dir; with one, nothing acknowledged is lost.
+        for home, records in ((str(tmp_path / "kept"), 30), ("", 10)):
+            out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "restart", head, home, str(tmp_path / "other")))
+            assert out["token_same"] and out["address_same"], out
+            assert out["records"] == records, out  # without a data dir, history lives in the process's memory
+            assert "is running with --shards 1" in out["other_shards"], out
+            assert "is running with" in out["other_dir"] and "--stop" in out["other_dir"], out
     finally:
         _stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
