@@ -310,7 +310,7 @@ def _own_log(tmp_path):
     for p in range(12):
         answer = [words[i] for i in rng.integers(0, 60, 40)]
         for step in (0, 1):
-            for k in range(4):
+            for _ in range(4):
                 text = list(answer)
                 for j in rng.integers(0, 40, 3):  # each sample changes a few words of the prompt's answer
                     text[j] = words[int(rng.integers(0, 60))]
