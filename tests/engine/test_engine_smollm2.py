@@ -19,7 +19,8 @@ from conftest import ROOT, build_model
 from histospec_sgl.bench.engine_server import EngineServer, running
 
 D = 8
-pytestmark = pytest.mark.timeout(900)
+# Every test here reads the GRPO log (data_root first: without it they skip before a model is built).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("data_root")]
 
 
 @pytest.fixture(scope="module")

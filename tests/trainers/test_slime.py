@@ -32,20 +32,14 @@ import pytest
 from _engine_checks import FIXED
 from _greedy import check_phases, run_in_group
 
-from conftest import DRIVERS, ROOT, driver_path, require_modules
+from conftest import DRIVERS, ROOT, driver_path
 from histospec_sgl import group_key, procs
 from histospec_sgl.bench.engine_server import verify_steps
 from histospec_sgl.procs import free_port
 
-pytestmark = pytest.mark.timeout(900)
+# slime's source (tests/conftest.py) first: without it every test here skips before a server starts.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("slime_src")]
 DRIVER = DRIVERS / "slime_driver.py"
-
-
-@pytest.fixture(scope="module")
-def slime_src(slime_src, sglang_py) -> Path:
-    """slime's source (tests/conftest.py), with its dependencies in .venv-sglang."""
-    require_modules(sglang_py, "sglang_router, pyarrow, pylatexenc", "slime's dependencies are")
-    return slime_src
 
 
 def _group(prompt: str) -> int:
