@@ -28,6 +28,7 @@ def other_scopes(tmp_path: Path) -> dict[str, str]:
         "HISTOSPEC_MODEL_CACHE": str(tmp_path / "models"),
         "HISTOSPEC_SGLANG_0523": str(tmp_path / "sglang-0.5.23"),
         "HISTOSPEC_REQUIRE_SGLANG": "1",
+        "HISTOSPEC_REQUIRE_SHARED": "1",
         "HISTOSPEC_TEST_MEMORY_GB": "13",
         "HISTOSPEC_TEST_MODEL": str(tmp_path / "model"),
         "HISTOSPEC_TEST_ACTOR": "1",
