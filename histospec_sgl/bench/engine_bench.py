@@ -296,6 +296,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     server_model, trace_groups_, trace_extra = path, None, {}
     if trace is not None:
         from histospec_sgl.bench import engine_trace as et
+        from histospec_sgl.simulate.trace import digest
 
         spec = et.TraceSpec(trace, trace_groups)
         trace_groups_ = et.workload(spec, path, data_root)
@@ -308,6 +309,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         settings["trace"] = {**spec.to_json(), "requests": sum(len(g.samples) for g in trace_groups_),
                              "history_responses_per_row": per_row,
                              "tokens": sum(len(s) for g in trace_groups_ for s in g.samples), "eos": eos,
+                             "digest": digest(trace_groups_),
                              "note": "TRACE MODE (benchmark): every token forced to the logged response's"}
         log(f"[bench engine] TRACE MODE: {settings['trace']['requests']} logged responses of {trace_groups} "
             f"prompts forced through the engine; {per_row} history responses per row")

@@ -71,6 +71,17 @@ def workload(spec: TraceSpec, model_dir: Path, data_root: Path | None) -> list[T
     return out
 
 
+def digest(groups: list[TraceGroup]) -> str:
+    """A fingerprint of a step's tokens (prompts, history, samples, in order): ``bench engine --trace``
+    records it, and ``simulate --check`` refuses a log that does not rebuild the same step."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for g in groups:
+        h.update(json.dumps([g.prompt_ids, g.history_ids, g.samples], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
 def requests(groups: list[TraceGroup], n: int) -> list[tuple[int, int]]:
     """The first ``n`` requests of the step, group by group (a group's samples together, as a trainer
     submits them): ``(group index, sample index)``."""

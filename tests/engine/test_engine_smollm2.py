@@ -68,6 +68,7 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     res = json.loads(out.read_text())
     assert res["settings"]["mode"] == "trace" and res["settings"]["trace"]["preset"] == "grpo"
     assert res["settings"]["trace"]["history_responses_per_row"] == 16
+    assert len(res["settings"]["trace"]["digest"]) == 16  # the step's fingerprint, for simulate --check
     assert "TRACE MODE" in r.stdout
     rows = {(x["method"], x["batch_size"], x["temperature"]): x for x in res["rows"]}
     assert set(rows) == {(m, b, 1.0) for m in ("plain", "history") for b in (1, 4)}
@@ -104,6 +105,13 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
         # Steps per verify width, simulated and measured: HISTORY at a fixed width verifies at d.
         assert c["predicted_width_steps"] == {str(D): c["predicted_passes"]}
         assert set(c["measured_width_steps"]) == {str(D)}
+    # A log that does not rebuild the traced step is refused, not checked against another step.
+    res["settings"]["trace"]["digest"] = "0" * 16
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(res))
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(other), "--data-root",
+                        str(data_root)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 2 and "does not hold the step this result traced" in r.stderr, r.stderr[-2000:]
 
 
 def test_smollm2_is_the_real_pretrained_model(smollm2, math_prompts):
