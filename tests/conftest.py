@@ -170,6 +170,12 @@ def shared_path(*parts: str) -> Path | None:
     return None
 
 
+# The library finds the rollout logs beside the checkout or the working directory
+# (histospec_sgl.replay.data.default_data_root); a checkout elsewhere gets the shared folder's.
+if not os.environ.get("HISTOSPEC_DATA_DIR") and shared_path("data", "rollouts") is not None:
+    os.environ["HISTOSPEC_DATA_DIR"] = str(shared_path("data", "rollouts"))
+
+
 def shared_missing(what: str, provide: str) -> NoReturn:
     """What the repository cannot ship (the unlicensed rollout logs, slime's source, the Qwen3
     tokenizer) is missing: where .ci/run requires it (HISTOSPEC_REQUIRE_SHARED=1) the test fails,
