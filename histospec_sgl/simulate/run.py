@@ -198,7 +198,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         p, m = c["predicted_speedup"], c["measured_speedup"]
         c["error"] = round(p / m - 1, 3) if p and m else None
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
-            "trace": tr, "draft_tokens": d,
+            "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
             "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
 
 
@@ -268,5 +268,8 @@ def print_check(result: dict[str, Any]) -> None:
         t.add_row(c["method"], str(c["batch_size"]), str(c["temperature"]), f"{c['predicted_speedup']:.2f}x",
                   f"{c['measured_speedup']:.2f}x", f"{100 * c['error']:+.0f}%" if c["error"] is not None else "")
     console().print(t)
+    if not result.get("log_verified", True):
+        console().print("[yellow]warning:[/] this result records no digest of its traced step (a bench engine "
+                        "from before digests): the step was rebuilt from the log given and not checked against it")
     if result["not_predicted"]:
         console().print(f"not predicted (the simulator models HISTORY's drafting only): {', '.join(result['not_predicted'])}")

@@ -97,6 +97,7 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     checked = json.loads(chk.read_text())
     # Fixed widths only: no policy clock in the result, so the rows' averages price the steps.
     assert checked["priced_by"] == "row averages"
+    assert checked["log_verified"] is True  # the log rebuilt the step the result traced (its digest)
     check = checked["check"]
     assert {(c["method"], c["batch_size"], c["temperature"]) for c in check} == {("history", b, 1.0) for b in (1, 4)}
     for c in check:
