@@ -197,12 +197,12 @@ ROLLOUT_LOGS = ("cs336-grpo-math", "cs336-ei-math", "codet-humaneval-codegen16b"
 
 
 def rollout_root() -> Path | None:
-    """The rollout logs' root, as the replay finds it (``$HISTOSPEC_DATA_DIR``, else the shared
-    folder's data/rollouts), when it holds every preset's log."""
+    """The rollout logs' root, as the replay finds it (``$HISTOSPEC_DATA_DIR``, which this module
+    points at the shared folder's data/rollouts, else beside the checkout), when it holds every
+    preset's log."""
     from histospec_sgl.replay.data import default_data_root
 
-    env = os.environ.get("HISTOSPEC_DATA_DIR")
-    root = Path(env) if env else (shared_path("data", "rollouts") or default_data_root())
+    root = default_data_root()
     if root is not None and all((root / d).is_dir() for d in ROLLOUT_LOGS):
         return root
     return None

@@ -282,8 +282,7 @@ def get_or_create(*, name: str = NAME, namespace: str = NAMESPACE, listen: str =
                          + ". Ask for what it runs with, or stop it first (histospec-sgl ray draft-server --stop; "
                          "docs/draft-server.md says what a changed shard count does to its history)")
     first = ray.get(actor.client_settings.remote(), timeout=timeout)
-    _, running = ray.get(actor.shard.remote(), timeout=timeout)  # a running server keeps its own count
-    for i in range(1, running):
+    for i in range(1, have["shards"]):  # a running server keeps its own count
         ray.get(one(i, first["token"]).address.remote(), timeout=timeout)
     info = client_settings(name, namespace, timeout)
     assert info is not None

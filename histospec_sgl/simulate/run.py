@@ -147,9 +147,10 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     tr = settings["trace"]
     spec = et.TraceSpec(tr["preset"], tr["groups"], tr["history_policies"], tr["seed"])
     groups = et.workload(spec, Path(engine["model"]["path"]), data_root)
-    if "digest" in tr and et.digest(groups) != tr["digest"]:
+    rebuilt = et.digest(groups)
+    if "digest" in tr and rebuilt != tr["digest"]:
         raise ValueError(f"the log given ({data_root or 'the default data root'}) does not hold the step this result "
-                         f"traced (digest {et.digest(groups)}, the result's {tr['digest']}): pass --data-root the "
+                         f"traced (digest {rebuilt}, the result's {tr['digest']}): pass --data-root the "
                          "folder bench engine --trace ran on")
     d = int(settings["draft_tokens"])
     cap = int(settings["max_new_tokens"])
