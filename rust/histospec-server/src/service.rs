@@ -121,7 +121,9 @@ impl Shared {
             match p {
                 Placement::New(seq) => {
                     r.sequence = seq;
-                    fresh.push(Stored::new(&r));
+                    let mut stored = Stored::new(&r);
+                    stored.hash = h;
+                    fresh.push(stored);
                     fresh_hashes.push(h);
                     sequences.push(seq);
                 }

@@ -126,7 +126,8 @@ impl Store {
 
     /// Appends a record with any sequence above the head (loading from disk: evicted gaps allowed only
     /// before the first record).
-    pub fn push_loaded(&mut self, record: Stored, hash: u64) {
+    pub fn push_loaded(&mut self, mut record: Stored, hash: u64) {
+        record.hash = hash;
         assert!(
             record.sequence > self.head,
             "sequence {} not above head {}",
@@ -142,6 +143,15 @@ impl Store {
         self.tokens += record.tokens;
         if record.encoded.is_some() {
             self.hot_bytes += record.len as u64;
+        } else {
+            // Loaded from the data dir's index without its encoding: only ever before every
+            // record held in memory (a restart reads the snapshot's records before the log's).
+            assert_eq!(
+                self.hot_from,
+                self.records.len(),
+                "a record on disk only after ones in memory"
+            );
+            self.hot_from += 1;
         }
         let g = record.group_key.unwrap_or_default();
         self.groups.entry(g).or_default().push_back(record.sequence);
@@ -164,6 +174,25 @@ impl Store {
             self.records[self.hot_from] = Arc::new(cold);
             self.hot_from += 1;
         }
+    }
+
+    /// Reads the newest records held on disk only back into memory while the memory budget allows
+    /// (all of them without one): after a restart that loaded them from the data dir's index, memory
+    /// holds what it held before. Returns how many were read.
+    pub fn warm(&mut self) -> std::io::Result<usize> {
+        let mut n = 0;
+        while self.hot_from > 0 {
+            let r = &self.records[self.hot_from - 1];
+            if self.memory_bytes > 0 && self.hot_bytes + r.len as u64 > self.memory_bytes {
+                break;
+            }
+            let warm = r.warm()?;
+            self.hot_bytes += warm.len as u64;
+            self.hot_from -= 1;
+            self.records[self.hot_from] = Arc::new(warm);
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// Points records at where a snapshot has put them (`locs[i]` for `records[i]`, as the

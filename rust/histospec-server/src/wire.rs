@@ -56,6 +56,8 @@ pub struct Stored {
     pub encoded: Option<Bytes>,
     /// Where it is on disk, once appended to the data dir's log.
     pub at: Option<Loc>,
+    /// Its content hash (what an idempotent re-publish is compared with), once stored.
+    pub hash: u64,
 }
 
 impl Stored {
@@ -70,6 +72,7 @@ impl Stored {
             len: encoded.len(),
             encoded: Some(encoded),
             at: None,
+            hash: 0,
         }
     }
 
@@ -101,6 +104,14 @@ impl Stored {
             ));
         }
         Ok(Bytes::from(buf).slice(8..))
+    }
+
+    /// The same record with its encoding read back into memory (it stays on disk too).
+    pub fn warm(&self) -> io::Result<Stored> {
+        Ok(Stored {
+            encoded: Some(self.bytes()?),
+            ..self.clone()
+        })
     }
 
     /// The same record without its encoding in memory, if it is on disk.

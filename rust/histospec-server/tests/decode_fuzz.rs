@@ -77,7 +77,7 @@ proptest! {
         let hashes = validate::resolve(&mut ok);
         let Ok(places) = store.place(&ok, &hashes) else { return Ok(()) };
         let dir = tempfile::tempdir().unwrap();
-        let (mut disk, _) = Disk::open(dir.path(), u64::MAX, &mut |_, _| {}).unwrap();
+        let (mut disk, _) = Disk::open(dir.path(), u64::MAX, &mut |_| {}).unwrap();
         let mut fresh = Vec::new();
         for ((r, p), h) in ok.iter().zip(&places).zip(&hashes) {
             if let Placement::New(seq) = p {
@@ -90,7 +90,7 @@ proptest! {
         disk.append(&mut fresh.iter().map(Stored::new).collect::<Vec<_>>()).unwrap();
         drop(disk);
         let mut loaded = Vec::new();
-        let (_d, _) = Disk::open(dir.path(), u64::MAX, &mut |r, _| loaded.push(r)).unwrap();
+        let (_d, _) = Disk::open(dir.path(), u64::MAX, &mut |f| loaded.push(f.record())).unwrap();
         prop_assert_eq!(loaded, fresh);
     }
 }
