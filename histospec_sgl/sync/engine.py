@@ -53,6 +53,8 @@ class EngineSync:
         mode: ``on_demand`` (follow the groups asked for with :meth:`want`) or ``mirror`` (every record).
         apply_timeout: seconds a step boundary waits for records already received (mirror).
         publish_timeout: seconds per publish attempt (the background thread retries with backoff).
+        fetch_timeout: on_demand: seconds after which a group's fetch not answered yet (its shard is
+            down) is given up; its history is still applied whenever it arrives.
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class EngineSync:
         publisher_id: str | None = None,
         publish_timeout: float = 10.0,
         mode: str = "on_demand",
+        fetch_timeout: float = 0.5,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -76,7 +79,8 @@ class EngineSync:
         #: mirror: one subscriber per shard (each shard's records in its own order).
         self.subscribers = [HistorySubscriber(a, index, **creds).start() for a in shards] if mode == "mirror" else []
         #: on_demand: one follower per shard; a group is asked of the shard that holds it.
-        self.followers = [GroupFollower(a, index, **creds).start() for a in shards] if mode == "on_demand" else []
+        self.followers = ([GroupFollower(a, index, fetch_timeout=fetch_timeout, **creds).start() for a in shards]
+                          if mode == "on_demand" else [])
         #: Publishes finished responses in the background; its counters (``publish_failures``,
         #: ``refused_records``, ``dropped``) say what did not go out.
         self.outbox = BackgroundPublisher(
@@ -132,6 +136,16 @@ class EngineSync:
     def fetch_seconds(self) -> list[float]:
         """on_demand: each fetched group's time from :meth:`want` to its whole history received."""
         return [x for f in self.followers for x in f.fetch_seconds]
+
+    @property
+    def fetches_given_up(self) -> int:
+        """on_demand: fetches given up at the bound (their shard was down)."""
+        return sum(f.fetches_given_up for f in self.followers)
+
+    @property
+    def late_seconds(self) -> list[float]:
+        """on_demand: each given-up fetch's time from :meth:`want` to its history received after all."""
+        return [x for f in self.followers for x in f.late_seconds]
 
     @property
     def publisher(self) -> HistoryPublisher:

@@ -14,6 +14,12 @@ history arrives on a background thread, and :meth:`GroupFollower.poll` applies w
 step boundary. A request whose group's history is still on its way drafts from its in-flight siblings
 meanwhile. Each group's records reach the index in the server's order, so every engine that holds a
 group holds the same history of it.
+
+A fetch has a bound (``fetch_timeout``): one not answered within it (its shard is down or
+restarting) is given up, counted in ``fetches_given_up``, and its requests go on drafting from their
+siblings. The group stays held, so its history still arrives when the shard is back (the time it
+took is in ``late_seconds``); while a fetch is outstanding the stream retries at least every half
+bound instead of backing off further.
 """
 
 from __future__ import annotations
@@ -54,9 +60,13 @@ class GroupFollower(_Receiver):
             longer in the index (evicted under its memory budget), is dropped from the stream.
         sweep_every: :meth:`poll` calls between two looks for groups to drop.
         max_buffered: messages held before the stream is paused (back-pressure to the server).
+        fetch_timeout: seconds after which a fetch not answered yet is given up (the group stays
+            held, and its history is applied whenever it arrives).
 
     Counters: ``fetch_seconds`` (each added group's time from :meth:`want` to its whole history
-    received), ``received_bytes``, ``received_records``, ``applied_records``, ``reconnects``, ``dropped_groups``.
+    received, or to being given up), ``fetches_given_up``, ``late_seconds`` (a given-up fetch's time to
+    its history received after all), ``received_bytes``, ``received_records``, ``applied_records``,
+    ``reconnects``, ``dropped_groups``.
     """
 
     def __init__(
@@ -72,7 +82,10 @@ class GroupFollower(_Receiver):
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        fetch_timeout: float = 0.5,
     ):
+        if fetch_timeout <= 0:
+            raise ValueError(f"fetch_timeout must be positive, got {fetch_timeout}")
         super().__init__(address, thread_name="histospec-follower", backoff=backoff, max_backoff=max_backoff,
                          auth_token=auth_token, tls_root_certificates=tls_root_certificates,
                          max_message_bytes=max_message_bytes)
@@ -87,7 +100,9 @@ class GroupFollower(_Receiver):
         # group -> highest sequence applied to the index (the index holds the group's records up to it,
         # unless it has evicted the group since).
         self._applied: dict[int, int] = {}
+        self.fetch_timeout = fetch_timeout
         self._asked: dict[int, float] = {}  # added, history not all received yet
+        self._late: dict[int, float] = {}  # given up, history not received yet: when it was asked
         self._ready: set[int] = set()
         self._cursor = 0  # every record of a held group below this has been received
         self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
@@ -95,6 +110,8 @@ class GroupFollower(_Receiver):
         self._error: DraftServerError | None = None
         self._polls = 0
         self.fetch_seconds: list[float] = []
+        self.late_seconds: list[float] = []
+        self.fetches_given_up = 0
         self.received_bytes = 0
         self.received_records = 0
         self.applied_records = 0
@@ -117,6 +134,7 @@ class GroupFollower(_Receiver):
                     self._applied.pop(g, None)
                     self._last[g] = 0
                     self._asked[g] = now
+                    self._late.pop(g, None)
                     add.append((g, 0))
                 elif g not in self._held:
                     # The index may still hold what was applied before the group was let go.
@@ -125,11 +143,23 @@ class GroupFollower(_Receiver):
                         self._applied.pop(g, None)
                     self._last[g] = after
                     self._asked[g] = now
+                    self._late.pop(g, None)
                     add.append((g, after))
                 self._held[g] = now
             if add and self._requests is not None:
                 self._requests.put(_core.encode_follow(0, add, again))
+            self._give_up(now)
         return len(add)
+
+    def _give_up(self, now: float) -> None:
+        """Gives up the fetches older than the bound (the lock held)."""
+        cutoff = now - self.fetch_timeout
+        old = [g for g, t in self._asked.items() if t < cutoff]
+        for g in old:
+            t = self._asked.pop(g)
+            self._late[g] = t
+            self.fetch_seconds.append(now - t)
+        self.fetches_given_up += len(old)
 
     def _evicted(self, g: int) -> bool:
         """Records of ``g`` were applied, and the index holds none of them now."""
@@ -168,6 +198,9 @@ class GroupFollower(_Receiver):
             n += r["applied"]
             self.rejected_records += r["rejected"]
         self.applied_records += n
+        if self._asked:
+            with self._lock:
+                self._give_up(time.monotonic())
         self._polls += 1
         if self._polls % self.sweep_every == 0:
             self._sweep()
@@ -189,6 +222,7 @@ class GroupFollower(_Receiver):
                 self._applied.pop(g, None)
                 self._ready.discard(g)
                 self._asked.pop(g, None)
+                self._late.pop(g, None)
             if gone and self._requests is not None:
                 self._requests.put(_core.encode_follow(0, [], gone))
         self.dropped_groups += len(gone)
@@ -235,7 +269,9 @@ class GroupFollower(_Receiver):
                 done.set()
                 with self._lock:
                     self._requests = None
-            next_pause = self._backoff(pause)
+            # A fetch waiting: retry at least every half bound, so the history follows the shard's
+            # return closely.
+            next_pause = self._backoff(min(pause, self.fetch_timeout / 2) if self._asked or self._late else pause)
             if next_pause is None:
                 return
             pause = next_pause
@@ -255,6 +291,9 @@ class GroupFollower(_Receiver):
                     t = self._asked.pop(g, None)
                     if t is not None:
                         self.fetch_seconds.append(now - t)
+                    t = self._late.pop(g, None)
+                    if t is not None:
+                        self.late_seconds.append(now - t)
             self._cursor = max(self._cursor, span["cursor"])
         if self.index is None:
             return

@@ -757,6 +757,42 @@ def test_follower_fetches_again_a_held_group_its_index_evicted(server):
         follower.close()
 
 
+def test_a_fetch_from_a_dead_server_is_given_up_at_its_bound_and_its_history_arrives_later(tmp_path):
+    """A group asked of a killed server: the fetch is given up at its bound (the request drafts from
+    its siblings meanwhile); the group stays held, and when the server is back from its data dir the
+    history arrives and is applied, its delay counted apart."""
+    from histospec_sgl.sync.follow import GroupFollower
+
+    data_dir = tmp_path / "data"
+    srv = DraftServerProcess(data_dir=data_dir, log=tmp_path / "server.log")
+    port = srv.port
+    recs = _records(20, seed=11, prompts=2)
+    g = prompt_key(recs[0][0])
+    idx = HistoryIndex()
+    follower = GroupFollower(srv.address, idx, fetch_timeout=0.3).start()
+    try:
+        with HistoryPublisher(srv.address) as pub:
+            for p, r in recs:
+                pub.publish(p, r, version=0)
+            pub.flush()
+        time.sleep(0.3)  # the stream is open
+        srv.kill()
+        follower.want([g])
+        t0 = time.monotonic()
+        _until(follower.poll, lambda: follower.fetches_given_up == 1, timeout=5)
+        assert time.monotonic() - t0 < 1.0 and idx.group_len(g) == 0
+        assert len(follower.fetch_seconds) == 1 and 0.3 <= follower.fetch_seconds[0] < 1.0
+        time.sleep(1.0)  # the server stays down past the bound
+        wait_port_free(port)
+        srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, log=tmp_path / "server2.log")
+        _until(follower.poll, lambda: idx.group_len(g) == 10)
+        assert len(follower.late_seconds) == 1 and follower.late_seconds[0] >= 1.0
+        assert len(follower.fetch_seconds) == 1, "a given-up fetch is counted once"
+    finally:
+        follower.close()
+        srv.kill()
+
+
 def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowledged(tmp_path):
     """A draft server in two shards (a comma list of addresses): each record lives on the shard of its
     group key, an engine follows both and gets every group it asks for from its shard. One shard killed
