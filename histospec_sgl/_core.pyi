@@ -17,6 +17,8 @@ __all__ = [
     "decode_publish_response",
     "encode_subscribe",
     "encode_follow",
+    "encode_announce",
+    "decode_announce",
     "decode_stats",
     "decode_records",
     "apply_records",
@@ -242,6 +244,12 @@ def decode_publish_response(data: bytes) -> dict[str, Any]:
     """``{"sequences", "accepted", "duplicates", "durable"}``."""
 
 def encode_subscribe(from_sequence: int) -> bytes: ...
+def encode_announce(group_keys: list[int]) -> bytes:
+    """Encodes an ``AnnounceRequest`` of these group keys."""
+
+def decode_announce(data: bytes) -> int:
+    """An ``AnnounceResponse``'s ``followers`` (the Follow streams told)."""
+
 def encode_follow(from_sequence: int = 0, add: list[tuple[int, int]] = ..., drop: list[int] = ...) -> bytes:
     """A ``FollowRequest``: ``add`` is ``(group_key, after_sequence)`` pairs, ``drop`` group keys."""
 

@@ -52,6 +52,10 @@ def shard_addresses(address: str) -> list[str]:
     return parts
 
 
+#: Groups per Announce call (the server takes up to 65,536).
+ANNOUNCE_BATCH = 4096
+
+
 def shard_of(group_key: int, shards: int) -> int:
     """The shard that holds a group's records."""
     return int(group_key) % shards
@@ -357,6 +361,26 @@ class HistoryPublisher(_Client):
             for c in self._shards[1:]:
                 c.close()
             super().close()
+
+    def announce(self, groups: Sequence[int], timeout: float = 5.0) -> int:
+        """Tells the engines following these groups' shards that the groups come next (a trainer's
+        coming step): each engine asks for the history of those it has decoded before, so it arrives
+        before their first request. A hint: returns the Follow streams told (summed over shards);
+        raises :class:`DraftServerError` when a shard cannot be reached within ``timeout``."""
+        by: dict[int, list[int]] = {}
+        for g in groups:
+            by.setdefault(shard_of(g, len(self._shards)), []).append(int(g))
+        told = 0
+        for i, gs in by.items():
+            for at in range(0, len(gs), ANNOUNCE_BATCH):
+                try:
+                    reply = self._shards[i]._unary("Announce", _core.encode_announce(gs[at:at + ANNOUNCE_BATCH]),
+                                                   timeout)
+                except grpc.RpcError as e:
+                    code, msg = _describe(e)
+                    raise DraftServerError(f"announce to {self._shard_addresses[i]}: {msg}", code) from None
+                told += _core.decode_announce(reply)
+        return told
 
     def stats(self, timeout: float = 10.0) -> dict[str, Any]:
         """The server's counters; for shards, summed (``durable``: all are), with each shard's own under

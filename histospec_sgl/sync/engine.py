@@ -11,8 +11,9 @@ the engine's index, when ``HISTOSPEC_DRAFT_SERVER`` is set).
   live draft call.
 - ``mode="on_demand"`` (the default): the engine follows the groups it drafts for
   (:class:`~histospec_sgl.sync.follow.GroupFollower`): :meth:`EngineSync.want` asks for a group's
-  history when its first request arrives (or when the step's prompts are announced) and the
-  engine holds that group's records only. ``mode="mirror"``: every record of the job, in the global
+  history when its first request arrives, or earlier when a trainer announces the step's groups
+  (:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`: the engine asks for those it has
+  decoded before), and the engine holds that group's records only. ``mode="mirror"``: every record of the job, in the global
   order (:class:`~histospec_sgl.sync.client.HistorySubscriber`), under the index's memory budget.
 
 With a sharded server (``address`` a comma list), each shard is followed on its own and a group is
@@ -136,6 +137,17 @@ class EngineSync:
     def fetch_seconds(self) -> list[float]:
         """on_demand: each fetched group's time from :meth:`want` to its whole history received."""
         return [x for f in self.followers for x in f.fetch_seconds]
+
+    def ready(self, group: int) -> bool:
+        """on_demand: whether the group's whole history has been received (mirror: always)."""
+        if not self.followers:
+            return True
+        return self.followers[shard_of(group, len(self.followers))].ready(group)
+
+    @property
+    def announced(self) -> int:
+        """on_demand: announced groups this engine asked for (those it had decoded before)."""
+        return sum(f.announced for f in self.followers)
 
     @property
     def fetches_given_up(self) -> int:

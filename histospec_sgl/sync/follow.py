@@ -15,6 +15,12 @@ step boundary. A request whose group's history is still on its way drafts from i
 meanwhile. Each group's records reach the index in the server's order, so every engine that holds a
 group holds the same history of it.
 
+A trainer that knows its next step's prompts announces their groups
+(:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`, which slime's data source does); the
+server passes the announcement to every follower, and each asks for the announced groups it has
+decoded before: routing by group sends a prompt back to the engine that decoded it, so the history
+is there before the step's first request.
+
 A fetch has a bound (``fetch_timeout``): one not answered within it (its shard is down or
 restarting) is given up, counted in ``fetches_given_up``, and its requests go on drafting from their
 siblings. The group stays held, so its history still arrives when the shard is back (the time it
@@ -46,6 +52,9 @@ from histospec_sgl.sync.client import (
 
 __all__ = ["GroupFollower"]
 
+#: Groups a follower remembers having asked for (what an announcement is matched against).
+MAX_SEEN = 1 << 20
+
 log = logging.getLogger("histospec_sgl.sync")
 
 
@@ -64,7 +73,7 @@ class GroupFollower(_Receiver):
             held, and its history is applied whenever it arrives).
 
     Counters: ``fetch_seconds`` (each added group's time from :meth:`want` to its whole history
-    received, or to being given up), ``fetches_given_up``, ``late_seconds`` (a given-up fetch's time to
+    received, or to being given up), ``announced`` (announced groups asked for), ``fetches_given_up``, ``late_seconds`` (a given-up fetch's time to
     its history received after all), ``received_bytes``, ``received_records``, ``applied_records``,
     ``reconnects``, ``dropped_groups``.
     """
@@ -103,6 +112,9 @@ class GroupFollower(_Receiver):
         self.fetch_timeout = fetch_timeout
         self._asked: dict[int, float] = {}  # added, history not all received yet
         self._late: dict[int, float] = {}  # given up, history not received yet: when it was asked
+        # Groups asked for before (insertion-ordered, the oldest forgotten past MAX_SEEN): the ones an
+        # announcement is for.
+        self._seen: dict[int, None] = {}
         self._ready: set[int] = set()
         self._cursor = 0  # every record of a held group below this has been received
         self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
@@ -112,6 +124,7 @@ class GroupFollower(_Receiver):
         self.fetch_seconds: list[float] = []
         self.late_seconds: list[float] = []
         self.fetches_given_up = 0
+        self.announced = 0
         self.received_bytes = 0
         self.received_records = 0
         self.applied_records = 0
@@ -127,6 +140,10 @@ class GroupFollower(_Receiver):
         with self._lock:
             for g in groups:
                 g = int(g)
+                if g not in self._seen:
+                    self._seen[g] = None
+                    if len(self._seen) > MAX_SEEN:
+                        del self._seen[next(iter(self._seen))]
                 if g in self._held and self._evicted(g):
                     # Held, but the index let its history go since: fetch it whole again.
                     again.append(g)
@@ -164,6 +181,14 @@ class GroupFollower(_Receiver):
     def _evicted(self, g: int) -> bool:
         """Records of ``g`` were applied, and the index holds none of them now."""
         return self.index is not None and self._applied.get(g, 0) > 0 and self.index.group_len(g) == 0
+
+    def _announced(self, groups: list[int]) -> None:
+        """An announcement from the server: asks for the groups decoded here before."""
+        with self._lock:
+            mine = [g for g in groups if g in self._seen]
+        if mine:
+            self.announced += len(mine)
+            self.want(mine)
 
     def ready(self, group: int) -> bool:
         """Whether the group's whole history has been received (applied at the next :meth:`poll`)."""
@@ -295,6 +320,10 @@ class GroupFollower(_Receiver):
                     if t is not None:
                         self.late_seconds.append(now - t)
             self._cursor = max(self._cursor, span["cursor"])
+        if span["announced_groups"]:
+            self._announced(span["announced_groups"])
+        if not span["records"] and not span["ready_groups"]:
+            return  # an announcement alone: nothing for the index
         if self.index is None:
             return
         while not self._stop.is_set():

@@ -757,6 +757,42 @@ def test_follower_fetches_again_a_held_group_its_index_evicted(server):
         follower.close()
 
 
+def test_announced_groups_are_fetched_by_the_engine_that_decoded_them_before(server):
+    """A trainer announces its next step's groups: every follower hears it, and each asks for the
+    announced groups it has decoded before (routing by group brings them back to it), so their
+    history is in its index before their first request; groups it never decoded are left alone."""
+    from histospec_sgl.sync.follow import GroupFollower
+
+    recs = _records(30, seed=12, prompts=3)
+    g1, g2, g3 = (prompt_key(recs[i][0]) for i in range(3))
+    with HistoryPublisher(server.address) as pub:
+        for p, r in recs:
+            pub.publish(p, r, version=0)
+        pub.flush()
+    idx_a, idx_b = HistoryIndex(), HistoryIndex()
+    a = GroupFollower(server.address, idx_a).start()
+    b = GroupFollower(server.address, idx_b).start()
+    try:
+        a.want([g1])
+        b.want([g2])
+        _until(lambda: (a.poll(), b.poll()), lambda: idx_a.group_len(g1) == 10 and idx_b.group_len(g2) == 10)
+        idx_a.remove_group(g1)  # the budget evicted it since
+        with HistoryPublisher(server.address) as trainer:
+            assert trainer.announce([g1, g2, g3]) == 2  # both streams told
+        _until(lambda: (a.poll(), b.poll()), lambda: idx_a.group_len(g1) == 10)
+        assert a.ready(g1) and a.announced == 1 and b.announced == 1
+        time.sleep(0.3)
+        a.poll(), b.poll()
+        assert idx_a.group_len(g2) == idx_a.group_len(g3) == 0, "a group it never decoded was fetched"
+        assert idx_b.group_len(g2) == 10 and idx_b.group_len(g1) == idx_b.group_len(g3) == 0
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(server.address, "Announce", _core.encode_announce(list(range(70_000))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 65536" in e.value.details()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_fetch_from_a_dead_server_is_given_up_at_its_bound_and_its_history_arrives_later(tmp_path):
     """A group asked of a killed server: the fetch is given up at its bound (the request drafts from
     its siblings meanwhile); the group stays held, and when the server is back from its data dir the

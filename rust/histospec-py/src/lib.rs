@@ -47,6 +47,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::decode_publish_response, m)?)?;
     m.add_function(wrap_pyfunction!(wire::encode_subscribe, m)?)?;
     m.add_function(wrap_pyfunction!(wire::encode_follow, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::encode_announce, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::decode_announce, m)?)?;
     m.add_function(wrap_pyfunction!(wire::follow_span, m)?)?;
     m.add_function(wrap_pyfunction!(wire::decode_stats, m)?)?;
     m.add_function(wrap_pyfunction!(wire::decode_records, m)?)?;

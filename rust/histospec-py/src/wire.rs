@@ -6,8 +6,8 @@
 //! object per token.
 
 use histospec_server::proto::{
-    FollowGroup, FollowRequest, FollowResponse, PublishRequest, PublishResponse, Record,
-    SnapshotChunk, StatsResponse, SubscribeRequest, SubscribeResponse,
+    AnnounceRequest, AnnounceResponse, FollowGroup, FollowRequest, FollowResponse, PublishRequest,
+    PublishResponse, Record, SnapshotChunk, StatsResponse, SubscribeRequest, SubscribeResponse,
 };
 use numpy::{PyArray1, PyReadonlyArrayDyn};
 use prost::Message;
@@ -134,6 +134,20 @@ pub fn encode_follow<'py>(
     PyBytes::new(py, &m.encode_to_vec())
 }
 
+/// Encodes an `AnnounceRequest` of these group keys.
+#[pyfunction]
+pub fn encode_announce(py: Python<'_>, group_keys: Vec<u64>) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &AnnounceRequest { group_keys }.encode_to_vec())
+}
+
+/// An `AnnounceResponse`'s `followers` (the Follow streams told).
+#[pyfunction]
+pub fn decode_announce(data: &[u8]) -> PyResult<u64> {
+    Ok(AnnounceResponse::decode(data)
+        .map_err(|e| malformed("AnnounceResponse", e))?
+        .followers)
+}
+
 /// Decodes a `StatsResponse` into a dict.
 #[pyfunction]
 pub fn decode_stats<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
@@ -170,6 +184,7 @@ struct Batch {
     /// Follow only.
     ready_groups: Vec<u64>,
     cursor: u64,
+    announced_groups: Vec<u64>,
 }
 
 fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
@@ -184,6 +199,7 @@ fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
                 total: 0,
                 ready_groups: Vec::new(),
                 cursor: 0,
+                announced_groups: Vec::new(),
             })
         }
         "follow" => {
@@ -195,6 +211,7 @@ fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
                 total: 0,
                 ready_groups: m.ready_groups,
                 cursor: m.cursor,
+                announced_groups: m.announced_groups,
             })
         }
         "snapshot" => {
@@ -206,6 +223,7 @@ fn decode_batch(data: &[u8], kind: &str) -> PyResult<Batch> {
                 total: m.total_records,
                 ready_groups: Vec::new(),
                 cursor: 0,
+                announced_groups: Vec::new(),
             })
         }
         other => Err(PyValueError::new_err(format!(
@@ -226,6 +244,7 @@ fn batch_header<'py>(py: Python<'py>, b: &Batch, kind: &str) -> PyResult<Bound<'
     if kind == "follow" {
         d.set_item("ready_groups", &b.ready_groups)?;
         d.set_item("cursor", b.cursor)?;
+        d.set_item("announced_groups", &b.announced_groups)?;
     }
     Ok(d)
 }
@@ -324,8 +343,8 @@ pub fn wire_span(py: Python<'_>, data: &[u8], kind: &str) -> PyResult<(u64, u64)
     Ok((b.records.last().map_or(0, |r| r.sequence), b.mark))
 }
 
-/// A Follow message's `cursor`, `head_sequence`, `ready_groups`, `records` (how many) and `last`
-/// (each group's highest sequence in it).
+/// A Follow message's `cursor`, `head_sequence`, `ready_groups`, `announced_groups`, `records` (how
+/// many) and `last` (each group's highest sequence in it).
 #[pyfunction]
 pub fn follow_span<'py>(py: Python<'py>, data: &[u8]) -> PyResult<Bound<'py, PyDict>> {
     let b = py.detach(|| decode_batch(data, "follow"))?;

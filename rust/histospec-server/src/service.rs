@@ -20,8 +20,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::disk::Disk;
 use crate::proto::{
-    FollowRequest, PublishRequest, PublishResponse, Record, SnapshotRequest, StatsRequest,
-    StatsResponse, SubscribeRequest,
+    AnnounceRequest, AnnounceResponse, FollowRequest, PublishRequest, PublishResponse, Record,
+    SnapshotRequest, StatsRequest, StatsResponse, SubscribeRequest,
 };
 use crate::proto_server::history_service_server::HistoryService;
 use crate::store::{batch_len, Placement, Store};
@@ -64,6 +64,8 @@ pub struct Shared {
     pub(crate) store: RwLock<Store>,
     pub(crate) writer: Mutex<Writer>,
     head_tx: watch::Sender<u64>,
+    /// Announced groups, to every Follow stream.
+    announce_tx: tokio::sync::broadcast::Sender<Arc<Vec<u64>>>,
     shutdown: watch::Receiver<bool>,
     subscribers: AtomicU64,
     followers: AtomicU64,
@@ -72,6 +74,11 @@ pub struct Shared {
     durable: bool,
     limits: Limits,
 }
+
+/// Announcements a Follow stream may fall behind by before it misses some.
+const ANNOUNCE_BUFFER: usize = 64;
+/// Most groups in one Announce.
+pub const MAX_ANNOUNCED: usize = 1 << 16;
 
 fn poisoned() -> Status {
     Status::internal("draft server state poisoned by an earlier panic; restart it")
@@ -85,7 +92,9 @@ impl Shared {
         shutdown: watch::Receiver<bool>,
     ) -> Self {
         let (head_tx, _) = watch::channel(store.head());
+        let (announce_tx, _) = tokio::sync::broadcast::channel(ANNOUNCE_BUFFER);
         Shared {
+            announce_tx,
             durable: disk.is_some(),
             store: RwLock::new(store),
             writer: Mutex::new(Writer { disk, failed: None }),
@@ -454,6 +463,8 @@ async fn follow_loop(
     });
     let _reader = AbortOnDrop(reader);
     let mut head_rx = shared.head_tx.subscribe();
+    let mut announce_rx = shared.announce_tx.subscribe();
+    let mut announced: Vec<u64> = Vec::new();
     loop {
         if *shutdown.borrow_and_update() {
             return;
@@ -461,6 +472,24 @@ async fn follow_loop(
         head_rx.borrow_and_update();
         while let Ok(m) = req_rx.try_recv() {
             f.apply(m);
+        }
+        loop {
+            match announce_rx.try_recv() {
+                Ok(gs) => announced.extend(gs.iter()),
+                Err(tokio::sync::broadcast::error::TryRecvError::Lagged(_)) => continue,
+                Err(_) => break,
+            }
+        }
+        if !announced.is_empty() {
+            // Ahead of any records: the engine asks for these while the records go out.
+            let m = EncodedFollowResponse {
+                announced_groups: std::mem::take(&mut announced),
+                ..Default::default()
+            };
+            tokio::select! {
+                r = tx.send(Ok(m)) => if r.is_err() { return },
+                _ = shutdown.changed() => return,
+            }
         }
         let msg = match f.next() {
             Ok(m) => m,
@@ -479,6 +508,11 @@ async fn follow_loop(
                 m = req_rx.recv() => match m {
                     Some(m) => f.apply(m),
                     None => return, // the client closed its side
+                },
+                a = announce_rx.recv() => match a {
+                    Ok(gs) => announced.extend(gs.iter()),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(_) => return,
                 },
                 _ = shutdown.changed() => return,
                 _ = tx.closed() => return,
@@ -599,6 +633,24 @@ impl HistoryService for Service {
             tx,
         ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn announce(
+        &self,
+        request: Request<AnnounceRequest>,
+    ) -> Result<Response<AnnounceResponse>, Status> {
+        let groups = request.into_inner().group_keys;
+        if groups.len() > MAX_ANNOUNCED {
+            return Err(Status::invalid_argument(format!(
+                "{} groups in one Announce (at most {MAX_ANNOUNCED}); send them in parts",
+                groups.len()
+            )));
+        }
+        // No receiver (no Follow stream open) is not an error: nobody to tell.
+        let followers = self.shared.announce_tx.send(Arc::new(groups)).unwrap_or(0);
+        Ok(Response::new(AnnounceResponse {
+            followers: followers as u64,
+        }))
     }
 
     async fn stats(

@@ -163,6 +163,8 @@ pub struct EncodedFollowResponse {
     pub ready_groups: Vec<u64>,
     #[prost(uint64, tag = "4")]
     pub cursor: u64,
+    #[prost(uint64, repeated, tag = "5")]
+    pub announced_groups: Vec<u64>,
 }
 
 /// `histospec.v1.SnapshotChunk` with its records pre-encoded.
