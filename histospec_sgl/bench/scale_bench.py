@@ -9,14 +9,23 @@ loopback) and ``engines`` engines:
   the budget; the index evicts least-recently-used groups, so a prompt's history is gone when it
   returns.
 - ``on_demand`` (the default mode): each engine follows the groups it drafts for (``Follow``): the
-  router announces a step's prompts one step ahead, each engine asks for the history of the groups
-  routed to it, and lets evicted groups go.
+  trainer announces the next step's groups to the draft server while a step decodes
+  (:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`, as slime's data source does), each
+  engine asks for the announced groups it decoded before (the router sends a group back to the
+  same engine), and lets evicted groups go. ``ready_at_first_request`` is the share of groups with
+  history (epochs after the first) whose history had all arrived (since the announcement, or held
+from before) when their first request did; ``held_at_first_request`` those whose history the
+engine's index still held then (under a budget below two steps' groups, the current step's
+records evict the next step's fetched history; they are fetched again at the first request).
 - ``unbounded``: mirror with no budget, the ceiling.
 
 With ``shards`` > 1, ``on_demand`` runs again on a server of that many shards (a group's records on
 shard ``key mod shards``), and once more with shard 0 killed (SIGKILL) halfway through the job and
 started again from its data dir after a short outage, as its Ray actor does: ``acked_lost`` counts
-records acknowledged to an engine that no shard holds at the end. Every server holds at most
+records acknowledged to an engine that no shard holds at the end, a fetch the dead shard cannot
+answer is given up at its bound (``fetches_given_up``; ``late_p99_ms``: their history's arrival after
+all), and at the end the shard is restarted on its whole data dir twice, from its index and with the
+index deleted (every record decoded): ``restart_seconds`` and ``restart_seconds_decoding``. Every server holds at most
 ``server_memory`` bytes of records in memory (``--memory-bytes``) and reads older ones back from its
 data dir, as a server holding epochs of a real job does.
 
@@ -51,7 +60,7 @@ import numpy as np
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import tree_parents_batch, walk
 from histospec_sgl.engine.drafter import BatchDrafter
-from histospec_sgl.sync.client import HistoryPublisher
+from histospec_sgl.sync.client import DraftServerError, HistoryPublisher
 from histospec_sgl.sync.engine import EngineSync
 from histospec_sgl.sync.process import DraftServerProcess
 
@@ -77,16 +86,27 @@ class Engine:
     steps: int = 0
     emitted: int = 0
     peak_bytes: int = 0
+    #: Groups with history (after the first epoch) at their first request: [history arrived since the
+    #: step was announced or held from before, still in the index, all].
+    ready: list[int] = field(default_factory=lambda: [0, 0, 0])
     by_epoch: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def index(self) -> Any:
         return self.drafter.index
 
-    def decode(self, reqs: Sequence[Request], epoch: int) -> None:
+    def decode(self, reqs: Sequence[Request], epoch: int, announced_at: float | None = None) -> None:
         """Decodes one step's requests together, drafting from whatever history has arrived."""
         d, drafter = self.d, self.drafter
-        self.sync.want({r.group for r in reqs})  # already announced: a no-op unless it was not
+        groups = {r.group for r in reqs}
+        if epoch > 0:
+            self.sync.step_boundary()
+            held = [self.sync.ready(g) for g in groups]
+            since = announced_at if announced_at is not None else float("inf")
+            self.ready[0] += sum(h or (self.sync.ready_at(g) or -1.0) >= since for g, h in zip(groups, held))
+            self.ready[1] += sum(held)
+            self.ready[2] += len(groups)
+        self.sync.want(groups)  # already asked for when announced: a no-op unless it was not
         self.sync.step_boundary()
         for r in reqs:
             drafter.sync(r.rid, r.prompt, r.truth[:1], group=r.group)
@@ -184,6 +204,23 @@ class Shards:
         self.address = ",".join(p.address for p in self.procs)
         self.restarts = 0
 
+    def restart_seconds(self, i: int, *, index: bool) -> float:
+        """SIGKILLs shard ``i`` and times its restart on its data dir (to listening), from the data
+        dir's index or, with ``index=False``, with the index deleted so that every record is decoded."""
+        from histospec_sgl.procs import wait_port_free
+
+        port = self.procs[i].port
+        self.procs[i].kill()
+        wait_port_free(port)
+        if not index:
+            for f in os.listdir(self.dirs[i]):
+                if f.endswith(".idx"):
+                    os.remove(os.path.join(self.dirs[i], f))
+        t0 = time.monotonic()
+        self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i], extra=self.extra,
+                                           log=os.path.join(self.tmp, f"{self.tag}-{i}-restart-{index}.log"))
+        return time.monotonic() - t0
+
     def kill_and_restart(self, i: int, outage: float) -> threading.Thread:
         """SIGKILLs shard ``i`` now and starts it again after ``outage`` seconds (in the background)."""
         from histospec_sgl.procs import wait_port_free
@@ -237,22 +274,29 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         t0 = time.monotonic()
         published = 0
         flat = [(e, s) for e in range(len(job)) for s in range(len(job[e]))]
+        trainer = HistoryPublisher(servers.address)  # announces each next step, as the trainer does
+        announced_at: float | None = None
         try:
             for i, (e, s) in enumerate(flat):
                 if kill and i == len(flat) // 2:
                     progress(f"{tag}: killing shard 0 at step {i} of {len(flat)}")
                     restart = servers.kill_and_restart(0, outage)
                 step = job[e][s]
-                if i + 1 < len(flat):  # the router announces the next step's prompts
+                this_step_announced, announced_at = announced_at, None
+                if i + 1 < len(flat) and mode == "on_demand":  # the trainer announces the next step
                     e2, s2 = flat[i + 1]
-                    for eng_i, eng in enumerate(fleet):
-                        eng.sync.want([g for g, _, _ in job[e2][s2] if g % engines == eng_i])
+                    t_announce = time.monotonic()
+                    try:
+                        trainer.announce([g for g, _, _ in job[e2][s2]], timeout=1.0)
+                        announced_at = t_announce
+                    except DraftServerError:
+                        pass  # a shard is down: its groups are fetched at their first request
                 for eng_i, eng in enumerate(fleet):
                     reqs = [Request(f"{e}-{g}-{k}", g, prompt, resp)
                             for g, prompt, rs in step if g % engines == eng_i
                             for k, resp in enumerate(rs)]
                     if reqs:
-                        eng.decode(reqs, e)
+                        eng.decode(reqs, e, this_step_announced)
                         published += len(reqs)
                 if s == 0:
                     progress(f"{tag}: epoch {e} begun ({time.monotonic() - t0:.0f} s)")
@@ -260,21 +304,28 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
                 restart.join(60)
             for eng in fleet:
                 eng.sync.drain(60)
-            with HistoryPublisher(servers.address) as pub:
-                stats = pub.stats()
+            seconds = time.monotonic() - t0
+            stats = trainer.stats()
             server_rss = servers.rss_bytes()
         finally:
+            trainer.close()
             for eng in fleet:
                 eng.sync.close(timeout=5)
-        seconds = time.monotonic() - t0
+        restarts = ({"restart_seconds": servers.restart_seconds(0, index=True),
+                     "restart_seconds_decoding": servers.restart_seconds(0, index=False),
+                     "restart_records": int(stats["shards"][0]["records"]) if "shards" in stats else int(stats["records"])}
+                    if kill else {})
     finally:
         if restart is not None:
             restart.join(60)
         servers.close()
     fetch = sorted(x for eng in fleet for x in eng.sync.fetch_seconds)
+    late = sorted(x for eng in fleet for x in eng.sync.late_seconds)
 
-    def pct(q: float) -> float | None:
-        return 1e3 * fetch[min(len(fetch) - 1, int(q * len(fetch)))] if fetch else None
+    def pct(q: float, xs: list[float] = fetch) -> float | None:
+        return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    arrived, held, with_history = (sum(eng.ready[k] for eng in fleet) for k in range(3))
 
     received = [eng.sync.received_bytes for eng in fleet]
     by_epoch: dict[str, float] = {}
@@ -294,6 +345,11 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         "fetch_p50_ms": pct(0.5),
         "fetch_p99_ms": pct(0.99),
         "fetches": len(fetch),
+        "fetches_given_up": sum(eng.sync.fetches_given_up for eng in fleet),
+        "late_p99_ms": pct(0.99, late),
+        "announced": sum(eng.sync.announced for eng in fleet),
+        "ready_at_first_request": arrived / with_history if with_history and mode == "on_demand" else None,
+        "held_at_first_request": held / with_history if with_history and mode == "on_demand" else None,
         "received_bytes_per_engine": statistics.fmean(received),
         "server_rss_bytes": server_rss,
         "server_resident_bytes": int(stats["resident_bytes"]),
@@ -302,6 +358,7 @@ def run_mode(mode: str, job: list, *, engines: int, d: int, budget: int, tmp: st
         "shard_restarts": servers.restarts,
         "acked_lost": published - int(stats["records"]),
         "seconds": seconds,
+        **restarts,
     }
 
 
@@ -441,7 +498,7 @@ def print_table(r: dict[str, Any]) -> None:
     t = Table(title=f"bench scale: {c['groups']} groups x {c['samples']} samples x {c['epochs']} epochs "
               f"({c['data']}), {c['engines']} engines, a group returns every {c['steps_between_returns']} steps")
     for col in ("mode", "shards", "budget MB", "peak MB", "tokens/step", "by epoch", "vs unbounded", "fetch p50/p99 ms",
-                "MB received/engine", "acked lost"):
+                "ready at 1st request", "given up", "MB received/engine", "acked lost", "restart s (decoding)"):
         t.add_column(col, justify="left" if col == "mode" else "right")
     for row in r["rows"]:
         fetch = (f"{row['fetch_p50_ms']:.1f} / {row['fetch_p99_ms']:.1f}" if row["fetch_p50_ms"] is not None
@@ -450,8 +507,12 @@ def print_table(r: dict[str, Any]) -> None:
         t.add_row(row["mode"], shards, f"{row['engine_budget_bytes'] / 1e6:.1f}" if row["engine_budget_bytes"] else "none",
                   f"{row['engine_peak_bytes'] / 1e6:.1f}", f"{row['tokens_per_step']:.3f}",
                   " ".join(f"{v:.2f}" for v in row["tokens_per_step_by_epoch"].values()),
-                  f"{row.get('vs_unbounded', 0):.3f}", fetch, f"{row['received_bytes_per_engine'] / 1e6:.1f}",
-                  str(row["acked_lost"]))
+                  f"{row.get('vs_unbounded', 0):.3f}", fetch,
+                  f"{row['ready_at_first_request']:.3f}" if row["ready_at_first_request"] is not None else "-",
+                  str(row["fetches_given_up"]), f"{row['received_bytes_per_engine'] / 1e6:.1f}",
+                  str(row["acked_lost"]),
+                  f"{row['restart_seconds']:.2f} ({row['restart_seconds_decoding']:.2f})" if "restart_seconds" in row
+                  else "-")
     console().print(t)
     if r.get("load"):
         t = Table(title="load: one publisher, N engines receiving on loopback (filtered: each follows its groups)")

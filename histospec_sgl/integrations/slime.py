@@ -6,6 +6,12 @@ Two functions for slime's command line (slime imports them by path)::
     --rollout-all-samples-process-path histospec_sgl.integrations.slime.record
     --custom-config-path histospec.yaml
 
+and, with a draft server, a data source that announces each next rollout's groups while this one
+decodes, so that every engine has the history of the prompts routed back to it before their first
+request (:class:`AnnouncingDataSource`)::
+
+    --data-source-path histospec_sgl.integrations.slime.AnnouncingDataSource
+
 :func:`generate` keeps a prompt's samples together: it sets the sample's routing key
 (``session_id``, which slime sends as ``X-SMG-Routing-Key`` under ``--router-policy
 consistent_hashing``) and ``custom_params.histospec_group`` to the prompt's group, so the n samples
@@ -73,6 +79,8 @@ import dataclasses
 import inspect
 import json
 import logging
+import random
+import threading
 import weakref
 from typing import Any
 
@@ -120,6 +128,66 @@ class Settings(Options):
             length_first_window=float(getattr(args, "histospec_length_first_window", None) or 0.02),
             publish_wait=float(getattr(args, "histospec_publish_wait", None) or 60.0),
         )
+
+
+def _data_source_base() -> type:
+    from slime.rollout.data_source import RolloutDataSourceWithBuffer
+
+    return RolloutDataSourceWithBuffer
+
+
+class AnnouncingDataSource(_data_source_base()):  # type: ignore[misc]
+    """slime's own data source (``RolloutDataSourceWithBuffer``, unchanged in what it hands out and
+    in its checkpoints) that, each time it hands out a rollout's prompts, announces the groups of the
+    next rollout's to the draft server (:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`,
+    in the background: a server that is down delays nothing). The next prompts are read, not taken
+    (:meth:`_upcoming`), across an epoch's end too. Without a draft server
+    (``histospec_draft_server`` or ``HISTOSPEC_DRAFT_SERVER``) it announces nothing."""
+
+    def __init__(self, args: Any):
+        super().__init__(args)
+        self._histospec = Settings.from_args(args)
+        self._announcer: Any = None
+        self._announcing = threading.Lock()  # one announcement at a time, in order
+        self.announced = 0  # groups announced so far
+
+    def get_samples(self, num_samples: int) -> Any:
+        samples = super().get_samples(num_samples)
+        if self._histospec.draft_server and self.dataset is not None:
+            groups = sorted({sample_group(s) for s in self._upcoming(num_samples)})
+            if groups:
+                threading.Thread(target=self._announce, args=(groups,), name="histospec-announce",
+                                 daemon=True).start()
+        return samples
+
+    def _upcoming(self, n: int) -> list[Any]:
+        """The prompts the next ``get_samples(n)`` hands out, read without taking them: past the
+        offset, then the next epoch's first, in the order slime's ``Dataset.shuffle`` will draw (its
+        seeded permutation of ``origin_samples``; a dataset without those attributes: this epoch's only)."""
+        ds = self.dataset
+        head = list(ds.samples[self.sample_offset:self.sample_offset + n])
+        rest = n - len(head)
+        origin = getattr(ds, "origin_samples", None)
+        if rest <= 0 or origin is None:
+            return head
+        if self.args.rollout_shuffle:
+            order = list(range(len(origin)))
+            random.Random(getattr(ds, "seed", 0) + self.epoch_id + 1).shuffle(order)
+            return head + [origin[i] for i in order[:rest]]
+        return head + list(origin[:rest])
+
+    def _announce(self, groups: list[int]) -> None:
+        from histospec_sgl.sync.client import Credentials, HistoryPublisher
+
+        assert self._histospec.draft_server  # get_samples announces only with one
+        try:
+            with self._announcing:
+                if self._announcer is None:
+                    self._announcer = HistoryPublisher(self._histospec.draft_server, **Credentials.from_env().kwargs())
+                self._announcer.announce(groups)
+                self.announced += len(groups)
+        except Exception as e:  # a hint: the engines fetch at the first request instead
+            logger.warning("histospec: announcing the next rollout's %d groups failed: %s", len(groups), e)
 
 
 def _flag(value: Any) -> bool:

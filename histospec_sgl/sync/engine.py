@@ -144,6 +144,12 @@ class EngineSync:
             return True
         return self.followers[shard_of(group, len(self.followers))].ready(group)
 
+    def ready_at(self, group: int) -> float | None:
+        """on_demand: when the group's whole history last arrived (``time.monotonic()``); None if not."""
+        if not self.followers:
+            return None
+        return self.followers[shard_of(group, len(self.followers))].ready_at(group)
+
     @property
     def announced(self) -> int:
         """on_demand: announced groups this engine asked for (those it had decoded before)."""

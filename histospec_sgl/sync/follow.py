@@ -115,7 +115,9 @@ class GroupFollower(_Receiver):
         # Groups asked for before (insertion-ordered, the oldest forgotten past MAX_SEEN): the ones an
         # announcement is for.
         self._seen: dict[int, None] = {}
+        self._announcements: list[int] = []  # announced, not looked at yet
         self._ready: set[int] = set()
+        self._ready_at: dict[int, float] = {}  # held group -> when its whole history last arrived
         self._cursor = 0  # every record of a held group below this has been received
         self._requests: queue.Queue[bytes] | None = None  # the open stream's outgoing requests
         self._messages: queue.Queue[tuple[bytes, dict[int, int]]] = queue.Queue(maxsize=max(1, max_buffered))
@@ -184,15 +186,25 @@ class GroupFollower(_Receiver):
 
     def _announced(self, groups: list[int]) -> None:
         """An announcement from the server: asks for the groups decoded here before."""
+        now = time.monotonic()
         with self._lock:
             mine = [g for g in groups if g in self._seen]
+            for g in mine:
+                if g in self._ready and not self._evicted(g):
+                    self._ready_at[g] = now  # already here whole: nothing to fetch
         if mine:
             self.announced += len(mine)
             self.want(mine)
 
     def ready(self, group: int) -> bool:
-        """Whether the group's whole history has been received (applied at the next :meth:`poll`)."""
-        return int(group) in self._ready
+        """Whether the group's whole history has been received (applied at the next :meth:`poll`)
+        and the index has not let it go since."""
+        return int(group) in self._ready and not self._evicted(int(group))
+
+    def ready_at(self, group: int) -> float | None:
+        """When (``time.monotonic()``) the group's whole history was last known to be here: its
+        arrival, or an announcement that found it held; None if it has not arrived."""
+        return self._ready_at.get(int(group))
 
     @property
     def held(self) -> int:
@@ -205,7 +217,12 @@ class GroupFollower(_Receiver):
         return self._error
 
     def poll(self) -> int:
-        """Applies every message received so far to the index; returns how many records."""
+        """Asks for the announced groups decoded here before, and applies every message received so
+        far to the index; returns how many records."""
+        if self._announcements:
+            with self._lock:
+                announced, self._announcements = self._announcements, []
+            self._announced(announced)
         n = 0
         while True:
             try:
@@ -246,6 +263,7 @@ class GroupFollower(_Receiver):
                 self._last.pop(g, None)
                 self._applied.pop(g, None)
                 self._ready.discard(g)
+                self._ready_at.pop(g, None)
                 self._asked.pop(g, None)
                 self._late.pop(g, None)
             if gone and self._requests is not None:
@@ -313,6 +331,7 @@ class GroupFollower(_Receiver):
             for g in span["ready_groups"]:
                 if g in self._held:
                     self._ready.add(g)
+                    self._ready_at[g] = now
                     t = self._asked.pop(g, None)
                     if t is not None:
                         self.fetch_seconds.append(now - t)
@@ -321,7 +340,9 @@ class GroupFollower(_Receiver):
                         self.late_seconds.append(now - t)
             self._cursor = max(self._cursor, span["cursor"])
         if span["announced_groups"]:
-            self._announced(span["announced_groups"])
+            # Asked for at the next poll, from the owner's thread (want reads the index).
+            with self._lock:
+                self._announcements.extend(span["announced_groups"])
         if not span["records"] and not span["ready_groups"]:
             return  # an announcement alone: nothing for the index
         if self.index is None:

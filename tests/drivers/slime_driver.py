@@ -68,6 +68,7 @@ def main() -> None:
     from slime.rollout.sglang_rollout import GenerateState, generate_rollout
     from slime.utils.http_utils import init_http_client
 
+    from histospec_sgl.integrations.slime import AnnouncingDataSource
     from histospec_sgl.specrl.store import shared
     from histospec_sgl.sync.process import DraftServerProcess
 
@@ -84,7 +85,10 @@ def main() -> None:
     args = make_args(mode, router, model, prompts, draft_server, router_policy)
     args.histospec_publish_wait = 3.0
     init_http_client(args)
-    data_source = RolloutDataSourceWithBuffer(args)
+    # With a draft server, history mode announces each next rollout's groups (slime's own data source
+    # underneath: the same samples, the same checkpoints).
+    data_source = (AnnouncingDataSource(args) if mode == "history" and draft_server
+                   else RolloutDataSourceWithBuffer(args))
     out: dict = {"epochs": []}
     try:
         for rollout_id in range(2):
@@ -107,6 +111,7 @@ def main() -> None:
                         "weight_versions": s.weight_versions, "histospec": s.metadata.get("histospec"),
                     })
             out["epochs"].append({"rollout_id": rollout_id, "epoch_id": data_source.epoch_id, "samples": rows})
+        out["announced"] = getattr(data_source, "announced", None)
         if mode == "specrl":
             out["dead_rollout_seconds"] = time.monotonic() - start
             servers.append(DraftServerProcess(listen=draft_server, data_dir=data_dir, auth_token_file=token))

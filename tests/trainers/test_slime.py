@@ -130,8 +130,11 @@ def _check_fields(s: dict, n_prompt: int) -> None:
 def test_history_mode_two_epochs(sglang_py, stack):
     prompts = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",
                "Solve for x: 3x + 5 = 20."]
-    epochs = _run(sglang_py, stack, "history", prompts)["epochs"]
+    out = _run(sglang_py, stack, "history", prompts)
+    epochs = out["epochs"]
     assert [e["rollout_id"] for e in epochs] == [0, 1] and epochs[1]["epoch_id"] == 1
+    # The data source announced each next rollout's 4 groups (the next epoch's, across its end).
+    assert out["announced"] == 8
     by_prompt: dict[str, list[dict]] = {}
     for e in epochs:
         assert len(e["samples"]) == 16
