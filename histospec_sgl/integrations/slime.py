@@ -130,13 +130,28 @@ class Settings(Options):
         )
 
 
-def _data_source_base() -> type:
+def __getattr__(name: str) -> Any:
+    # The data source subclasses slime's, imported only when slime asks for it by path: the rest of
+    # this module loads where slime's source is not importable yet.
+    if name == "AnnouncingDataSource":
+        cls = _announcing_data_source()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _announcing_data_source() -> type:
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
 
-    return RolloutDataSourceWithBuffer
+    class AnnouncingDataSource(_Announcing, RolloutDataSourceWithBuffer):
+        __doc__ = _Announcing.__doc__
+
+    AnnouncingDataSource.__module__ = __name__
+    AnnouncingDataSource.__qualname__ = "AnnouncingDataSource"
+    return AnnouncingDataSource
 
 
-class AnnouncingDataSource(_data_source_base()):  # type: ignore[misc]
+class _Announcing:
     """slime's own data source (``RolloutDataSourceWithBuffer``, unchanged in what it hands out and
     in its checkpoints) that, each time it hands out a rollout's prompts, announces the groups of the
     next rollout's to the draft server (:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`,
@@ -144,15 +159,20 @@ class AnnouncingDataSource(_data_source_base()):  # type: ignore[misc]
     (:meth:`_upcoming`), across an epoch's end too. Without a draft server
     (``histospec_draft_server`` or ``HISTOSPEC_DRAFT_SERVER``) it announces nothing."""
 
+    dataset: Any
+    sample_offset: int
+    epoch_id: int
+    args: Any
+
     def __init__(self, args: Any):
-        super().__init__(args)
+        super().__init__(args)  # type: ignore[call-arg]
         self._histospec = Settings.from_args(args)
         self._announcer: Any = None
         self._announcing = threading.Lock()  # one announcement at a time, in order
         self.announced = 0  # groups announced so far
 
     def get_samples(self, num_samples: int) -> Any:
-        samples = super().get_samples(num_samples)
+        samples = super().get_samples(num_samples)  # type: ignore[misc]
         if self._histospec.draft_server and self.dataset is not None:
             groups = sorted({sample_group(s) for s in self._upcoming(num_samples)})
             if groups:
