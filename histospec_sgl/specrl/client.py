@@ -180,7 +180,8 @@ class PreviousResponses:
         applied by a background subscription (reconnecting when the server restarts) until
         :meth:`close`. Every trainer process of a job sees the same previous responses, whichever
         engine or process sampled them. A sharded server (a comma list) is followed shard by shard."""
-        from histospec_sgl.sync.client import HistorySubscriber, shard_addresses
+        from histospec_sgl.sync.client import shard_addresses
+        from histospec_sgl.sync.subscribe import HistorySubscriber
 
         store = cls()
         store._subscribers = [HistorySubscriber(a, store, auth_token=auth_token,

@@ -44,12 +44,13 @@ class PreviousStore:
 
     def publisher(self, address: str) -> Any:
         """The background publisher to the draft server at ``address``
-        (:class:`~histospec_sgl.sync.client.BackgroundPublisher`: it never blocks or fails a rollout;
+        (:class:`~histospec_sgl.sync.outbox.BackgroundPublisher`: it never blocks or fails a rollout;
         while the server is down records wait in a bounded queue and go out once it is back)."""
         with self._lock:
             pub = self._publishers.get(address)
             if pub is None:
-                from histospec_sgl.sync.client import BackgroundPublisher, Credentials
+                from histospec_sgl.sync.client import Credentials
+                from histospec_sgl.sync.outbox import BackgroundPublisher
 
                 pub = self._publishers[address] = BackgroundPublisher(address, **Credentials.from_env().kwargs())
             return pub

@@ -9,7 +9,8 @@
 The protocol is ``proto/histospec/v1/history.proto``.
 """
 
-from histospec_sgl.sync.client import DraftServerError, HistoryPublisher, HistorySubscriber, PublishError
+from histospec_sgl.sync.client import DraftServerError, HistoryPublisher, PublishError
 from histospec_sgl.sync.process import DraftServerProcess
+from histospec_sgl.sync.subscribe import HistorySubscriber
 
 __all__ = ["HistoryPublisher", "HistorySubscriber", "DraftServerError", "PublishError", "DraftServerProcess"]

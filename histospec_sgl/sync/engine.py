@@ -14,7 +14,7 @@ the engine's index, when ``HISTOSPEC_DRAFT_SERVER`` is set).
   history when its first request arrives, or earlier when a trainer announces the step's groups
   (:meth:`~histospec_sgl.sync.client.HistoryPublisher.announce`: the engine asks for those it has
   decoded before), and the engine holds that group's records only. ``mode="mirror"``: every record of the job, in the global
-  order (:class:`~histospec_sgl.sync.client.HistorySubscriber`), under the index's memory budget.
+  order (:class:`~histospec_sgl.sync.subscribe.HistorySubscriber`), under the index's memory budget.
 
 With a sharded server (``address`` a comma list), each shard is followed on its own and a group is
 asked of the shard that holds it (:func:`~histospec_sgl.sync.client.shard_of`); finished responses
@@ -31,15 +31,10 @@ import logging
 from typing import Any
 
 from histospec_sgl import settings
-from histospec_sgl.sync.client import (
-    BackgroundPublisher,
-    Credentials,
-    HistoryPublisher,
-    HistorySubscriber,
-    shard_addresses,
-    shard_of,
-)
+from histospec_sgl.sync.client import Credentials, HistoryPublisher, shard_addresses, shard_of
 from histospec_sgl.sync.follow import GroupFollower
+from histospec_sgl.sync.outbox import BackgroundPublisher
+from histospec_sgl.sync.subscribe import HistorySubscriber
 
 MODES = ("on_demand", "mirror")
 

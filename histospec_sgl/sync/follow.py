@@ -1,7 +1,7 @@
 """Following only the groups an engine drafts for: :class:`GroupFollower` (the server's ``Follow``
 stream).
 
-An engine that mirrors every record (:class:`~histospec_sgl.sync.client.HistorySubscriber`) must
+An engine that mirrors every record (:class:`~histospec_sgl.sync.subscribe.HistorySubscriber`) must
 hold the whole history of the job; at a real job's scale that is many times one engine's memory
 budget, and its least-recently-used eviction throws away a prompt's history long before the prompt
 returns next epoch. A follower instead asks the server for a group's history when the group's first
@@ -47,8 +47,8 @@ from histospec_sgl.sync.client import (
     SERVICE,
     DraftServerError,
     _describe,
-    _Receiver,
 )
+from histospec_sgl.sync.subscribe import _Receiver
 
 __all__ = ["GroupFollower"]
 

@@ -18,7 +18,7 @@ import sys
 import time
 
 from histospec_sgl import HistoryIndex, procs
-from histospec_sgl.sync.client import HistorySubscriber
+from histospec_sgl.sync.subscribe import HistorySubscriber
 
 
 def spawn(address: str, until: int, *, checksum: bool = True, receive_only: bool = False,
