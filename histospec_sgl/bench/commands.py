@@ -322,7 +322,7 @@ def add_bench(sub: Any) -> None:
     bz.add_argument("--load", type=counts, default=[4, 64],
                     help="engine counts for the load run: one publisher, N receive-only engines following their "
                     "groups (and N mirrors), the server's CPU per token")
-    bz.add_argument("--no-load", action="store_true", help="skip the load run")
+    bz.add_argument("--no-load", action="store_true", help="skip the load run (and the restart timed at its size)")
     bz.add_argument("--server-memory", type=parse_size, default=1 << 20, metavar="SIZE",
                     help="each server's --memory-bytes: records past it are read back from its data dir (0: all in "
                     "memory)")

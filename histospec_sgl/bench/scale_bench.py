@@ -37,6 +37,10 @@ draft along the logged continuation (tree verification's walk), and publishes ea
 finishes. Tokens per verify step counts every decode step of every response (the first token comes
 from prefill).
 
+With the load run, a restart is timed at its size too (:func:`run_restart`): a durable server sent
+the job's records four times over is killed and started again on its data dir, from its index and
+with the index deleted.
+
 Workload: real rollout responses re-keyed into groups: group i takes the responses of logged prompt
 ``i mod P`` (the GRPO log's prompts with at least ``samples * epochs`` responses, or the shipped
 HumanEval sample), a different slice of them each epoch, under its own group key.
@@ -383,8 +387,8 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
     on_demand engines do; ``mirror``: each subscribes to every record. Reports the server's CPU per
     published token and each engine's received bytes against its groups' share of the history (the
     bytes all engines received together, over N; a mirror's share is the whole history)."""
-    from histospec_sgl.sync.client import HistorySubscriber
     from histospec_sgl.sync.follow import GroupFollower
+    from histospec_sgl.sync.subscribe import HistorySubscriber
 
     records = [(g, prompt, resp) for steps in job for step in steps for g, prompt, rs in step for resp in rs]
     records *= repeat
@@ -442,6 +446,52 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
     return out
 
 
+def run_restart(job: list, *, tmp: str, progress: Callable[[str], None], repeat: int = 4,
+                times: int = 3) -> dict[str, Any]:
+    """A restart at the load run's size: one durable server is sent the job's records ``repeat`` times
+    over, killed (SIGKILL), and started again on its data dir ``times`` times from its index, then
+    ``times`` times with the index deleted (every record decoded); seconds from spawn to listening."""
+    from histospec_sgl.procs import wait_port_free
+
+    records = [(g, prompt, r) for epoch in job for step in epoch for g, prompt, rs in step for r in rs] * repeat
+    data_dir = os.path.join(tmp, "restart-data")
+    progress(f"restart: {len(records)} records into a durable server")
+    srv = DraftServerProcess(data_dir=data_dir, log=os.path.join(tmp, "restart.log"))
+    port = srv.port
+    try:
+        with HistoryPublisher(srv.address, batch_records=256) as pub:
+            for g, prompt, resp in records:
+                pub.publish(prompt, resp, group=g)
+            pub.flush()
+            stats = pub.stats()
+    finally:
+        srv.kill()
+    disk = sum(os.path.getsize(os.path.join(data_dir, f)) for f in os.listdir(data_dir) if f.endswith(".bin"))
+    out: dict[str, Any] = {"records": int(stats["records"]), "tokens": int(stats["tokens"]), "data_bytes": disk}
+    for key, index in (("seconds_index", True), ("seconds_decoding", False)):
+        if not index:
+            for f in os.listdir(data_dir):
+                if f.endswith(".idx"):
+                    os.remove(os.path.join(data_dir, f))
+        out[key] = []
+        for i in range(times):
+            wait_port_free(port)
+            t0 = time.monotonic()
+            srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir,
+                                     log=os.path.join(tmp, f"restart-{key}-{i}.log"))
+            out[key].append(time.monotonic() - t0)
+            with HistoryPublisher(srv.address) as pub:
+                held = int(pub.stats()["records"])
+            srv.kill()
+            if held != out["records"]:
+                raise RuntimeError(f"the restarted server holds {held} of {out['records']} records")
+            if not index:
+                for f in os.listdir(data_dir):  # the restart wrote a fresh log's index: keep decoding
+                    if f.endswith(".idx"):
+                        os.remove(os.path.join(data_dir, f))
+    return out
+
+
 def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: int = 32, engines: int = 4,
         d: int = 8, budget: int | None = None, budget_fraction: float = 8.0, modes: Sequence[str] = MODES,
         shards: int = 2, load: Sequence[int] = (4, 64), server_memory: int = 1 << 20, seed: int = 0, data_root: Any = None, tokenizer: Any = None,
@@ -468,6 +518,7 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
             rows.append(run_mode(mode, job, engines=engines, d=d, budget=budget or 0, tmp=tmp, progress=progress,
                                  server_memory=server_memory))
         load_rows = run_load(load, job, tmp=tmp, progress=progress) if load else []
+        restart = run_restart(job, tmp=tmp, progress=progress) if load else None
         if shards > 1 and "on_demand" in order:
             for kill in (False, True):
                 rows.append(run_mode("on_demand", job, engines=engines, d=d, budget=budget or 0, tmp=tmp,
@@ -481,6 +532,7 @@ def run(*, groups: int = 256, samples: int = 8, epochs: int = 3, step_groups: in
     return {
         "rows": rows,
         "load": load_rows,
+        "restart": restart,
         "config": {"groups": groups, "samples": samples, "epochs": epochs, "step_groups": step_groups,
                    "engines": engines, "d": d, "budget": budget, "budget_fraction": budget_fraction, "shards": shards,
                    "server_memory": server_memory,
@@ -514,6 +566,11 @@ def print_table(r: dict[str, Any]) -> None:
                   f"{row['restart_seconds']:.2f} ({row['restart_seconds_decoding']:.2f})" if "restart_seconds" in row
                   else "-")
     console().print(t)
+    if r.get("restart"):
+        x = r["restart"]
+        console().print(f"restart on {x['records']} records ({x['data_bytes'] / 1e6:.1f} MB on disk): "
+                        f"{statistics.median(x['seconds_index']):.2f} s from the index, "
+                        f"{statistics.median(x['seconds_decoding']):.2f} s decoding every record (medians)")
     if r.get("load"):
         t = Table(title="load: one publisher, N engines receiving on loopback (filtered: each follows its groups)")
         for col in ("mode", "engines", "server CPU ns/token", "MB/engine", "max / share", "delivered"):
