@@ -134,7 +134,15 @@ def test_every_request_and_every_step_returns_what_plain_decoding_returns(sglang
     sp = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
     with _history(sglang_py, greedy_model, tmp_path, "default", {}) as srv:
         before = width_steps(srv) or {}
-        for p in range(3):
+        for p in range(8):
+            if p >= 3:
+                # The policy picks widths by the step costs it measures on this noisy machine: until it
+                # has run a narrower width, fresh prompts (short matches, moderate promises) give it
+                # more chances to.
+                after = width_steps(srv) or {}
+                if {w for w, n in after.items() if n > before.get(w, 0)} & {"2", "4"}:
+                    break
+                prompts = [[rng.randrange(2, 510) for _ in range(rng.randrange(12, 40))] for _ in range(8)]
             got = srv.generate(prompts, sp, return_logprob=True, top_logprobs_num=3, return_hidden_states=True)
             want = plain.generate(prompts, sp, return_logprob=True, top_logprobs_num=3, return_hidden_states=True)
             for o, w in zip(got, want):
