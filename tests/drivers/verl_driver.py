@@ -194,8 +194,63 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], dr
         spec_metrics.append(metrics)
     served = {sid: await s.served_prompts.remote() for sid, s in servers.items()}
     stats = await balancer.affinity_stats.remote()
+    announce = await announced_step(cfg, balancer, prompts)
     return {"epochs": epochs, "served": served, "balancer": stats, "spec_metrics": spec_metrics,
-            "durable": draft["durable"]}
+            "durable": draft["durable"], "announce": announce}
+
+
+async def announced_step(cfg: Any, balancer: Any, prompts: list[str]) -> dict:
+    """One more training step through histospec's ``AnnouncingAgentLoopManager`` (verl's manager,
+    dispatching to verl's ``AgentLoopWorker`` as a Ray actor): the groups it announces, the groups of
+    the prompts the workers sent, and what a follower of the draft server that decoded those groups
+    heard."""
+    import time
+
+    import numpy as np
+    import ray
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    from histospec_sgl import HistoryIndex, group_key
+    from histospec_sgl.integrations.verl.announce import (
+        AnnouncingAgentLoopManager,
+        batch_groups,
+        token_builder,
+    )
+    from histospec_sgl.sync.client import Credentials
+    from histospec_sgl.sync.follow import GroupFollower
+
+    batch = DataProto.from_dict(non_tensors={
+        "raw_prompt": np.array([[{"role": "user", "content": p}] for p in prompts] + [None], dtype=object)[:-1],
+        "index": np.arange(len(prompts)),
+    }, meta_info={"global_steps": 3, "validate": False})
+    batch = batch.repeat(repeat_times=cfg.actor_rollout_ref.rollout.n, interleave=True)
+    keys = batch_groups(token_builder(cfg), batch)
+    # An engine's follower that has decoded these groups before (it asked for them).
+    follower = GroupFollower(os.environ["HISTOSPEC_DRAFT_SERVER"], HistoryIndex(),
+                             **Credentials.from_env().kwargs()).start()
+    try:
+        follower.want(keys)
+        deadline = time.monotonic() + 30
+        while not all(follower.ready(k) for k in keys) and time.monotonic() < deadline:
+            follower.poll()
+            await asyncio.sleep(0.05)
+        manager = AnnouncingAgentLoopManager(cfg, LLMServerClient(cfg, balancer))
+        manager.agent_loop_workers = [ray.remote(AgentLoopWorker).remote(cfg, LLMServerClient(cfg, balancer))]
+        out = await manager.generate_sequences(batch)
+        deadline = time.monotonic() + 30
+        while follower.announced < len(keys) and time.monotonic() < deadline:
+            follower.poll()
+            await asyncio.sleep(0.05)
+        sent = set()
+        for i in range(len(out)):
+            mask = out.batch["attention_mask"][i][: out.batch["prompts"].shape[1]].tolist()
+            sent.add(group_key([int(t) for t, m in zip(out.batch["prompts"][i].tolist(), mask) if m]))
+        return {"announced_keys": keys, "sent_keys": sorted(sent), "manager_announced": manager.announced,
+                "follower_announced": follower.announced, "rows": len(out)}
+    finally:
+        follower.close()
 
 
 def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
