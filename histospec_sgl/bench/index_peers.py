@@ -27,7 +27,8 @@ import numpy as np
 from histospec_sgl.bench.workload import Workload
 from histospec_sgl.engine.draft import tree_parents
 from histospec_sgl.replay.measure import Clocks, Track, accept_greedy, replay
-from histospec_sgl.replay.methods import Method, SGLangNgram, sglang_ngram_corpus_class
+from histospec_sgl.replay.methods import Method
+from histospec_sgl.replay.peers import SGLangNgram, sglang_ngram_corpus_class
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.

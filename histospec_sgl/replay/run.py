@@ -19,16 +19,8 @@ from histospec_sgl.replay.data import (
     preset_path,
 )
 from histospec_sgl.replay.measure import run_method
-from histospec_sgl.replay.methods import (
-    FINISH_MODES,
-    CopyBound,
-    Method,
-    Ours,
-    PromptLookup,
-    SGLangNgram,
-    SGLangTrie,
-    missing_peers,
-)
+from histospec_sgl.replay.methods import FINISH_MODES, Method, Ours
+from histospec_sgl.replay.peers import CopyBound, PromptLookup, SGLangNgram, SGLangTrie, missing_peers
 from histospec_sgl.replay.scenarios import Case, Selection, build_cases
 
 PEERS = ("ngram", "sglang_trie_per_prompt", "sglang_trie_global")

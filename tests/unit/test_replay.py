@@ -22,7 +22,8 @@ from histospec_sgl.replay import (
 )
 from histospec_sgl.replay.data import PRESETS, default_tokenizer, preset_path
 from histospec_sgl.replay.measure import Track, replay, run_method
-from histospec_sgl.replay.methods import CopyBound, Ours, PromptLookup, SGLangTrie
+from histospec_sgl.replay.methods import Ours
+from histospec_sgl.replay.peers import CopyBound, PromptLookup, SGLangTrie
 from histospec_sgl.replay.run import load_cases
 
 IDS = FieldMap("p", "r", group="g", token_ids=True)
