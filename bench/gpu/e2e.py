@@ -40,8 +40,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.bench.engine_bench import step_seconds
-from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+from histospec_sgl.bench.engine_server import EngineServer, running, step_seconds, verify_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "helpers"))

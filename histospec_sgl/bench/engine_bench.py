@@ -57,7 +57,14 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import settings
-from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+from histospec_sgl.bench.engine_server import (
+    EngineServer,
+    context_mismatches,
+    running,
+    step_seconds,
+    verify_steps,
+    width_steps,
+)
 from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
 
 METHODS = ("plain", "plain_sync", "ngram", "ngram_sync", "ngram_corpus", "history", "history_sync", "history_cost",
@@ -212,46 +219,6 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
                               if n - widths_before.get(w, 0) > 0}
         row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
     return row
-
-
-def width_steps(srv: EngineServer) -> dict[str, int] | None:
-    """A HISTORY server's decode steps per verify width so far (``histospec:width_steps_total``, with
-    ``--enable-metrics``), or None for a server that does not export them."""
-    if srv.method != "history":
-        return None
-    out: dict[str, int] = {}
-    for line in srv.metrics().splitlines():
-        if line.startswith("histospec:width_steps_total{"):
-            width = line.split('width="', 1)[1].split('"', 1)[0]
-            out[width] = out.get(width, 0) + int(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def context_mismatches(srv: EngineServer) -> int | None:
-    """A HISTORY server's ``histospec:context_mismatches_total`` so far (with ``--enable-metrics``), or
-    None for a server that does not export it."""
-    if srv.method != "history":
-        return None
-    total = None
-    for line in srv.metrics().splitlines():
-        if line.startswith("histospec:context_mismatches_total{"):
-            total = (total or 0) + int(float(line.rsplit(" ", 1)[1]))
-    return total
-
-
-def step_seconds(srv: EngineServer) -> dict[str, dict[str, float]]:
-    """A HISTORY server's decode step costs as its step policy measured them
-    (``histospec:step_seconds``, with ``--enable-metrics``): width -> batch-size bucket -> seconds;
-    empty at a fixed width."""
-    out: dict[str, dict[str, float]] = {}
-    if srv.method != "history":
-        return out
-    for line in srv.metrics().splitlines():
-        if line.startswith("histospec:step_seconds{"):
-            width = line.split('width="', 1)[1].split('"', 1)[0]
-            bucket = line.split('batch="', 1)[1].split('"', 1)[0]
-            out.setdefault(width, {})[bucket] = float(line.rsplit(" ", 1)[1])
-    return {w: dict(sorted(by.items(), key=lambda x: int(x[0]))) for w, by in sorted(out.items(), key=lambda x: int(x[0]))}
 
 
 def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:

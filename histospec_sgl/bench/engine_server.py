@@ -315,3 +315,43 @@ def verify_steps(out: dict[str, Any]) -> int:
     meta = out.get("meta_info", {})
     ct = meta.get("spec_verify_ct")
     return int(ct) if ct else int(meta.get("completion_tokens", len(out.get("output_ids", []))))
+
+
+def width_steps(srv: EngineServer) -> dict[str, int] | None:
+    """A HISTORY server's decode steps per verify width so far (``histospec:width_steps_total``, with
+    ``--enable-metrics``), or None for a server that does not export them."""
+    if srv.method != "history":
+        return None
+    out: dict[str, int] = {}
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:width_steps_total{"):
+            width = line.split('width="', 1)[1].split('"', 1)[0]
+            out[width] = out.get(width, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
+def context_mismatches(srv: EngineServer) -> int | None:
+    """A HISTORY server's ``histospec:context_mismatches_total`` so far (with ``--enable-metrics``), or
+    None for a server that does not export it."""
+    if srv.method != "history":
+        return None
+    total = None
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:context_mismatches_total{"):
+            total = (total or 0) + int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def step_seconds(srv: EngineServer) -> dict[str, dict[str, float]]:
+    """A HISTORY server's decode step costs as its step policy measured them
+    (``histospec:step_seconds``, with ``--enable-metrics``): width -> batch-size bucket -> seconds;
+    empty at a fixed width."""
+    out: dict[str, dict[str, float]] = {}
+    if srv.method != "history":
+        return out
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:step_seconds{"):
+            width = line.split('width="', 1)[1].split('"', 1)[0]
+            bucket = line.split('batch="', 1)[1].split('"', 1)[0]
+            out.setdefault(width, {})[bucket] = float(line.rsplit(" ", 1)[1])
+    return {w: dict(sorted(by.items(), key=lambda x: int(x[0]))) for w, by in sorted(out.items(), key=lambda x: int(x[0]))}

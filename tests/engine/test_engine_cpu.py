@@ -150,7 +150,7 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
         again = greedy_passes(cost, prompts, passes=1)[0]
         mismatches = _counter(cost, "histospec:context_mismatches_total")
-        from histospec_sgl.bench.engine_bench import step_seconds, width_steps
+        from histospec_sgl.bench.engine_server import step_seconds, width_steps
 
         widths = width_steps(cost)
         costs = step_seconds(cost)
@@ -319,7 +319,7 @@ class TestSampling:
         assert min(same_distribution(plain["top_p"], top_p)) > 1e-4
         # The engine's default policy (the cost model over widths 2, 4, 8 and 16, or plain steps)
         # samples the same distributions, whichever width each step took.
-        from histospec_sgl.bench.engine_bench import width_steps
+        from histospec_sgl.bench.engine_server import width_steps
 
         default = peaked_servers["default"]
         for name, params in (("t1", SAMPLED), ("top_p", TOP_P)):

@@ -20,8 +20,7 @@ import pytest
 from _engine_checks import server
 from _overlap import mismatches, requests, run
 
-from histospec_sgl.bench.engine_bench import width_steps
-from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps
+from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps, width_steps
 
 #: Each test starts one to three SGLang servers (15-30 s each on two cores).
 pytestmark = pytest.mark.timeout(900)
