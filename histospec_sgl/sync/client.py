@@ -54,6 +54,27 @@ def shard_addresses(address: str) -> list[str]:
 ANNOUNCE_BATCH = 4096
 
 
+class Backoff:
+    """The pauses between tries, for every client that retries (publishing, the background outbox,
+    the receivers' streams): ``first`` doubling up to ``largest``, each drawn between half and one and
+    a half times its value so that clients that failed together do not retry together."""
+
+    def __init__(self, first: float = 0.05, largest: float = 2.0):
+        self.first, self.largest = first, largest
+        self.pause = first
+
+    def reset(self) -> None:
+        """After a success: the next failure waits ``first`` again."""
+        self.pause = self.first
+
+    def next(self, cap: float | None = None) -> float:
+        """The seconds to wait now (the current pause, at most ``cap``, jittered); the pause after it
+        doubles."""
+        pause = self.pause if cap is None else min(self.pause, cap)
+        self.pause = min(self.pause * 2, self.largest)
+        return pause * (0.5 + random.random())
+
+
 def shard_of(group_key: int, shards: int) -> int:
     """The shard that holds a group's records."""
     return int(group_key) % shards
@@ -314,7 +335,7 @@ class HistoryPublisher(_Client):
 
     def _send(self, request: bytes, n: int, shard: int = 0) -> dict[str, Any]:
         client, address = self._shards[shard], self._shard_addresses[shard]
-        pause = self.backoff
+        pauses = Backoff(self.backoff, self.max_backoff)
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return _core.decode_publish_response(client._unary("Publish", request, self.timeout))
@@ -332,9 +353,9 @@ class HistoryPublisher(_Client):
                         code,
                     ) from None
                 self.retries += 1
+                pause = pauses.next()
                 log.warning("publish attempt %d failed (%s); retrying in %.2fs", attempt, msg, pause)
-                time.sleep(pause * (0.5 + random.random()))
-                pause = min(pause * 2, self.max_backoff)
+                time.sleep(pause)
         raise AssertionError("unreachable")
 
     def discard(self) -> int:

@@ -288,7 +288,6 @@ class GroupFollower(_Receiver):
         return self._channel.stream_stream(f"/{SERVICE}/Follow")(self._outgoing(q, done), metadata=self._metadata)
 
     def _run(self) -> None:
-        pause = self.backoff
         while not self._stop.is_set():
             done = threading.Event()  # set when this stream ends: its request iterator stops
             call = self._opened(functools.partial(self._open_follow, done))
@@ -299,7 +298,7 @@ class GroupFollower(_Receiver):
                     if self._stop.is_set():
                         return
                     self._received(data)
-                    pause = self.backoff
+                    self._pauses.reset()
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
@@ -314,10 +313,8 @@ class GroupFollower(_Receiver):
                     self._requests = None
             # A fetch waiting: retry at least every half bound, so the history follows the shard's
             # return closely.
-            next_pause = self._backoff(min(pause, self.fetch_timeout / 2) if self._asked or self._late else pause)
-            if next_pause is None:
+            if not self._backoff(self.fetch_timeout / 2 if self._asked or self._late else None):
                 return
-            pause = next_pause
 
     def _received(self, data: bytes) -> None:
         span = _core.follow_span(data)

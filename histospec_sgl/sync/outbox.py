@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import random
 import threading
 import time
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from typing import Any
 from histospec_sgl.sync.client import (
     AUTH_CODES,
     RETRYABLE,
+    Backoff,
     DraftServerError,
     HistoryPublisher,
     PublishError,
@@ -127,7 +127,7 @@ class BackgroundPublisher:
         return True
 
     def _loop(self) -> None:
-        pause = 0.05
+        pauses = Backoff()
         while True:
             with self._cond:
                 while not self._queue and not self.publisher.queued and not self._stop:
@@ -142,7 +142,7 @@ class BackgroundPublisher:
                     room -= 1
             try:
                 self.publisher.flush()
-                pause = 0.05
+                pauses.reset()
                 with self._cond:
                     self._cond.notify_all()
             except PublishError as e:
@@ -163,8 +163,7 @@ class BackgroundPublisher:
                 with self._cond:
                     if self._stop:
                         return
-                    self._cond.wait(pause * (0.5 + random.random()))
-                pause = min(pause * 2, 2.0)
+                    self._cond.wait(pauses.next())
             except Exception:
                 self.refused_records += self.publisher.discard()
                 log.exception("histospec: publishing failed; these records are dropped")

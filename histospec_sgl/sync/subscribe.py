@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from histospec_sgl import _core
 from histospec_sgl.sync.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     RETRYABLE,
+    Backoff,
     DraftServerError,
     _Client,
     _describe,
@@ -41,6 +41,8 @@ class _Receiver(_Client):
         super().__init__(address, **kw)
         self.backoff = backoff
         self.max_backoff = max_backoff
+        #: The pauses between a stream's end and the next open (reset by each message received).
+        self._pauses = Backoff(backoff, max_backoff)
         self.reconnects = 0
         self._stop = threading.Event()
         self._call: Any = None
@@ -77,15 +79,13 @@ class _Receiver(_Client):
             self._call = open_call()
             return self._call
 
-    def _backoff(self, pause: float) -> float | None:
-        """After a stream ended: counts the reconnect and waits about ``pause`` seconds (jittered);
-        returns the next pause, or None once close() has begun."""
+    def _backoff(self, cap: float | None = None) -> bool:
+        """After a stream ended: counts the reconnect and waits the next pause (at most ``cap``);
+        False once close() has begun."""
         if self._stop.is_set():
-            return None
+            return False
         self.reconnects += 1
-        if self._stop.wait(pause * (0.5 + random.random())):
-            return None
-        return min(pause * 2, self.max_backoff)
+        return not self._stop.wait(self._pauses.next(cap))
 
 
 class HistorySubscriber(_Receiver):
@@ -194,6 +194,7 @@ class HistorySubscriber(_Receiver):
             if self._stop.is_set():
                 return
             self.received_bytes += len(data)
+            self._pauses.reset()
             last, mark = self._deliver(kind, data)
             self._received = max(self._received, last)
             if kind == "snapshot":
@@ -203,7 +204,6 @@ class HistorySubscriber(_Receiver):
                 self._cond.notify_all()
 
     def _run(self) -> None:
-        pause = self.backoff
         need_snapshot = self._received == 0
         while not self._stop.is_set():
             try:
@@ -235,10 +235,8 @@ class HistorySubscriber(_Receiver):
             except DraftServerError as e:  # raised by a background apply
                 self._fail(e)
                 return
-            next_pause = self._backoff(pause)
-            if next_pause is None:
+            if not self._backoff():
                 return
-            pause = next_pause
 
     def _open(self, method: str, body: bytes) -> Any:
         """A new server stream, or None once close() has begun."""

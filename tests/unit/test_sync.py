@@ -889,3 +889,17 @@ def test_sharded_server_routes_by_group_and_a_killed_shard_loses_nothing_acknowl
         sync.close(timeout=1)
         for s in shards:
             s.kill()
+
+
+def test_one_backoff_doubles_to_its_largest_pause_with_jitter_and_resets():
+    """Every client that retries waits by the same rule: the pause doubles from ``first`` to
+    ``largest``, each wait drawn within half to one and a half times it, at most ``cap``."""
+    from histospec_sgl.sync.client import Backoff
+
+    b = Backoff(0.1, 0.8)
+    waits = [b.next() for _ in range(6)]
+    for w, pause in zip(waits, (0.1, 0.2, 0.4, 0.8, 0.8, 0.8)):
+        assert 0.5 * pause <= w <= 1.5 * pause, waits
+    assert b.next(cap=0.2) <= 0.3  # a waiting fetch caps the pause
+    b.reset()
+    assert b.next() <= 0.15
