@@ -168,3 +168,34 @@ def test_runtime_layers_import_nothing_above_them(package):
     offenders = [f"{f}: {n}" for f, names in _imports(package).items() for n in names
                  if any(n == x or n.startswith(x + ".") for x in FORBIDDEN[package])]
     assert offenders == []
+
+
+def test_which_requests_need_the_full_sampler_on_every_step():
+    """The one rule docs/plugin.md tabulates, on SGLang's request fields: what tree verification does
+    not apply as a plain step's sampler does sends the request (and its batch) to plain steps."""
+    from types import SimpleNamespace
+
+    from histospec_sgl.plugin.requests import needs_full_sampler, request_class, returned
+
+    def req(**sp):
+        base = dict(temperature=1.0, top_k=1 << 30, top_p=1.0, min_p=0.0, frequency_penalty=0.0,
+                    presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0, sampling_seed=None)
+        return SimpleNamespace(sampling_params=SimpleNamespace(**{**base, **sp}), custom_logit_processor=None)
+
+    full = {"min_p": dict(min_p=0.1), "repetition": dict(repetition_penalty=1.3),
+            "frequency": dict(frequency_penalty=0.5), "presence": dict(presence_penalty=0.5),
+            "min_new_tokens": dict(min_new_tokens=4), "top_k and top_p": dict(top_k=20, top_p=0.9),
+            "seed": dict(sampling_seed=7), "greedy with a penalty": dict(temperature=0.0, repetition_penalty=1.2)}
+    verified = {"plain sampling": {}, "top_k alone": dict(top_k=20), "top_p alone": dict(top_p=0.9),
+                "greedy with min_p": dict(temperature=0.0, min_p=0.1),
+                "greedy with top_k and top_p": dict(temperature=0.0, top_k=20, top_p=0.9)}
+    assert [k for k, v in full.items() if not needs_full_sampler(req(**v))] == []
+    assert [k for k, v in verified.items() if needs_full_sampler(req(**v))] == []
+    r = req()
+    r.custom_logit_processor = "a serialized processor"
+    assert needs_full_sampler(r)
+    assert request_class(req(temperature=0.0)) == request_class(req(top_k=1)) == "greedy"
+    assert request_class(req()) == "sampled"
+    # A verify step may accept tokens past where the request finished; the response leaves them out.
+    assert returned(SimpleNamespace(output_ids=[5, 6, 7, 8], finished_len=3)) == [5, 6, 7]
+    assert returned(SimpleNamespace(output_ids=[5, 6], finished_len=None)) == [5, 6]
