@@ -580,7 +580,7 @@ mod tests {
     }
 
     fn st(seq: u64) -> Stored {
-        Stored::new(&rec(seq))
+        Stored::new(&rec(seq), 0)
     }
 
     fn rec(seq: u64) -> Record {
@@ -646,9 +646,7 @@ mod tests {
     }
 
     fn hashed(seq: u64) -> Stored {
-        let mut s = st(seq);
-        s.hash = 1000 + seq;
-        s
+        Stored::new(&rec(seq), 1000 + seq)
     }
 
     #[test]
@@ -737,7 +735,7 @@ mod tests {
             .map(|seq| {
                 let mut r = rec(seq);
                 r.record_id.push(b'x'); // another payload, at shifted offsets
-                Stored::new(&r)
+                Stored::new(&r, 0)
             })
             .collect();
         d2.append(&mut other).unwrap();

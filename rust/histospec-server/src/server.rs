@@ -169,14 +169,11 @@ pub async fn serve(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
                 match found {
                     Found::Decoded(r, at) => {
                         let h = crate::validate::content_hash(&r);
-                        let mut stored = crate::wire::Stored::new(&r);
+                        let mut stored = crate::wire::Stored::new(&r, h);
                         stored.at = Some(at);
-                        store.push_loaded(stored, h);
+                        store.push_loaded(stored);
                     }
-                    Found::Indexed(stored) => {
-                        let h = stored.hash;
-                        store.push_loaded(stored, h);
-                    }
+                    Found::Indexed(stored) => store.push_loaded(stored),
                 }
                 store.enforce_retention();
             };

@@ -125,15 +125,11 @@ impl Shared {
             .map_err(|e| Status::already_exists(e.to_string()))?;
         let mut sequences = Vec::with_capacity(records.len());
         let mut fresh: Vec<Stored> = Vec::new();
-        let mut fresh_hashes = Vec::new();
         for ((mut r, p), h) in records.into_iter().zip(placements).zip(hashes) {
             match p {
                 Placement::New(seq) => {
                     r.sequence = seq;
-                    let mut stored = Stored::new(&r);
-                    stored.hash = h;
-                    fresh.push(stored);
-                    fresh_hashes.push(h);
+                    fresh.push(Stored::new(&r, h));
                     sequences.push(seq);
                 }
                 Placement::Duplicate(seq) => sequences.push(seq),
@@ -152,8 +148,8 @@ impl Shared {
         }
         let head = {
             let mut s = self.store.write().map_err(|_| poisoned())?;
-            for (r, h) in fresh.into_iter().zip(fresh_hashes) {
-                s.push(r, h);
+            for r in fresh {
+                s.push(r);
             }
             s.duplicates += duplicates;
             s.enforce_retention();

@@ -115,19 +115,18 @@ impl Store {
     }
 
     /// Appends a record that [`Store::place`] gave sequence `head + 1` (or one loaded from disk).
-    pub fn push(&mut self, record: Stored, hash: u64) {
+    pub fn push(&mut self, record: Stored) {
         assert_eq!(
             record.sequence,
             self.head + 1,
             "records are stored in sequence order"
         );
-        self.push_loaded(record, hash);
+        self.push_loaded(record);
     }
 
     /// Appends a record with any sequence above the head (loading from disk: evicted gaps allowed only
     /// before the first record).
-    pub fn push_loaded(&mut self, mut record: Stored, hash: u64) {
-        record.hash = hash;
+    pub fn push_loaded(&mut self, record: Stored) {
         assert!(
             record.sequence > self.head,
             "sequence {} not above head {}",
@@ -156,7 +155,7 @@ impl Store {
         let g = record.group_key.unwrap_or_default();
         self.groups.entry(g).or_default().push_back(record.sequence);
         self.ids
-            .insert(record.record_id.clone(), (record.sequence, hash));
+            .insert(record.record_id.clone(), (record.sequence, record.hash));
         self.records.push_back(Arc::new(record));
         self.cool();
     }
@@ -368,8 +367,8 @@ mod tests {
                 Placement::Duplicate(1)
             ]
         );
-        s.push(Stored::new(&rec("a", 1, 1)), 1);
-        s.push(Stored::new(&rec("b", 2, 1)), 2);
+        s.push(Stored::new(&rec("a", 1, 1), 1));
+        s.push(Stored::new(&rec("b", 2, 1), 2));
         let p = s.place(&[rec("c", 0, 1), rec("b", 0, 1)], &[3, 2]).unwrap();
         assert_eq!(p, vec![Placement::New(3), Placement::Duplicate(2)]);
         let e = s.place(&[rec("b", 0, 1)], &[99]).unwrap_err();
@@ -383,7 +382,7 @@ mod tests {
             max_records: 0,
         });
         for i in 1..=5 {
-            s.push(Stored::new(&rec(&format!("r{i}"), i, 9)), i);
+            s.push(Stored::new(&rec(&format!("r{i}"), i, 9), i));
             s.enforce_retention();
         }
         // 10 tokens each: only two fit in 25.
@@ -413,7 +412,7 @@ mod tests {
         for i in 1..=6u64 {
             let mut r = rec(&format!("r{i}"), i, 3);
             r.group_key = Some(i % 2);
-            s.push(Stored::new(&r), i);
+            s.push(Stored::new(&r, i));
             s.enforce_retention();
         }
         // Retained: 3..=6; group 1 holds 3 and 5, group 0 holds 4 and 6.
@@ -433,7 +432,7 @@ mod tests {
     fn read_from_bounds_batches() {
         let mut s = Store::new(Retention::default());
         for i in 1..=10 {
-            s.push(Stored::new(&rec(&format!("r{i}"), i, 99)), i);
+            s.push(Stored::new(&rec(&format!("r{i}"), i, 99), i));
         }
         assert_eq!(s.read_from(1, 3, 1 << 20).unwrap().len(), 3);
         // A budget of 2.5 records takes 3 (the one that crosses it included).

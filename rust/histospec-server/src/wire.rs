@@ -56,13 +56,13 @@ pub struct Stored {
     pub encoded: Option<Bytes>,
     /// Where it is on disk, once appended to the data dir's log.
     pub at: Option<Loc>,
-    /// Its content hash (what an idempotent re-publish is compared with), once stored.
+    /// Its content hash (`validate::content_hash`: what an idempotent re-publish is compared with).
     pub hash: u64,
 }
 
 impl Stored {
-    /// Encodes `r` (its `sequence` already assigned).
-    pub fn new(r: &Record) -> Self {
+    /// Encodes `r` (its `sequence` already assigned), whose content hash is `hash`.
+    pub fn new(r: &Record, hash: u64) -> Self {
         let encoded = Bytes::from(r.encode_to_vec());
         Stored {
             sequence: r.sequence,
@@ -72,7 +72,7 @@ impl Stored {
             len: encoded.len(),
             encoded: Some(encoded),
             at: None,
-            hash: 0,
+            hash,
         }
     }
 
@@ -202,7 +202,7 @@ mod tests {
     #[test]
     fn encoded_messages_decode_as_the_proto_messages() {
         let recs: Vec<Record> = (1..=3).map(rec).collect();
-        let stored: Vec<Stored> = recs.iter().map(Stored::new).collect();
+        let stored: Vec<Stored> = recs.iter().map(|r| Stored::new(r, 0)).collect();
         let sub = EncodedSubscribeResponse {
             records: stored.iter().map(|s| s.bytes().unwrap()).collect(),
             head_sequence: 9,

@@ -84,10 +84,10 @@ proptest! {
                 let mut r = r.clone();
                 r.sequence = *seq;
                 fresh.push(r.clone());
-                store.push(Stored::new(&r), *h);
+                store.push(Stored::new(&r, *h));
             }
         }
-        disk.append(&mut fresh.iter().map(Stored::new).collect::<Vec<_>>()).unwrap();
+        disk.append(&mut fresh.iter().map(|r| Stored::new(r, 0)).collect::<Vec<_>>()).unwrap();
         drop(disk);
         let mut loaded = Vec::new();
         let (_d, _) = Disk::open(dir.path(), u64::MAX, &mut |f| loaded.push(f.record())).unwrap();
