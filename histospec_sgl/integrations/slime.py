@@ -165,18 +165,23 @@ class _Announcing:
     args: Any
 
     def __init__(self, args: Any):
+        from histospec_sgl.sync.client import Announcer
+
         super().__init__(args)  # type: ignore[call-arg]
-        self._histospec = Settings.from_args(args)
-        self._announcer: Any = None
-        self._announcing = threading.Lock()  # one announcement at a time, in order
-        self.announced = 0  # groups announced so far
+        address = Settings.from_args(args).draft_server
+        self._announcer = Announcer(address) if address else None
+
+    @property
+    def announced(self) -> int:
+        """Groups announced so far."""
+        return self._announcer.announced if self._announcer is not None else 0
 
     def get_samples(self, num_samples: int) -> Any:
         samples = super().get_samples(num_samples)  # type: ignore[misc]
-        if self._histospec.draft_server and self.dataset is not None:
+        if self._announcer is not None and self.dataset is not None:
             groups = sorted({sample_group(s) for s in self._upcoming(num_samples)})
             if groups:
-                threading.Thread(target=self._announce, args=(groups,), name="histospec-announce",
+                threading.Thread(target=self._announcer.announce, args=(groups,), name="histospec-announce",
                                  daemon=True).start()
         return samples
 
@@ -195,19 +200,6 @@ class _Announcing:
             random.Random(getattr(ds, "seed", 0) + self.epoch_id + 1).shuffle(order)
             return head + [origin[i] for i in order[:rest]]
         return head + list(origin[:rest])
-
-    def _announce(self, groups: list[int]) -> None:
-        from histospec_sgl.sync.client import Credentials, HistoryPublisher
-
-        assert self._histospec.draft_server  # get_samples announces only with one
-        try:
-            with self._announcing:
-                if self._announcer is None:
-                    self._announcer = HistoryPublisher(self._histospec.draft_server, **Credentials.from_env().kwargs())
-                self._announcer.announce(groups)
-                self.announced += len(groups)
-        except Exception as e:  # a hint: the engines fetch at the first request instead
-            logger.warning("histospec: announcing the next rollout's %d groups failed: %s", len(groups), e)
 
 
 def _flag(value: Any) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "DraftServerError",
     "PublishError",
     "HistoryPublisher",
+    "Announcer",
     "SERVICE",
 ]
 
@@ -411,3 +412,31 @@ class HistoryPublisher(_Client):
         out["durable"] = all(e["durable"] for e in each)
         out["shards"] = each
         return out
+
+
+class Announcer:
+    """What a trainer adapter announces coming groups with (:meth:`HistoryPublisher.announce`) without
+    ever failing or stalling its trainer over it: the client is made on first use with the job's
+    credentials (:meth:`Credentials.from_env`), announcements go out one at a time in order, and a
+    failure is logged and returned as False (the engines then fetch those groups at their first
+    request). ``announced`` counts the groups the server took."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.announced = 0
+        self._publisher: HistoryPublisher | None = None
+        self._lock = threading.Lock()
+
+    def announce(self, groups: Sequence[int], timeout: float = 5.0) -> bool:
+        if not groups:
+            return True
+        try:
+            with self._lock:
+                if self._publisher is None:
+                    self._publisher = HistoryPublisher(self.address, **Credentials.from_env().kwargs())
+                self._publisher.announce(groups, timeout)
+                self.announced += len(groups)
+            return True
+        except Exception as e:  # a hint: the engines fetch at the first request instead
+            log.warning("histospec: announcing %d groups to %s failed: %s", len(groups), self.address, e)
+            return False

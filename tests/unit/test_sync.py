@@ -903,3 +903,19 @@ def test_one_backoff_doubles_to_its_largest_pause_with_jitter_and_resets():
     assert b.next(cap=0.2) <= 0.3  # a waiting fetch caps the pause
     b.reset()
     assert b.next() <= 0.15
+
+
+def test_an_announcer_never_fails_its_trainer(server, tmp_path, caplog):
+    """Adapters announce through ``Announcer``: the groups reach the server's followers while it is
+    up; with the server gone the call logs and returns False instead of raising."""
+    from histospec_sgl.sync.client import Announcer
+
+    a = Announcer(server.address)
+    assert a.announce([]) and a.announced == 0
+    assert a.announce([1, 2, 3]) and a.announced == 3
+    dead = DraftServerProcess(log=tmp_path / "dead.log")
+    address = dead.address
+    dead.kill()
+    b = Announcer(address)
+    assert b.announce([4], timeout=0.5) is False and b.announced == 0
+    assert "announcing 1 groups" in caplog.text

@@ -77,29 +77,28 @@ class AnnouncingAgentLoopManager(AgentLoopManager):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         from histospec_sgl.settings import value
+        from histospec_sgl.sync.client import Announcer
 
-        self._address = value("HISTOSPEC_DRAFT_SERVER")
+        address = value("HISTOSPEC_DRAFT_SERVER")
+        self._announcer = Announcer(address) if address else None
         self._builder: Any = None
-        self._publisher: Any = None
-        self.announced = 0  # groups announced so far
+
+    @property
+    def announced(self) -> int:
+        """Groups announced so far."""
+        return self._announcer.announced if self._announcer is not None else 0
 
     def _announce(self, prompts: Any) -> None:
-        from histospec_sgl.sync.client import Credentials, HistoryPublisher
-
+        assert self._announcer is not None
         if self._builder is None:
             self._builder = token_builder(self.config)
-        groups = batch_groups(self._builder, prompts)
-        if groups:
-            if self._publisher is None:
-                self._publisher = HistoryPublisher(self._address, **Credentials.from_env().kwargs())
-            self._publisher.announce(groups, timeout=2.0)
-            self.announced += len(groups)
+        self._announcer.announce(batch_groups(self._builder, prompts), timeout=2.0)
 
     @auto_await  # as verl's own: the trainer calls it without awaiting
     async def generate_sequences(self, prompts: Any) -> Any:
-        if self._address and not prompts.meta_info.get("validate", False):
+        if self._announcer is not None and not prompts.meta_info.get("validate", False):
             try:
                 await asyncio.get_running_loop().run_in_executor(None, self._announce, prompts)
-            except Exception as e:  # a hint: the engines fetch at the first request instead
-                logger.warning("histospec: announcing the step's groups failed: %s", e)
+            except Exception as e:  # building the keys failed: the engines fetch at the first request
+                logger.warning("histospec: keying the step's groups to announce failed: %s", e)
         return await super().generate_sequences(prompts)
