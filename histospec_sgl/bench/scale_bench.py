@@ -60,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.bench.scale_load import run_load, run_restart
+from histospec_sgl.bench.scale_load import run_load, run_restart, timed_restart
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import tree_parents_batch, walk
 from histospec_sgl.engine.drafter import BatchDrafter
@@ -211,19 +211,11 @@ class Shards:
     def restart_seconds(self, i: int, *, index: bool) -> float:
         """SIGKILLs shard ``i`` and times its restart on its data dir (to listening), from the data
         dir's index or, with ``index=False``, with the index deleted so that every record is decoded."""
-        from histospec_sgl.procs import wait_port_free
-
         port = self.procs[i].port
         self.procs[i].kill()
-        wait_port_free(port)
-        if not index:
-            for f in os.listdir(self.dirs[i]):
-                if f.endswith(".idx"):
-                    os.remove(os.path.join(self.dirs[i], f))
-        t0 = time.monotonic()
-        self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i], extra=self.extra,
-                                           log=os.path.join(self.tmp, f"{self.tag}-{i}-restart-{index}.log"))
-        return time.monotonic() - t0
+        self.procs[i], seconds = timed_restart(port, self.dirs[i], index=index, extra=self.extra,
+                                               log=os.path.join(self.tmp, f"{self.tag}-{i}-restart-{index}.log"))
+        return seconds
 
     def kill_and_restart(self, i: int, outage: float) -> threading.Thread:
         """SIGKILLs shard ``i`` now and starts it again after ``outage`` seconds (in the background)."""

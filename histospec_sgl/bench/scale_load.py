@@ -94,13 +94,28 @@ def run_load(counts: Sequence[int], job: list, *, tmp: str, progress: Callable[[
     return out
 
 
+def timed_restart(port: int, data_dir: str, *, index: bool, log: str,
+                  extra: Sequence[str] = ()) -> tuple[DraftServerProcess, float]:
+    """Starts a draft server again on ``port`` and its data dir (the one before it killed) and times
+    it to listening: from the data dir's index, or with ``index=False`` with the index deleted first,
+    so that every record is decoded. Returns the server and the seconds."""
+    from histospec_sgl.procs import wait_port_free
+
+    wait_port_free(port)
+    if not index:
+        for f in os.listdir(data_dir):
+            if f.endswith(".idx"):
+                os.remove(os.path.join(data_dir, f))
+    t0 = time.monotonic()
+    srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir, extra=list(extra), log=log)
+    return srv, time.monotonic() - t0
+
+
 def run_restart(job: list, *, tmp: str, progress: Callable[[str], None], repeat: int = 4,
                 times: int = 3) -> dict[str, Any]:
     """A restart at the load run's size: one durable server is sent the job's records ``repeat`` times
     over, killed (SIGKILL), and started again on its data dir ``times`` times from its index, then
     ``times`` times with the index deleted (every record decoded); seconds from spawn to listening."""
-    from histospec_sgl.procs import wait_port_free
-
     records = [(g, prompt, r) for epoch in job for step in epoch for g, prompt, rs in step for r in rs] * repeat
     data_dir = os.path.join(tmp, "restart-data")
     progress(f"restart: {len(records)} records into a durable server")
@@ -117,24 +132,14 @@ def run_restart(job: list, *, tmp: str, progress: Callable[[str], None], repeat:
     disk = sum(os.path.getsize(os.path.join(data_dir, f)) for f in os.listdir(data_dir) if f.endswith(".bin"))
     out: dict[str, Any] = {"records": int(stats["records"]), "tokens": int(stats["tokens"]), "data_bytes": disk}
     for key, index in (("seconds_index", True), ("seconds_decoding", False)):
-        if not index:
-            for f in os.listdir(data_dir):
-                if f.endswith(".idx"):
-                    os.remove(os.path.join(data_dir, f))
         out[key] = []
         for i in range(times):
-            wait_port_free(port)
-            t0 = time.monotonic()
-            srv = DraftServerProcess(f"127.0.0.1:{port}", data_dir=data_dir,
-                                     log=os.path.join(tmp, f"restart-{key}-{i}.log"))
-            out[key].append(time.monotonic() - t0)
+            # Decoding: each restart deletes the index again (the one before wrote a fresh log's).
+            srv, seconds = timed_restart(port, data_dir, index=index, log=os.path.join(tmp, f"restart-{key}-{i}.log"))
+            out[key].append(seconds)
             with HistoryPublisher(srv.address) as pub:
                 held = int(pub.stats()["records"])
             srv.kill()
             if held != out["records"]:
                 raise RuntimeError(f"the restarted server holds {held} of {out['records']} records")
-            if not index:
-                for f in os.listdir(data_dir):  # the restart wrote a fresh log's index: keep decoding
-                    if f.endswith(".idx"):
-                        os.remove(os.path.join(data_dir, f))
     return out
