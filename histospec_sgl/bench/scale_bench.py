@@ -219,16 +219,13 @@ class Shards:
 
     def kill_and_restart(self, i: int, outage: float) -> threading.Thread:
         """SIGKILLs shard ``i`` now and starts it again after ``outage`` seconds (in the background)."""
-        from histospec_sgl.procs import wait_port_free
-
         port = self.procs[i].port
         self.procs[i].kill()
 
         def again() -> None:
             time.sleep(outage)
-            wait_port_free(port)
-            self.procs[i] = DraftServerProcess(f"127.0.0.1:{port}", data_dir=self.dirs[i], extra=self.extra,
-                                               log=os.path.join(self.tmp, f"{self.tag}-{i}-again.log"))
+            self.procs[i], _ = timed_restart(port, self.dirs[i], index=True, extra=self.extra,
+                                             log=os.path.join(self.tmp, f"{self.tag}-{i}-again.log"))
             self.restarts += 1
 
         t = threading.Thread(target=again, daemon=True)
