@@ -65,17 +65,20 @@ fi
 # The trainer-integration tests: Ray (a local cluster, engine actors, the draft-server actor),
 # sglang-router (slime's router, in front of the CPU server), the two packages slime's rollout
 # imports that SGLang does not (slime itself is not on PyPI: the tests read its source from
-# ../shared/trainers/slime), and verl.
+# ../shared/trainers/slime), and verl with TransferQueue.
 # verl 0.9.1 without its dependencies (they would replace torch and sglang's pins), plus what its
 # agent loop, rollout server, Hydra config and trainer module (its spec-decode metrics) import
 # (the last also needs accelerate, installed with the model below).
-TRAINER_STAMP="$VENV/.histospec-trainers-3"
+TRAINER_STAMP="$VENV/.histospec-trainers-4"
 if [ ! -f "$TRAINER_STAMP" ]; then
   echo "[setup-sglang] installing Ray, sglang-router, verl and the trainers' rollout dependencies into $VENV"
   install "ray==2.60.0" "sglang-router==0.3.2" "pyarrow==26.0.1" "pylatexenc==2.11" \
     "hydra-core==1.3.8" "omegaconf==2.3.1" "codetiming==1.4.0" "pandas==3.1.1" "cachetools==8.0.2" \
     "tensordict==0.10.0" "datasets==5.2.0"
   install --no-deps "verl==0.9.1" "torchdata==0.11.0" "peft==0.18.0"
+  # TransferQueue, which verl's v1 trainer dispatches through; its dependencies are above but Ray's
+  # dashboard extras, which it does not use.
+  install --no-deps "transferqueue==0.1.11"
   touch "$TRAINER_STAMP"
 fi
 # OpenRLHF 0.11.2 for its SPEC-RL executor test: it drives vLLM only, and vLLM has no CPU build

@@ -21,6 +21,14 @@ if [ "${SPEC_RL:-0}" = 1 ]; then
         actor_rollout_ref.rollout.agent.agent_loop_config_path="$HERE/agent_loops.yaml")
 fi
 
+# Each step's groups are announced to the draft server before the step's requests go out, through
+# histospec's subclass of the agent loop manager the trainer dispatches with: verl's v1 trainer (its
+# default) or the legacy one (trainer.use_v1=false).
+MANAGER=AnnouncingAgentLoopManagerTQ
+for a in "$@"; do
+  case "${a,,}" in *trainer.use_v1=false | *trainer.use_v1=0) MANAGER=AnnouncingAgentLoopManager ;; esac
+done
+
 # One draft server for the job; engines and agent loops find it (and its token) through the actor.
 draft_server
 
@@ -35,4 +43,5 @@ run ray job submit --address="$RAY_DASHBOARD" \
   +actor_rollout_ref.rollout.engine_kwargs.sglang.speculative_num_draft_tokens=12 \
   actor_rollout_ref.rollout.router_config_path="$HERE/router.yaml" \
   actor_rollout_ref.rollout.calculate_log_probs=True \
+  +actor_rollout_ref.rollout.agent.agent_loop_manager_class="histospec_sgl.integrations.verl.announce.$MANAGER" \
   ${SPEC[@]+"${SPEC[@]}"} "$@"

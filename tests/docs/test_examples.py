@@ -106,6 +106,9 @@ def test_the_trainer_command_parses_with_the_trainers_own_code(trainer, tmp_path
         assert got["router"] == str(ROOT / "examples" / "verl" / "router.yaml")
         assert got["model"] == "/models/m" and got["train_files"] == "/data/d/train.parquet"
         assert got["epochs"] == 3  # the user's override reached verl
+        # verl's default v1 trainer, so its TransferQueue manager, announcing.
+        assert got["use_v1"] and got["manager"] == "AnnouncingAgentLoopManagerTQ"
+        assert got["manager_extends_the_trainers"]
     else:
         assert got["agent"].endswith("histospec_sgl/integrations/openrlhf_agent.py")
         assert (got["n"], got["model"], got["data"], got["correction"]) == (8, "/models/m", "/data/d", "token")
@@ -118,6 +121,14 @@ def test_verl_spec_rl_switch_adds_the_agent_loop(tmp_path, sglang_py):
     got = result(run_script(sglang_py, "example_parse.py", "verl", json.dumps(argv[3:]), timeout=300))
     assert got["agent_loop"] == "histospec_specrl"
     assert got["agent_config"] == str(ROOT / "examples" / "verl" / "agent_loops.yaml")
+
+
+def test_verl_legacy_trainer_gets_the_legacy_announcing_manager(tmp_path, sglang_py):
+    r, _ = _run("verl", tmp_path, "trainer.use_v1=False", DRY_RUN="1", MODEL="/models/m", DATA="/data/d")
+    _, argv = _submitted(r.stdout)
+    got = result(run_script(sglang_py, "example_parse.py", "verl", json.dumps(argv[3:]), timeout=300))
+    assert not got["use_v1"] and got["manager"] == "AnnouncingAgentLoopManager"
+    assert got["manager_extends_the_trainers"]
 
 
 @pytest.mark.parametrize("form", [["--rollout.n_samples_per_prompt", "16"], ["--rollout.n_samples_per_prompt=16"]])

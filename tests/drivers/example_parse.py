@@ -49,7 +49,15 @@ def verl(argv: list[str]) -> dict:
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=argv)
     r = cfg.actor_rollout_ref.rollout
-    return {"name": r.name, "n": r.n, "algorithm": r.engine_kwargs.sglang.speculative_algorithm,
+    # The manager class as verl's task runner loads it, and the verl manager of the trainer it runs.
+    from verl.experimental.agent_loop import AgentLoopManager
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+    from verl.utils.import_utils import load_class_from_fqn
+
+    manager = load_class_from_fqn(r.agent.agent_loop_manager_class, "AgentLoopManager")
+    base = AgentLoopManagerTQ if cfg.trainer.use_v1 else AgentLoopManager
+    return {"manager": manager.__name__, "manager_extends_the_trainers": issubclass(manager, base),
+            "use_v1": bool(cfg.trainer.use_v1), "name": r.name, "n": r.n, "algorithm": r.engine_kwargs.sglang.speculative_algorithm,
             "router": r.router_config_path, "agent_loop": r.agent.default_agent_loop,
             "agent_config": r.agent.agent_loop_config_path, "model": cfg.actor_rollout_ref.model.path,
             "train_files": cfg.data.train_files, "epochs": cfg.trainer.total_epochs}

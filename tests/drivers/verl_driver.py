@@ -200,24 +200,19 @@ async def two_epochs(cfg: Any, cfg_longer: Any, url: str, prompts: list[str], dr
 
 
 async def announced_step(cfg: Any, balancer: Any, prompts: list[str]) -> dict:
-    """One more training step through histospec's ``AnnouncingAgentLoopManager`` (verl's manager,
-    dispatching to verl's ``AgentLoopWorker`` as a Ray actor): the groups it announces, the groups of
-    the prompts the workers sent, and what a follower of the draft server that decoded those groups
-    heard."""
+    """One more training step through each of histospec's announcing managers: verl's legacy
+    ``AgentLoopManager`` (``AnnouncingAgentLoopManager``, dispatching to verl's ``AgentLoopWorker``
+    as a Ray actor), then the v1 trainer's TransferQueue one (``AnnouncingAgentLoopManagerTQ``,
+    dispatching to verl's ``AgentLoopWorkerTQ``, its outputs read back from TransferQueue). For each:
+    the groups it announced, the groups of the prompts its workers sent, and what a follower of the
+    draft server that decoded those groups heard."""
     import time
 
     import numpy as np
-    import ray
     from verl import DataProto
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-    from verl.workers.rollout.llm_server import LLMServerClient
 
-    from histospec_sgl import HistoryIndex, group_key
-    from histospec_sgl.integrations.verl.announce import (
-        AnnouncingAgentLoopManager,
-        batch_groups,
-        token_builder,
-    )
+    from histospec_sgl import HistoryIndex
+    from histospec_sgl.integrations.verl.announce import batch_groups, token_builder
     from histospec_sgl.sync.client import Credentials
     from histospec_sgl.sync.follow import GroupFollower
 
@@ -230,27 +225,90 @@ async def announced_step(cfg: Any, balancer: Any, prompts: list[str]) -> dict:
     # An engine's follower that has decoded these groups before (it asked for them).
     follower = GroupFollower(os.environ["HISTOSPEC_DRAFT_SERVER"], HistoryIndex(),
                              **Credentials.from_env().kwargs()).start()
+
+    async def heard(count: int) -> int:
+        deadline = time.monotonic() + 30
+        while follower.announced < count and time.monotonic() < deadline:
+            follower.poll()
+            await asyncio.sleep(0.05)
+        return follower.announced
+
     try:
         follower.want(keys)
         deadline = time.monotonic() + 30
         while not all(follower.ready(k) for k in keys) and time.monotonic() < deadline:
             follower.poll()
             await asyncio.sleep(0.05)
-        manager = AnnouncingAgentLoopManager(cfg, LLMServerClient(cfg, balancer))
-        manager.agent_loop_workers = [ray.remote(AgentLoopWorker).remote(cfg, LLMServerClient(cfg, balancer))]
-        out = await manager.generate_sequences(batch)
-        deadline = time.monotonic() + 30
-        while follower.announced < len(keys) and time.monotonic() < deadline:
-            follower.poll()
-            await asyncio.sleep(0.05)
-        sent = set()
-        for i in range(len(out)):
-            mask = out.batch["attention_mask"][i][: out.batch["prompts"].shape[1]].tolist()
-            sent.add(group_key([int(t) for t, m in zip(out.batch["prompts"][i].tolist(), mask) if m]))
-        return {"announced_keys": keys, "sent_keys": sorted(sent), "manager_announced": manager.announced,
-                "follower_announced": follower.announced, "rows": len(out)}
+        legacy = await legacy_step(cfg, balancer, batch)
+        legacy.update(announced_keys=keys, follower_announced=await heard(len(keys)))
+        tq = await asyncio.to_thread(tq_step, cfg, balancer, prompts)
+        tq.update(announced_keys=keys, follower_announced=await heard(2 * len(keys)) - legacy["follower_announced"])
+        return {**legacy, "tq": tq}
     finally:
         follower.close()
+
+
+async def legacy_step(cfg: Any, balancer: Any, batch: Any) -> dict:
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    from histospec_sgl import group_key
+    from histospec_sgl.integrations.verl.announce import AnnouncingAgentLoopManager
+
+    manager = AnnouncingAgentLoopManager(cfg, LLMServerClient(cfg, balancer))
+    manager.agent_loop_workers = [ray.remote(AgentLoopWorker).remote(cfg, LLMServerClient(cfg, balancer))]
+    out = await manager.generate_sequences(batch)
+    sent = set()
+    for i in range(len(out)):
+        mask = out.batch["attention_mask"][i][: out.batch["prompts"].shape[1]].tolist()
+        sent.add(group_key([int(t) for t, m in zip(out.batch["prompts"][i].tolist(), mask) if m]))
+    return {"sent_keys": sorted(sent), "manager_announced": manager.announced, "rows": len(out)}
+
+
+def tq_step(cfg: Any, balancer: Any, prompts: list[str]) -> dict:
+    """A step as verl's v1 trainer submits it: the prompts registered in TransferQueue, then handed
+    to the manager once each (its worker expands them to rollout.n), which returns at once; the
+    step's outputs are read back from TransferQueue when every prompt's status is final."""
+    import time
+
+    import numpy as np
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    from histospec_sgl import group_key
+    from histospec_sgl.integrations.verl import announce
+
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+    try:
+        uids = [f"tq-{i}" for i in range(len(prompts))]
+        raw = np.empty(len(prompts), dtype=object)
+        raw[:] = [[{"role": "user", "content": p}] for p in prompts]
+        batch = tu.get_tensordict({"raw_prompt": raw, "index": np.arange(len(prompts)),
+                                   "uid": np.array(uids, dtype=object)})
+        tu.assign_non_tensor_data(batch, "global_steps", 4)
+        manager = announce.AnnouncingAgentLoopManagerTQ(cfg, LLMServerClient(cfg, balancer))
+        manager.agent_loop_workers = [AgentLoopWorkerTQ.remote(cfg, LLMServerClient(cfg, balancer))]
+        tq.kv_batch_put(keys=uids, partition_id="train",
+                        tags=[{"is_prompt": True, "status": "pending", "global_steps": 4} for _ in uids])
+        manager.generate_sequences(batch)
+        deadline = time.monotonic() + 300
+        while True:
+            items = tq.kv_list("train").get("train", {})
+            if all(items.get(u, {}).get("status") in ("finished", "failure") for u in uids):
+                break
+            assert time.monotonic() < deadline, f"TransferQueue step unfinished: {items}"
+            time.sleep(0.2)
+        outputs = sorted(k for k in items if k.split("_", 1)[0] in uids and k not in uids)
+        data = tq.kv_batch_get(keys=outputs, partition_id="train", select_fields=["prompts"])
+        sent = {group_key([int(t) for t in data["prompts"][i].tolist()]) for i in range(len(outputs))}
+        return {"sent_keys": sorted(sent), "manager_announced": manager.announced, "rows": len(outputs),
+                "statuses": sorted({items[u]["status"] for u in uids})}
+    finally:
+        tq.close()
 
 
 def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
@@ -266,7 +324,8 @@ def cmd_specrl(model: str, url: str, data_dir: str, out: str) -> None:
     first = DraftServerProcess(data_dir=data_dir, auth_token_file=token)
     draft = {"servers": [first], "address": first.address, "data_dir": data_dir, "durable": {}, "token": token}
     draft_server = first.address
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    # Four logical CPUs: TransferQueue's controller and storage unit each hold one.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"HISTOSPEC_DRAFT_SERVER": draft_server, TOKEN_ENV: token}})
     os.environ["HISTOSPEC_DRAFT_SERVER"] = draft_server
     os.environ[TOKEN_ENV] = token

@@ -138,13 +138,20 @@ def test_specrl_agent_loop_two_epochs(verl_py, text_model, tmp_path):
                 assert n > 0 and r["response_mask"] == [1] * n and len(r["rollout_log_probs"]) == n
                 assert r["reused"] + r["generated"] == n
         assert all(r["previous_len"] == 0 and r["global_steps"] == 1 for r in first)
-        # histospec's AnnouncingAgentLoopManager (verl's manager, its worker a Ray actor) announced the
+        # histospec's AnnouncingAgentLoopManager (verl's legacy manager, its worker a Ray actor) announced the
         # step's 4 groups before dispatching, keyed as the prompts its workers sent are; a follower
         # that had decoded those groups heard each of them.
         a = out["announce"]
         assert a["rows"] == 16 and len(a["announced_keys"]) == 4
         assert a["announced_keys"] == a["sent_keys"] and a["manager_announced"] == 4
         assert a["follower_announced"] == 4
+        # The same through the v1 trainer's AnnouncingAgentLoopManagerTQ (verl's TransferQueue manager,
+        # its worker verl's AgentLoopWorkerTQ): the step's outputs, read back from TransferQueue, came
+        # from the announced groups, and the follower heard each group again.
+        t = a["tq"]
+        assert t["statuses"] == ["finished"] and t["rows"] == 16
+        assert t["sent_keys"] == a["announced_keys"] and t["manager_announced"] == 4
+        assert t["follower_announced"] == 4
         assert all(r["previous_len"] > 0 and r["global_steps"] == 2 for r in second)
         # The policy did not change between the epochs: every previous token is accepted.
         assert sum(r["reused"] for r in second) == sum(r["previous_len"] for r in second)
