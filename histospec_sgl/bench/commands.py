@@ -174,6 +174,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              repeats=args.repeats,
                              sampled_requests=args.sampled_requests, fixed_length=args.fixed_length,
                              log=progress, log_dir=args.log_dir, trace=args.trace, trace_groups=args.trace_groups,
+                             trace_seed=args.trace_seed,
                              data_root=Path(args.data_root) if args.data_root else None)
     except (ValueError, RuntimeError, ReplayDataError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -349,6 +350,9 @@ def add_bench(sub: Any) -> None:
                     "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "
                     "ngram_corpus gets it as its corpus, every server is flushed before each row")
     be.add_argument("--trace-groups", type=int, default=8, help="prompts of the traced step (8 samples each; default 8)")
+    be.add_argument("--trace-seed", type=int, default=0,
+                    help="which logged step to trace: the seed that draws it, as simulate's --seed draws a step "
+                    "(default 0; recorded in the JSON, so a policy tuned on some steps is reported on others)")
     be.add_argument("--data-root", metavar="DIR",
                     help="the rollout logs (cs336-grpo-math/grpo_rollouts.jsonl.gz; default ../shared/data/rollouts)")
     be.add_argument("--batch-sizes", type=counts, default=[1, 4, 16, 64])

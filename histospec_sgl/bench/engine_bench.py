@@ -239,7 +239,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
         repeats: int = 1, sampled_requests: int = 32,
         fixed_length: bool = False, log: Callable[[str], None] = print,
-        log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8,
+        log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8, trace_seed: int = 0,
         data_root: Path | None = None) -> dict[str, Any]:
     unknown = set(methods) - set(METHODS)
     if unknown:
@@ -265,7 +265,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         from histospec_sgl.bench import engine_trace as et
         from histospec_sgl.simulate.trace import digest
 
-        spec = et.TraceSpec(trace, trace_groups)
+        spec = et.TraceSpec(trace, trace_groups, seed=trace_seed)
         trace_groups_ = et.workload(spec, path, data_root)
         eos = et.eos_of(path)
         et.write_trace_file(Path(work) / "trace.json", trace_groups_, eos)
