@@ -126,14 +126,10 @@ class CostModel:
         promised accepted tokens at width ``w`` (``calibrated``: already scaled by the caller, e.g.
         per request class); ``decoding``: requests that emit a token this step (default: the whole
         batch)."""
-        n = batch if decoding is None else decoding
-        c = 1.0 if calibrated else self.calibration()
-        plain = n / self.profile.step_s(batch, 1, context, prefill)
+        rates = self.rates(promised, batch, context, prefill, decoding, calibrated)
+        plain = rates.pop(1)
         wide, wide_rate = 1, 0.0
-        for w in self.widths:
-            if w <= 1:
-                continue
-            rate = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
+        for w, rate in rates.items():
             if rate > wide_rate:
                 wide, wide_rate = w, rate
         self.candidate = wide
@@ -142,6 +138,18 @@ class CostModel:
         self._since_wide = 0 if best > 1 else self._since_wide + 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
         return best
+
+    def rates(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
+              decoding: int | None = None, calibrated: bool = False) -> dict[int, float]:
+        """Expected tokens per second at plain decoding (width 1) and at each width, by the profile:
+        ``(decoding + promised) / step cost``."""
+        n = batch if decoding is None else decoding
+        c = 1.0 if calibrated else self.calibration()
+        out = {1: n / self.profile.step_s(batch, 1, context, prefill)}
+        for w in self.widths:
+            if w > 1:
+                out[w] = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
+        return out
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
                 klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
@@ -169,6 +177,19 @@ class CostModel:
         """With no probes, a plain step's drafts at the width that came closest to paying are
         measured as shadow drafts."""
         return self.candidate if not self.probe_every else 1
+
+    def begin(self, now: float) -> None:
+        pass  # priced by its profile: it times nothing
+
+    def decode_step(self, batch: int, width: int, started: float) -> None:
+        pass
+
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        return {}
+
+    def summary(self) -> str:
+        chosen = ", ".join(f"w{w} {n}" for w, n in sorted(self.chosen.items()))
+        return f"calibration {self.calibration():.2f}, steps chosen {{{chosen}}}"
 
 
 @dataclass
@@ -342,6 +363,10 @@ class EngineControl:
     #: Timed steps after which a bucket that began on borrowed prices measures d and plain decoding
     #: itself.
     settle: int = 32
+    #: A width priced within this fraction of the best expected rate, whose price in the bucket is
+    #: not yet its own measurement, is run to measure it (a few steps, each at most this much
+    #: slower by the estimate).
+    contend: float = 0.2
     #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
     #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
@@ -383,6 +408,19 @@ class EngineControl:
         for w in (*self.widths, 1):
             if self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
                 return w
+        # A width whose price here is not its own measurement (interpolated between the widths
+        # measured, or borrowed from another batch size) and that comes within ``contend`` of the
+        # best is measured before the choice trusts that price: a bucket measures what it chooses
+        # between, wherever the batch spends its steps.
+        rates = self.model.rates(promised, batch, calibrated=True)
+        best = max(rates.values())
+        for w, rate in sorted(rates.items(), key=lambda wr: -wr[1]):
+            if rate < (1.0 - self.contend) * best:
+                break
+            key = (w, bucket(batch))
+            if self.clock.count(batch, w) < self.min_samples and self.tries.get(key, 0) < self.min_samples + 2:
+                self.tries[key] = self.tries.get(key, 0) + 1
+                return w
         return self.model.choose(promised, batch, calibrated=True)
 
     def begin(self, now: float) -> None:
@@ -411,6 +449,10 @@ class EngineControl:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that
         came closest to paying."""
         return self.model.candidate if self.model.candidate > 1 else self.widths[-1]
+
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        """Its clock's measured costs: seconds per (width, batch-size bucket)."""
+        return dict(self.clock.table)
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

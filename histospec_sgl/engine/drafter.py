@@ -36,6 +36,7 @@ from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, width_promises
 from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
+from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
@@ -129,11 +130,9 @@ class BatchDrafter:
         self._mask = np.zeros(0, dtype=np.int64)
         self._counts = np.zeros(0, dtype=np.int64)
         self._probs = np.zeros(0, dtype=np.float32)
-        self.totals: dict[str, Any] = dict(steps=0, drafted_steps=0, request_steps=0, covered=0, accepted=0,
-                                           offered=0, draft_seconds=0.0, finished=0, kept=0)
-        #: Decode steps at each verify width (1: plain decoding).
-        self.width_steps: dict[int, int] = {}
-        self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
+        #: What the decode steps did since the start, and since the last :meth:`take_window`.
+        self.totals = StepCounts()
+        self._window = StepCounts()
         #: Each live request's response tokens as the index holds them, for the worker's check that
         #: they are what SGLang holds (``HISTOSPEC_CHECK_CONTEXT=1``; None when off).
         self.contexts: dict[str, list[int]] | None = {} if self.config.check_context == "1" else None
@@ -239,8 +238,8 @@ class BatchDrafter:
             # It advanced by (accepted + 1) since its last verify step (less at a stop).
             acc = max(min(n - live.known - 1, live.drafted), 0)
             live.accepted += acc
-            self._window["accepted"] += acc
-            self.totals["accepted"] += acc
+            self._window.accepted += acc
+            self.totals.accepted += acc
         live.known = n
         live.last = int(last)
 
@@ -261,8 +260,8 @@ class BatchDrafter:
             self._advanced(live, len(response), response[-1], new)
         self.feedback.finished(live.iid, complete=response is not None)
         self.index.finish_request(live.iid, keep=keep, defer_removal=not keep)
-        self.totals["finished"] += 1
-        self.totals["kept"] += int(keep)
+        self.totals.finished += 1
+        self.totals.kept += int(keep)
 
     def add_finished(self, prompt_ids: Sequence[int], response: Sequence[int], group: int | None = None,
                      version: int | None = None) -> None:
@@ -270,6 +269,11 @@ class BatchDrafter:
         if len(response):
             self.index.add_response(group, prompt_ids, response,
                                     version=self.index.version if version is None else version)
+
+    @property
+    def width_steps(self) -> dict[int, int]:
+        """Decode steps at each verify width since the start (1: plain decoding)."""
+        return self.totals.width_steps
 
     def held(self, rid: str) -> int:
         """Response tokens the index holds for live request ``rid``."""
@@ -288,12 +292,6 @@ class BatchDrafter:
 
     def live(self) -> set[str]:
         return set(self._live)
-
-    @property
-    def control(self) -> EngineControl | None:
-        """The policy when it is the cost model, which times the engine's steps (the worker feeds
-        its clock); None at a fixed width."""
-        return self.policy if isinstance(self.policy, EngineControl) else None
 
     # -- drafting -------------------------------------------------------------------------------
 
@@ -316,37 +314,30 @@ class BatchDrafter:
         klasses: list[str | None] = list(classes) if classes is not None else [None] * bs
         for lv, k in zip(lives, klasses):
             lv.klass = k
-        forced, width, order, nonempty = width, d, None, 0
-        per_request = np.zeros(bs, dtype=np.float64)  # each request's promise at the chosen width
+        iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
         if self.policy.reads_promises:
-            iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
             probs = self._probs[: bs * d]
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
             # Each request's nodes by path probability, most probable first (pads have probability 0),
             # and what they promise at each width (cum[:, w-2]).
             greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
             order, cum = width_promises(probs.reshape(bs, d), mask, greedy)
-            promised = self.feedback.promises({w: cum[:, w - 2] for w in self.policy.widths if 1 < w <= d},
-                                              klasses if classes is not None else None)
-            chosen = self.policy.choose(promised, bs)
-            width = chosen if forced is None else forced
-            if width > 1:
-                per_request = cum[:, width - 2]
-                if width < d and nonempty:
-                    self._shadow(lives, tokens, mask, cum, counts, order, d, beside=True)
-            elif nonempty and self.policy.shadow_width() > 1:
-                self._shadow(lives, tokens, mask, cum, counts, order, self.policy.shadow_width())
+            by_width = {w: cum[:, w - 2] for w in range(2, d + 1)}
         else:
-            chosen = self.policy.choose({}, bs)
-            width = chosen if forced is None else forced
-            if width > 1:
-                iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
-                nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+            order, cum, by_width = None, None, {}
+            counts[:] = 0  # drafted below, once the width is known
+        plan = plan_step(self.policy, self.feedback, by_width, klasses if classes is not None else None,
+                         counts > 0, iids.tolist(), forced=width)
+        width = plan.width
+        if width > 1 and not self.policy.reads_promises:
+            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+        if plan.shadowed:
+            assert cum is not None and order is not None
+            self._shadow(plan, lives, tokens, mask, cum, counts, order)
         drafting = width > 1
         self.drafting = drafting
         self.width = width
-        self.width_steps[width] = self.width_steps.get(width, 0) + 1
-        self.feedback.drafted(width, per_request.tolist(), klasses)
+        self.feedback.drafted(width, plan.promises.tolist(), klasses)
         if not drafting:
             # A plain step: each request's root alone.
             roots = np.fromiter((lv.last for lv in lives), dtype=np.int64, count=bs)
@@ -363,18 +354,8 @@ class BatchDrafter:
             lv.offered += c
             lv.steps += 1
         dt = time.perf_counter() - t0
-        w = self._window
-        w["steps"] += 1
-        w["request_steps"] += bs
-        w["covered"] += nonempty
-        w["draft_seconds"] += dt
-        tot = self.totals
-        tot["steps"] += 1
-        tot["drafted_steps"] += int(drafting)
-        tot["request_steps"] += bs
-        tot["covered"] += nonempty
-        tot["offered"] += int(counts.sum())
-        tot["draft_seconds"] += dt
+        for c in (self._window, self.totals):
+            c.step(width, bs, nonempty, int(counts.sum()), dt)
         return tokens, mask
 
     def _buffers(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -401,26 +382,21 @@ class BatchDrafter:
         self.index.draft_batch(iids, d, tokens, mask, probs, counts)
         return tokens, mask, probs, counts
 
-    def _shadow(self, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, cum: np.ndarray,
-                counts: np.ndarray, order: np.ndarray, width: int, beside: bool = False) -> None:
-        """Drafts the cost model will not verify this step are followed as shadow drafts (one per
-        request at a time), at the width that came closest to paying (``beside``: at the widest,
-        beside the narrower drafts this step verifies): they measure what verifying them would have
-        accepted against what they promised (``cum``, :func:`width_promises`)."""
-        d = self.d
+    def _shadow(self, plan: StepPlan, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, cum: np.ndarray,
+                counts: np.ndarray, order: np.ndarray) -> None:
+        """Starts the plan's shadow drafts (:attr:`StepPlan.shadowed`): each request's draft at the
+        plan's shadow width, followed along the tokens it goes on to produce, to measure what
+        verifying it would have accepted against what it promised (``cum``, :func:`width_promises`)."""
+        d, width = self.d, plan.shadow
         bs = len(lives)
         tw, mw = narrow(tokens, mask, order, bs, d, width) if width < d else (tokens, mask)
-        parents = None
-        for b, (lv, c) in enumerate(zip(lives, counts.tolist())):
-            if not c or self.feedback.shadowing(lv.iid):
-                continue
-            if parents is None:
-                parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
-            n = min(c, width - 1)
+        parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
+        for b in plan.shadowed:
+            lv = lives[b]
+            n = min(int(counts[b]), width - 1)
             row = slice(b * width, b * width + n + 1)
-            promised = float(cum[b, n - 1])
-            self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(), promised,
-                                                     width=width), lv.klass, beside)
+            self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(),
+                                                     float(cum[b, n - 1]), width=width), lv.klass, plan.beside)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's
@@ -431,11 +407,11 @@ class BatchDrafter:
         """Counters since the last call (for the periodic log line), then resets them."""
         w = self._window
         out = dict(
-            steps=w["steps"],
-            batch=w["request_steps"] / max(w["steps"], 1),
-            accept_len=1.0 + w["accepted"] / max(w["request_steps"], 1),
-            coverage=w["covered"] / max(w["request_steps"], 1),
-            draft_ms=1e3 * w["draft_seconds"] / max(w["steps"], 1),
+            steps=w.steps,
+            batch=w.request_steps / max(w.steps, 1),
+            accept_len=1.0 + w.accepted / max(w.request_steps, 1),
+            coverage=w.covered / max(w.request_steps, 1),
+            draft_ms=1e3 * w.draft_seconds / max(w.steps, 1),
         )
-        self._window = dict(steps=0, request_steps=0, covered=0, accepted=0, draft_seconds=0.0)
+        self._window = StepCounts()
         return out

@@ -78,15 +78,14 @@ class Feedback:
 
     def promises(self, by_width: Mapping[int, np.ndarray], klasses: Sequence[str | None] | None) -> dict[int, float]:
         """``by_width[w]``: each request's promise at width ``w``. Scaled per request class by the
-        policy's calibration where it has one and the classes are known; else summed as they are
-        (a policy without classes calibrates the sum itself)."""
-        calibrate = getattr(self.policy, "calibration", None)
+        policy's calibration (:meth:`StepPolicy.calibration`) where the classes are known; else summed
+        as they are."""
         out: dict[int, float] = {}
         for w, per in by_width.items():
-            if calibrate is None or klasses is None:
+            if klasses is None:
                 out[w] = float(np.sum(per))
                 continue
-            cal = {k: calibrate(k, w) for k in set(klasses)}
+            cal = {k: self.policy.calibration(k, w) for k in set(klasses)}
             out[w] = float((np.array([cal[k] for k in klasses]) * per).sum())
         return out
 

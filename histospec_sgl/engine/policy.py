@@ -78,6 +78,28 @@ class StepPolicy(Protocol):
         step verified at a narrower width, the widest is measured beside it."""
         ...
 
+    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+        """What requests of class ``klass`` at verify width ``width`` accept per promised token
+        (1: promises taken as they are)."""
+        ...
+
+    def begin(self, now: float) -> None:
+        """The engine starts a forward pass at ``now`` (any kind): for a policy that times its steps,
+        the decode step before it ended."""
+        ...
+
+    def decode_step(self, batch: int, width: int, started: float) -> None:
+        """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
+        ...
+
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        """The step costs it measured: seconds per (width, batch-size bucket); empty if it times none."""
+        ...
+
+    def summary(self) -> str:
+        """One line for the engine's log about what it learned (empty: nothing to say)."""
+        ...
+
 
 class Fixed:
     """The same width every step: 1 is plain decoding, d is HISTORY at a fixed width."""
@@ -100,3 +122,18 @@ class Fixed:
 
     def shadow_width(self) -> int:
         return 1
+
+    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+        return 1.0
+
+    def begin(self, now: float) -> None:
+        pass
+
+    def decode_step(self, batch: int, width: int, started: float) -> None:
+        pass
+
+    def step_costs(self) -> dict[tuple[int, int], float]:
+        return {}
+
+    def summary(self) -> str:
+        return ""

@@ -157,7 +157,7 @@ class HistoryMetrics:
         """Records one decode step: ``drafter.totals`` since the last call, the worker's counts (errors,
         plainly decoded steps, requests whose context did not add up) and the host time it spent on
         the step."""
-        totals = drafter.totals
+        totals = drafter.totals.as_dict()
         for name, (_, key) in _COUNTERS.items():
             value = totals[key]
             delta = value - self._seen.get(key, 0)
@@ -175,7 +175,7 @@ class HistoryMetrics:
             if counts[key] > self._counts[name]:
                 self._m[name].inc(counts[key] - self._counts[name])
             self._counts[name] = counts[key]
-        for width, n in getattr(drafter, "width_steps", {}).items():
+        for width, n in drafter.width_steps.items():
             counter = self._widths.get(width)
             if counter is None:
                 counter = self._widths[width] = self._widths_family.labels(**self._labels, width=str(width))
@@ -198,7 +198,5 @@ class HistoryMetrics:
         self._m["histospec:index_tokens"].set(st["tokens"])
         self._m["histospec:index_bytes"].set(st["bytes"])
         self._m["histospec:inflight_requests"].set(st["requests"])
-        control = getattr(drafter, "control", None)  # the default policy (a property); None at a fixed width
-        if control is not None and hasattr(control, "clock"):
-            for (width, bucket), seconds in list(control.clock.table.items()):
-                self._costs_family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)
+        for (width, bucket), seconds in drafter.policy.step_costs().items():
+            self._costs_family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)

@@ -184,7 +184,8 @@ class HistoryWorker(NGRAMWorker):
 
     def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
-        control = self.drafter.control if self.drafter is not None else None
+        # The step policy times the decode steps (rank 0's; a policy that times nothing ignores it).
+        control = self.drafter.policy if self.drafter is not None else None
         if control is not None:
             control.begin(started)
         if self.drafter is not None:
@@ -582,13 +583,13 @@ class HistoryWorker(NGRAMWorker):
     def history_stats(self) -> dict[str, Any]:
         if self.drafter is None:
             return {}
-        return {**self.drafter.index.stats(), **self.drafter.totals, "plain_steps": self.plain_steps,
+        return {**self.drafter.index.stats(), **self.drafter.totals.as_dict(), "plain_steps": self.plain_steps,
                 "context_mismatches": self.context_mismatches}
 
     def _maybe_log(self) -> None:
         assert self.drafter is not None
         every = self.config.log_every
-        if not every or self.drafter.totals["steps"] % every:
+        if not every or self.drafter.totals.steps % every:
             return
         w = self.drafter.take_window()
         st = self.drafter.index.stats()
@@ -601,8 +602,9 @@ class HistoryWorker(NGRAMWorker):
                 f"{w}: {n}" for w, n in sorted(self.drafter.width_steps.items())) + "}"
             if self._plain_when_undrafted() else "",
         )
-        if self.drafter.control is not None:
-            logger.info("histospec: cost model: %s", self.drafter.control.summary())
+        summary = self.drafter.policy.summary()
+        if summary:
+            logger.info("histospec: step policy: %s", summary)
 
 
 def _install_scheduler_rpcs() -> None:

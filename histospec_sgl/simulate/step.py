@@ -34,6 +34,7 @@ import numpy as np
 
 from histospec_sgl.engine.costmodel import EngineControl, width_promises
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
+from histospec_sgl.engine.plan import StepCounts, plan_step
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay
@@ -165,19 +166,18 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
                 by_group[r.group] = expected_longest(known, sizes[r.group]) if known else r.predicted
         return {i: by_group[reqs[i].group] for i in queue}
 
-    # A policy that times steps itself (the engine's, :class:`EngineControl`) is fed the simulated
-    # clock as the engine's worker feeds it the real one, and learns from the engine's own feedback
-    # (:class:`Feedback`: promises calibrated per request class and width, every logged sample a
-    # sampled request; verified steps; shadow drafts of plain steps, known here from the log).
-    timed = policy if isinstance(policy, EngineControl) else None
-    klass = "sampled" if timed else None
-    feedback = Feedback(policy, max(policy.widths, default=1))
+    # The policy is fed the simulated clock as the engine's worker feeds it the real one (a policy that
+    # times nothing ignores it), and learns from the engine's own feedback (:class:`Feedback`:
+    # promises calibrated per request class and width, every logged sample a sampled request;
+    # verified steps; shadow drafts, known here from the log), through the engine's step plan.
+    widest = max(policy.widths, default=1)
+    feedback = Feedback(policy, widest)
 
     running: list[list[int]] = []  # [request index, tokens generated]
-    t, steps = 0.0, 0
+    t = 0.0
     finish: list[float] = []
     timeline: list[tuple[float, int, int, float]] = []
-    used: dict[int, int] = {}
+    counts = StepCounts()
     while queue or running:
         prefill = 0
         if length_first and queue and len(running) < max_running:
@@ -191,37 +191,30 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         bs = len(running)
         context = sum(reqs[i].prompt_len + pos for i, pos in running) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
-        klasses = [klass] * len(decoding)
-        promised = (feedback.promises({w: np.array([reqs[i].promised[w][pos] for i, pos in decoding], np.float64)
-                                       for w in policy.widths if w > 1}, klasses if timed else None)
-                    if policy.reads_promises else {})
-        if timed:
-            # The engine's policy times its own steps: the step before this one ends now, and this
-            # one's decode forward starts after the prompts joining it are prefilled.
-            w = timed.choose(promised, bs)
-            cost = profile.step_s(bs, w, context, prefill)
-            timed.begin(t)
-            timed.decode_step(bs, w, t + cost - profile.step_s(bs, w, context))
-        else:
-            w = policy.choose(promised, bs, context, prefill)
-            cost = profile.step_s(bs, w, context, prefill)
-        steps += 1
+        klasses: list[str | None] = ["sampled"] * len(decoding)
+        by_width = {w: np.array([reqs[i].promised[w][pos] for i, pos in decoding], np.float64)
+                    for w in policy.widths if w > 1}
+        # A sampled request's promise is positive exactly when the index drafted nodes for it.
+        drafted = by_width[widest] > 0 if widest > 1 else np.zeros(len(decoding), dtype=bool)
+        plan = plan_step(policy, feedback, by_width, klasses, drafted, [i for i, _ in decoding], batch=bs,
+                         context=context, prefill=prefill)
+        w = plan.width
+        # The step before this one ends now; this one's decode forward starts after the prompts
+        # joining it are prefilled.
+        cost = profile.step_s(bs, w, context, prefill)
+        policy.begin(t)
+        policy.decode_step(bs, w, t + cost - profile.step_s(bs, w, context))
         t += cost
-        used[w] = used.get(w, 0) + 1
+        counts.step(w, bs)
         if decoding:
-            feedback.drafted(w, [float(reqs[i].promised[w][pos]) if w > 1 else 0.0 for i, pos in decoding],
-                             klasses)
-            widest = max(policy.widths, default=1)
-            shadow = policy.shadow_width() if w == 1 else widest if 1 < w < widest else 1
-            if shadow > 1:
-                # A plain step: its drafts at the width the policy names are followed as shadow drafts,
-                # one per request at a time, their outcome known from the logged tokens; a narrower
-                # verified step: its widest drafts, beside it (as the engine's drafter does).
-                for i, pos in decoding:
-                    p = float(reqs[i].promised[shadow][pos])
-                    if p > 0 and not feedback.shadowing(i):
-                        feedback.shadow(i, KnownShadow(p, int(reqs[i].accepted[shadow][pos]), shadow), klass,
-                                        beside=w > 1)
+            feedback.drafted(w, plan.promises.tolist(), klasses)
+            for b in plan.shadowed:
+                # A plain step's drafts at the width the policy names, or a narrower verified step's
+                # widest beside it, followed as shadow drafts, their outcome known from the log.
+                i, pos = decoding[b]
+                feedback.shadow(i, KnownShadow(float(reqs[i].promised[plan.shadow][pos]),
+                                               int(reqs[i].accepted[plan.shadow][pos]), plan.shadow),
+                                "sampled", beside=plan.beside)
         emitted = 0
         accepted = []
         for entry in running:
@@ -244,12 +237,12 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             feedback.finished(entry[0])
             finish.append(t)
             finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
-    if timed:
-        timed.begin(t)
+    policy.begin(t)
     finish.sort()
     tokens = sum(r.length for r in reqs)
     makespan = finish[-1] if finish else 0.0
-    return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, steps, finish, timeline, used)
+    return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, counts.steps, finish, timeline,
+                   counts.width_steps)
 
 
 def engine_of(group: Hashable, engines: int) -> int:

@@ -247,16 +247,19 @@ def engine(model_path: str, control: str, tp: tuple | None = None) -> dict:
         if rank != 0:
             worker.drafter = None
     assert worker.enable_overlap is False
-    if worker.drafter is not None and worker.drafter.control is not None:
+    from histospec_sgl.engine.costmodel import EngineControl
+
+    control = worker.drafter.policy if worker.drafter is not None else None
+    if isinstance(control, EngineControl):
         # Every width measured up front in every batch bucket (the engine measures d and plain
         # decoding in its first bucket, and the others once chosen or once a bucket has run
         # `settle` steps), so that each width's verify runs here whatever the costs say; no timing
         # left out as an outlier, so that which steps count as measured does not depend on the
         # machine's load (a dropped timing would stretch the exploration past the short-lived batch
         # sizes).
-        worker.drafter.control.explore = (*worker.drafter.control.widths, 1)
-        worker.drafter.control.settle = 0
-        worker.drafter.control.clock.outlier = float("inf")
+        control.explore = (*control.widths, 1)
+        control.settle = 0
+        control.clock.outlier = float("inf")
     import sglang
 
     out: dict = {"epochs": [], "sglang": sglang.__version__}
@@ -273,8 +276,7 @@ def engine(model_path: str, control: str, tp: tuple | None = None) -> dict:
     out.update(plain_steps=worker.plain_steps, context_mismatches=worker.context_mismatches,
                width_after=worker.draft_token_num,
                responses=worker.history_stats().get("responses"))
-    control = worker.drafter.control if worker.drafter is not None else None
-    out["measured_widths"] = sorted({w for w, _ in control.clock.table}) if control is not None else []
+    out["measured_widths"] = sorted({w for w, _ in control.step_costs()}) if control is not None else []
     return out
 
 

@@ -119,7 +119,7 @@ for fam in reg.collect():
         if smp.name.startswith("histospec:"):
             assert smp.labels["model_name"] == "tiny-llama", smp
             metrics[smp.name + (f"/{smp.labels['kept']}" if "kept" in smp.labels else "")] = smp.value
-totals = dict(w.drafter.totals)
+totals = w.drafter.totals.as_dict()
 index = w.drafter.index.stats()
 # A request whose last step went past its end (a stop string matched 6 tokens into the 10 it has):
 # SGLang keeps them all in output_ids and returns 6; the history holds those 6.

@@ -180,7 +180,7 @@ def test_draft_buffers_match_sglang_tree_reconstruction(sglang_py, tmp_path):
 
         walk(0)
         assert sorted(seen) == list(range(d)), "every node reached once from the root"
-    assert dr.totals["covered"] == len(rids), "every request got a draft from its group's history"
+    assert dr.totals.covered == len(rids), "every request got a draft from its group's history"
 
 
 def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
@@ -385,10 +385,10 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
         for control in ("cost", "fixed"):
             reg = CollectorRegistry()
             dr = BatchDrafter(8, HistoryConfig(control=control))
-            if dr.control is not None:
-                for w, s in ((1, 0.01), (8, 0.02), (4, 0.015)):
-                    for _ in range(3):
-                        dr.control.clock.record(6, w, s)
+            for w, s in ((1, 0.01), (8, 0.02), (4, 0.015)):
+                for _ in range(3):  # the default policy times them; a fixed width times nothing
+                    dr.policy.decode_step(6, w, 0.0)
+                    dr.policy.begin(s)
             HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg).refresh_index(dr)
             out[control] = sorted((s.labels["width"], s.labels["batch"], s.value) for m in reg.collect()
                                   for s in m.samples if s.name == "histospec:step_seconds")

@@ -533,24 +533,24 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
         dr.add_finished([1, 2, 3], list(range(10, 40)))
     for r in ("a", "b"):
         dr.sync(r, [1, 2, 3], [10, 11])
-    assert dr.control is not None
+    assert isinstance(dr.policy, EngineControl)
     # Verifying at any width costs 100x plain decoding here: the drafts cannot pay, the step is
     # plain (each request's root alone).
-    assert dr.control.widths == (2, 4, 8)
-    for w in dr.control.widths:
-        _time_steps(dr.control, 2, w, 100.0)
-    _time_steps(dr.control, 2, 1, 1.0)
+    assert dr.policy.widths == (2, 4, 8)
+    for w in dr.policy.widths:
+        _time_steps(dr.policy, 2, w, 100.0)
+    _time_steps(dr.policy, 2, 1, 1.0)
     tokens, _ = dr.draft(["a", "b"])
     assert tokens.tolist() == [11, 11] and not dr.drafting and dr.width == 1
     dr.observe_step([0, 0])
     # At the same cost as plain decoding, any promised token pays: the widest draft promises most.
-    for w in dr.control.widths:
-        dr.control.clock.table[(w, 2)] = 1.0
+    for w in dr.policy.widths:
+        dr.policy.clock.table[(w, 2)] = 1.0
     tokens, _ = dr.draft(["a", "b"])
     assert dr.width == d
     assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting
     dr.observe_step([7, 7])
-    assert dr.control.model is not None and dr.control.model.accepted == 14 and dr.control.model.promised > 0
+    assert dr.policy.model is not None and dr.policy.model.accepted == 14 and dr.policy.model.promised > 0
 
 
 def test_a_bench_engine_result_becomes_a_measured_profile(tmp_path):
@@ -748,14 +748,14 @@ def test_drafter_measures_the_drafts_of_plain_steps():
         dr.add_finished([1, 2, 3], list(range(10, 40)))
     dr.sync("a", [1, 2, 3], [10, 11])
     dr.sync("b", [1, 2, 3], [10, 11])
-    assert dr.control is not None
-    for w in dr.control.widths:
-        _time_steps(dr.control, 2, w, 100.0)  # verifying never pays: every step is plain
-    _time_steps(dr.control, 2, 1, 1.0)
+    assert isinstance(dr.policy, EngineControl)
+    for w in dr.policy.widths:
+        _time_steps(dr.policy, 2, w, 100.0)  # verifying never pays: every step is plain
+    _time_steps(dr.policy, 2, 1, 1.0)
     dr.draft(["a", "b"])
     assert not dr.drafting
     dr.observe_step([0, 0])
-    model = dr.control.model
+    model = dr.policy.model
     assert model.promised == 0  # nothing measured yet: the shadow drafts 12, 13, 14 are pending
     # "a" samples the drafted 12, 13, 14 (the draft's end: 3 accepted), "b" 12 then 99 (1 accepted).
     dr.sync("a", [1, 2, 3], [10, 11, 12])
@@ -890,7 +890,7 @@ def test_greedy_and_sampled_requests_are_calibrated_apart():
 
     d = 8
     dr = BatchDrafter(d, HistoryConfig(control="cost"))
-    ec = dr.control
+    ec = dr.policy
     assert ec is not None
     for _ in range(20):
         ec.observe(promised=10.0, accepted=2.0, klass="sampled")

@@ -66,8 +66,8 @@ def test_drafter_contract_and_sibling_drafting_on_real_completions():
             active = nxt
         assert dr.index.stats()["responses"] == 4 * (task + 1)
     tot = dr.totals
-    assert tot["finished"] == tot["kept"] == 16
-    assert tot["accepted"] == accepted_total > 0
+    assert tot.finished == tot.kept == 16
+    assert tot.accepted == accepted_total > 0
     # Real completions of one task rhyme: well over one token per step on average.
     generated = sum(len(s) for _, ss in tasks for s in ss[:4]) - 16
     assert generated / steps > 1.5 * (16 / 4) / 4  # batch of 4 per step: > 1.5 tokens per request-step
@@ -120,8 +120,8 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
             pos[rid], retracted = 2, True
     assert retracted
     counts = ("steps", "request_steps", "covered", "accepted", "offered")
-    assert [whole.totals[k] for k in counts] == [parts.totals[k] for k in counts]
-    assert whole.totals["accepted"] > 50
+    assert [whole.totals.as_dict()[k] for k in counts] == [parts.totals.as_dict()[k] for k in counts]
+    assert whole.totals.accepted > 50
     assert whole.index.group_keys() == parts.index.group_keys()
     assert 7 in parts.index.group_keys() and 12345 not in parts.index.group_keys()
 
@@ -165,7 +165,7 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     tokens, mask = dr.draft(["a", "b", "c"], width=d)
     dr.policy = Fixed(d)
     check_contract(tokens, mask, [1, 1, 1], d)
-    assert dr.totals["drafted_steps"] == 3 and dr.totals["steps"] == 4
+    assert dr.totals.drafted_steps == 3 and dr.totals.steps == 4
     assert dr.width_steps == {d: 3, 1: 1}
     # An abort leaves no history; an unknown rid is ignored.
     rebuilds = dr.index.stats()["rebuilds"]
@@ -208,7 +208,16 @@ def test_every_step_policy_has_the_one_interface():
     assert isinstance(default.policy, EngineControl) and default.policy.widths == (2, 4, 8)
     assert HistoryConfig().control == "cost"
     fixed = BatchDrafter(8, HistoryConfig(control="fixed"))
-    assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8 and fixed.control is None
+    assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8
+    # What the worker and the metrics use, on every policy: a fixed width times nothing.
+    for p in policies:
+        p.decode_step(4, 8, 0.0)
+        p.begin(0.5)
+        assert isinstance(p.summary(), str) and p.calibration("sampled", 8) > 0
+    assert [bool(p.step_costs()) for p in policies] == [False, False, False, False]  # a first timing is warm-up
+    policies[2].decode_step(4, 8, 1.0)
+    policies[2].begin(1.4)
+    assert policies[2].step_costs() == {(8, 4): pytest.approx(0.4)}
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,0 +1,59 @@
+"""docs/architecture.md's "where each concept lives", checked where the source can show it: each
+concept is defined in its one place, and its users call it there instead of deciding it again."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import histospec_sgl
+import histospec_sgl.engine
+
+PKG = Path(histospec_sgl.__file__).parent
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {str(p.relative_to(PKG)): ast.parse(p.read_text(), str(p)) for p in sorted(PKG.rglob("*.py"))}
+
+
+def _defined(name: str) -> list[str]:
+    return [path for path, tree in _modules().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name]
+
+
+def _calls(tree: ast.Module, name: str) -> int:
+    return sum(1 for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and (getattr(node.func, "id", None) == name or getattr(node.func, "attr", None) == name))
+
+
+def test_a_decode_steps_plan_is_decided_in_one_place():
+    assert _defined("plan_step") == ["engine/plan.py"]
+    assert histospec_sgl.engine.plan_step.__module__ == "histospec_sgl.engine.plan"
+    mods = _modules()
+    for user in ("engine/drafter.py", "simulate/step.py"):
+        assert _calls(mods[user], "plan_step") == 1, user
+        # Neither asks the policy for a width or a shadow width itself.
+        assert _calls(mods[user], "choose") == 0 and _calls(mods[user], "shadow_width") == 0, user
+    assert _defined("StepCounts") == ["engine/plan.py"]
+
+
+def test_callers_use_the_step_policy_as_it_is():
+    """No class checks of a step policy and no probing for its attributes outside the policies' own
+    module: what the worker, the metrics, the feedback and the simulator need is on the protocol."""
+    policies = {"EngineControl", "CostModel", "Fixed", "StepPolicy"}
+    found = []
+    for path, tree in _modules().items():
+        if path in ("engine/costmodel.py", "engine/policy.py"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = getattr(node.func, "id", None)
+            if fn == "isinstance" and len(node.args) == 2:
+                classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if any(getattr(c, "id", None) in policies for c in classes):
+                    found.append(f"{path}:{node.lineno} isinstance")
+            if fn in ("getattr", "hasattr") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                    and node.args[1].value in ("calibration", "control", "clock", "policy"):
+                found.append(f"{path}:{node.lineno} {fn}({node.args[1].value!r})")
+    assert found == []
