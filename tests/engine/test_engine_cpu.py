@@ -27,20 +27,12 @@ import pytest
 from _engine_checks import FIXED, greedy_passes, same_distribution, sample, server
 from _scopes import other_scopes
 
-from conftest import DRIVERS, ROOT, build_model
+from conftest import DRIVERS, ROOT
 from histospec_sgl.bench.engine_server import EngineServer, cpu_engine_env, running, verify_steps
 
 D = 8
 #: Each test starts two to four SGLang servers (15-30 s each on two cores), side by side.
 pytestmark = pytest.mark.timeout(900)
-
-
-@pytest.fixture(scope="module")
-def peaked_model(sglang_py) -> Path:
-    """Random weights over 24 tokens with a sharpened output layer: a few likely tokens per step, so
-    samples at temperature 1 repeat each other (drafts get accepted) and their distribution can be
-    estimated from a few thousand samples."""
-    return build_model(sglang_py, "random", vocab=24, logit_scale=12.0, seed=1)
 
 
 def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:

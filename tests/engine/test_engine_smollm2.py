@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _engine_checks import greedy_passes, same_distribution, sample, server
 
-from conftest import ROOT, build_model
+from conftest import ROOT
 from histospec_sgl.bench.engine_server import EngineServer, running
 
 D = 8
 # Every test here reads the GRPO log (data_root first: without it they skip before a model is built).
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("data_root")]
-
-
-@pytest.fixture(scope="module")
-def smollm2(sglang_py) -> Path:
-    return build_model(sglang_py, "smollm2")
 
 
 @pytest.fixture(scope="module")

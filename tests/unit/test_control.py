@@ -503,6 +503,35 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     assert ec.clock.step_s(16, 8) == 6.0
 
 
+def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_prices():
+    """At a batch size its prices are borrowed for (or interpolated between the widths it measured),
+    the policy runs each width that comes within ``contend`` of the best until it has timed it there,
+    and then chooses by what it measured: a width a borrowed price undersold is found."""
+    ec = EngineControl(d=8, widths=(4, 8))
+    # Batch 8 measured: plain 1 s, width 4 1.1 s, width 8 1.3 s (a small batch: wide steps cheap).
+    for w, took in ((1, 1.0), (4, 1.1), (8, 1.3)):
+        _time_steps(ec, 8, w, took)
+    # Batch 64 borrows them; each request's drafts promise 1.3 tokens at width 4 and 1.8 at 8.
+    promised = {4: 1.3 * 64, 8: 1.8 * 64}
+    rates = ec.model.rates(promised, 64, calibrated=True)
+    assert rates[8] > rates[4] > 0.8 * rates[8] and rates[1] < 0.8 * rates[8]
+    # The contenders (8, then 4, within 20% of the best) are run until timed, plain decoding is not.
+    ran = []
+    at64 = {1: 1.0, 4: 1.5, 8: 2.5}  # what a step really costs at batch 64
+    for _ in range(20):
+        w = ec.choose(promised, 64)
+        ran.append(w)
+        ec.clock.record(64, w, at64[w])
+        if ec.clock.count(64, 4) >= ec.min_samples and ec.clock.count(64, 8) >= ec.min_samples:
+            break
+    assert set(ran) == {4, 8} and ran.count(8) == ran.count(4) == ec.min_samples + ec.clock.warmup
+    # Measured, width 4 gives more tokens per second at batch 64 than width 8 (2.3 * 64 / 1.5 s
+    # against 2.8 * 64 / 2.5 s): it is chosen from now on.
+    assert ec.choose(promised, 64) == 4
+    # A bucket measured whole has nothing left to try: the choice is the model's at once.
+    assert ec.choose(promised, 8) == ec.model.choose(promised, 8, calibrated=True)
+
+
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
     ec = EngineControl(d=8, remeasure_after=10, widths=(8,))
     # The first wide step of a shape is slow (a warm-up) and left out; a slow step later (a pause of
