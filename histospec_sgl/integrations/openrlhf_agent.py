@@ -149,10 +149,8 @@ class _ReusingEngine:
         lps = [_logprob(e, t) for e, t in zip(gen.logprobs or [], tokens)]
         self.counters.update(histospec_reused=float(len(prefix)), histospec_generated=float(len(tokens)))
         ids, all_lps = prefix + tokens, prefix_lp + [v for v in lps if v is not None]
-        if gen.finish_reason != "abort" and ids and len(all_lps) == len(ids):
-            # Queued for the draft server in the background: never waits on it, never fails for it.
-            shared().record(self.options.draft_server, prompt, ids, all_lps, gen.finish_reason, group=group,
-                            slot=slot, version=round_)
+        flow.record(self.options.draft_server, prompt, ids, all_lps, gen.finish_reason, group=group, slot=slot,
+                    version=round_)
         gen.token_ids = ids
         if sampling_params.logprobs is None:
             gen.logprobs = None

@@ -86,6 +86,7 @@ from typing import Any
 
 from histospec_sgl.integrations.versions import require
 from histospec_sgl.settings import value as settings_value
+from histospec_sgl.specrl import flow
 from histospec_sgl.specrl.flow import SlotCounter
 from histospec_sgl.specrl.guard import Options, note_blocked, reuse_blocker
 from histospec_sgl.specrl.store import shared
@@ -313,8 +314,6 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     from slime.utils.http_utils import post
     from slime.utils.types import Sample
 
-    from histospec_sgl.specrl import flow
-
     slot = sample_slot(args, sample)
     if sample.response_length:
         # A partial rollout slime resumes is continued as it is, keeping the counts of its first try.
@@ -450,28 +449,27 @@ def _flatten(items: Any) -> list[Any]:
 
 
 def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
-    """slime's ``--rollout-all-samples-process-path``: finished samples (not aborted, with a
-    response and its log-probs) become history and previous responses; see the module docstring."""
+    """slime's ``--rollout-all-samples-process-path``: each sample translated for SPEC-RL's one rule
+    (:func:`histospec_sgl.specrl.flow.record`: finished, not aborted, log-probs where there is one
+    per token); see the module docstring."""
     from slime.utils.types import Sample
 
     settings = Settings.from_args(args)
-    st = shared()
     kept = 0
     for sample in _flatten(all_samples):
         n = int(sample.response_length or 0)
-        if sample.status == Sample.Status.ABORTED or n == 0 or len(sample.tokens) < n:
+        if n == 0 or len(sample.tokens) < n:
             continue
         logprobs = list(sample.rollout_log_probs or [])[-n:] if sample.rollout_log_probs else None
-        if logprobs is not None and len(logprobs) != n:
-            logprobs = None
-        finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}.get(sample.status)
-        kept += st.record(settings.draft_server, sample.tokens[:-n], sample.tokens[-n:], logprobs, finish,
-                          group=sample_group(sample), slot=sample_slot(args, sample),
-                          version=sample_version(sample), reward=_reward(args, sample))
+        finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length",
+                  Sample.Status.ABORTED: "abort"}.get(sample.status)
+        kept += flow.record(settings.draft_server, sample.tokens[:-n], sample.tokens[-n:], logprobs, finish,
+                            group=sample_group(sample), slot=sample_slot(args, sample),
+                            version=sample_version(sample), reward=_reward(args, sample))
     if settings.draft_server and kept and settings.mode == "specrl":
         # The next rollout starts right after this returns: have its previous responses here, unless
         # the draft server is down (then it goes on without them; they follow once it is back).
-        st.settle(settings.draft_server, settings.publish_wait)
+        shared().settle(settings.draft_server, settings.publish_wait)
     logger.info("histospec: recorded %d finished samples%s", kept,
                 f" on the draft server {settings.draft_server}" if settings.draft_server else "")
 

@@ -2,7 +2,8 @@
 response, a generator seeded from what the sample is (never from the clock or a random id), the
 reuse (the previous response scored under the current policy and cut at the first rejection,
 :meth:`~histospec_sgl.specrl.client.SpecRLRollout.reuse`), the continuation by the trainer's own
-engine call, and the response recorded for the next epoch (:func:`~histospec_sgl.specrl.store.shared`).
+engine call, and the response recorded for the next epoch (:func:`record`, into
+:func:`~histospec_sgl.specrl.store.shared`).
 
 The trainer adapters (slime's generate, verl's server manager, OpenRLHF's engine) translate their
 trainer's types into these calls and nothing more, so the same inputs give the same draws in every
@@ -21,6 +22,7 @@ import numpy as np
 
 from histospec_sgl.specrl.client import Backend, Previous, Reuse, SpecRLRollout
 from histospec_sgl.specrl.guard import Options
+from histospec_sgl.specrl.store import shared
 
 
 def seed_sequence(seed: int, group: int, slot: int, round_: int) -> np.random.SeedSequence:
@@ -64,4 +66,24 @@ async def reuse(backend: Backend, options: Options, *,
     return await client.reuse([int(t) for t in prompt_ids], dict(sampling_params), previous, name=name)
 
 
-__all__ = ["SlotCounter", "reuse", "seed_sequence"]
+def record(draft_server: str | None, prompt_ids: Sequence[int], response_ids: Sequence[int],
+           logprobs: Sequence[float] | None, finish_reason: str | None, *, group: int, slot: int, version: int,
+           reward: float | None = None) -> bool:
+    """A finished sample recorded for the next epoch, by the one rule every adapter keeps: a response
+    of at least one token that was not aborted (``finish_reason`` ``"abort"``) is recorded, the
+    reused prefix and the generated tokens together, as history (to the draft server, in the
+    background: never waits on it, never fails for it) and as the slot's previous response; its
+    log-probs go with it only when there is one per token (without them it is history only, and no
+    previous response in a process without a draft server). ``version``: the policy version that
+    sampled it, as the trainer numbers its steps (slime's weight version or rollout id, verl's
+    ``global_steps``; OpenRLHF's executor is not told its step, so there it is the slot's round, which
+    grows with it); a slot keeps the response of the highest. Returns whether it was recorded."""
+    ids = [int(t) for t in response_ids]
+    if not ids or finish_reason == "abort":
+        return False
+    lps = [float(x) for x in logprobs] if logprobs is not None and len(logprobs) == len(ids) else None
+    return shared().record(draft_server, [int(t) for t in prompt_ids], ids, lps, finish_reason, group=group,
+                           slot=slot, version=int(version), reward=reward)
+
+
+__all__ = ["SlotCounter", "record", "reuse", "seed_sequence"]

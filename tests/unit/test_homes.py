@@ -57,3 +57,22 @@ def test_callers_use_the_step_policy_as_it_is():
                     and node.args[1].value in ("calibration", "control", "clock", "policy"):
                 found.append(f"{path}:{node.lineno} {fn}({node.args[1].value!r})")
     assert found == []
+
+
+def test_spec_rl_records_through_its_one_flow():
+    """specrl/flow.py's ``record`` is the one rule for what is recorded; the trainer adapters call it,
+    never the store's own ``record``."""
+    mods = _modules()
+    assert "specrl/flow.py" in _defined("record")
+    for path, tree in mods.items():
+        if not path.startswith("integrations/"):
+            continue
+        direct = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and getattr(node.func, "attr", None) == "record" and isinstance(node.func.value, ast.Call)
+                  and getattr(node.func.value.func, "id", None) == "shared"]
+        assert direct == [], (path, direct)
+    for adapter in ("integrations/slime.py", "integrations/verl/agent_loop.py", "integrations/openrlhf_agent.py"):
+        flows = [node for node in ast.walk(mods[adapter]) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", None) == "record"
+                 and getattr(node.func.value, "id", None) == "flow"]
+        assert len(flows) == 1, adapter

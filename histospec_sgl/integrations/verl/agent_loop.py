@@ -172,11 +172,8 @@ class _ReusingServerManager:
         ids = prefix + [int(t) for t in out.token_ids]
         lps = prefix_lp + [float(x) for x in out.log_probs] if out.log_probs is not None else None
         self.first.update(histospec_reused=len(prefix), histospec_generated=len(out.token_ids))
-        if out.stop_reason != "abort" and lps is not None and len(lps) == len(ids) and ids:
-            version = int(extra.get("global_steps") or 0)
-            # Queued for the draft server in the background: never waits on it, never fails for it.
-            shared().record(self.options.draft_server, prompt_ids, ids, lps, out.stop_reason, group=group,
-                            slot=slot, version=version)
+        flow.record(self.options.draft_server, prompt_ids, ids, lps, out.stop_reason, group=group, slot=slot,
+                    version=int(extra.get("global_steps") or 0))
         extra.update(self.first)
         return TokenOutput(token_ids=ids, log_probs=lps if wants_logprobs else None, routed_experts=out.routed_experts, stop_reason=out.stop_reason,
                            num_preempted=out.num_preempted, extra_fields=extra)
