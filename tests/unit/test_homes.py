@@ -76,3 +76,19 @@ def test_spec_rl_records_through_its_one_flow():
                  and getattr(node.func, "attr", None) == "record"
                  and getattr(node.func.value, "id", None) == "flow"]
         assert len(flows) == 1, adapter
+
+
+def test_sizes_a_reader_can_hold():
+    """No package file over 500 lines; no function over 80 lines in the runtime's layers (engine,
+    plugin, sync, specrl, integrations)."""
+    long_files = [p for p in PKG.rglob("*.py") if len(p.read_text().splitlines()) > 500]
+    assert long_files == []
+    long_functions = []
+    for path, tree in _modules().items():
+        if path.split("/")[0] not in ("engine", "plugin", "sync", "specrl", "integrations"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                if node.end_lineno - node.lineno + 1 > 80:
+                    long_functions.append(f"{path}:{node.lineno} {node.name}")
+    assert long_functions == []
