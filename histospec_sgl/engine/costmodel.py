@@ -126,11 +126,14 @@ class CostModel:
         promised accepted tokens at width ``w`` (``calibrated``: already scaled by the caller, e.g.
         per request class); ``decoding``: requests that emit a token this step (default: the whole
         batch)."""
-        rates = self.rates(promised, batch, context, prefill, decoding, calibrated)
-        plain = rates.pop(1)
+        return self.pick(self.rates(promised, batch, context, prefill, decoding, calibrated))
+
+    def pick(self, rates: Mapping[int, float]) -> int:
+        """The choice among :meth:`rates` (plain decoding at 1), counted as made."""
+        plain = rates[1]
         wide, wide_rate = 1, 0.0
         for w, rate in rates.items():
-            if rate > wide_rate:
+            if w > 1 and rate > wide_rate:
                 wide, wide_rate = w, rate
         self.candidate = wide
         probe = 0 < self.probe_every <= self._since_wide
@@ -421,7 +424,7 @@ class EngineControl:
             if self.clock.count(batch, w) < self.min_samples and self.tries.get(key, 0) < self.min_samples + 2:
                 self.tries[key] = self.tries.get(key, 0) + 1
                 return w
-        return self.model.choose(promised, batch, calibrated=True)
+        return self.model.pick(rates)
 
     def begin(self, now: float) -> None:
         """The engine starts a forward pass (of any kind): the decode step before it, if any, took
