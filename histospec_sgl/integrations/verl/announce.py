@@ -94,7 +94,8 @@ class _Announcing:
 
     config: Any
 
-    def _start_announcing(self) -> None:
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # verl's manager
         from histospec_sgl.specrl.guard import Options
         from histospec_sgl.sync.client import Announcer
 
@@ -125,10 +126,6 @@ class _Announcing:
 class AnnouncingAgentLoopManager(_Announcing, AgentLoopManager):  # type: ignore[misc]
     """verl's agent loop manager, announcing each step's groups to the draft server first."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._start_announcing()
-
     @auto_await  # as verl's own: the trainer calls it without awaiting
     async def generate_sequences(self, prompts: Any) -> Any:
         await asyncio.get_running_loop().run_in_executor(None, self._announce, prompts)
@@ -151,10 +148,6 @@ def _announcing_tq_manager() -> type:
     class AnnouncingAgentLoopManagerTQ(_Announcing, AgentLoopManagerTQ):  # type: ignore[misc]
         """verl's TransferQueue agent loop manager (the v1 trainer's), announcing each step's groups
         to the draft server before it dispatches them."""
-
-        def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self._start_announcing()
 
         def generate_sequences(self, prompts: Any) -> None:
             self._announce(prompts)
