@@ -25,8 +25,17 @@ from histospec_sgl.engine.draft import tree_parents_batch, walk
 from histospec_sgl.engine.policy import Profile, interpolate
 
 
+def sure_conditional(draft_config: Mapping[str, Any]) -> float:
+    """The probability the index's estimate gives a continuation seen once behind a match of
+    unbounded length (docs/index.md): ``((1 - recency) + recency * (1 - recency_decay)) / (1 +
+    escape)``, 0.425 at the defaults. A greedy target is deterministic, so such a continuation is as
+    sure as the history can make one; a shorter match (more escape mass) or a split history is less."""
+    a, beta = float(draft_config["recency"]), float(draft_config["recency_decay"])
+    return ((1.0 - a) + a * (1.0 - beta)) / (1.0 + float(draft_config["escape"]))
+
+
 def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
-                   greedy: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   greedy: np.ndarray | None = None, sure: float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What each request's draft promises at each width, the one definition the engine's drafter and
     the simulator use. ``probs[bs, d]``: each draft's path probabilities in SGLang's layout (node 0
     the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``: a node is taken as at most as
@@ -42,7 +51,11 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
     continuation is where a greedy target goes when the history's distribution has its mode where
     the target's has; a repeated greedy response, one occurrence behind a long match, has every
     node at 0.4-0.7 of its parent (the rest is the estimate's mass for continuations never seen), a
-    path probability that falls by half or more every node or two, and accepts them all."""
+    path probability that falls by half or more every node or two, and accepts them all. ``sure``
+    (:func:`sure_conditional`): a chain node's conditional probability (its over its parent's) at
+    which it counts whole; one below counts that share of it, times its parent's, so a chain behind
+    a one-token match (conditionals near half of ``sure``) promises a token or two, not w - 1, while
+    a repeated response still promises its whole chain (None: every chain node counts whole)."""
     bs, d = probs.shape
     rows = np.arange(bs)
     full = probs.astype(np.float64)
@@ -65,7 +78,13 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
         for i in range(1, d):  # BFS order: a parent comes before its children
             par = parents[:, i]
             chain[:, i] = chain[rows, par] & (full[:, i] > 0) & (2 * full[:, i] > kids[rows, par])
-        per_node = np.where(greedy[:, None], chain[:, 1:].astype(np.float64), p)
+        weight = chain.astype(np.float64)
+        if sure is not None:
+            for i in range(1, d):
+                above = full[rows, parents[:, i]]
+                cond = np.divide(full[:, i], above, out=np.zeros(bs), where=above > 0)
+                weight[:, i] *= weight[rows, parents[:, i]] * np.minimum(1.0, cond / sure)
+        per_node = np.where(greedy[:, None], weight[:, 1:], p)
     cum = np.cumsum(np.take_along_axis(per_node, order, axis=1), axis=1)
     return order, cum
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, width_promises
+from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, sure_conditional, width_promises
 from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step
@@ -111,6 +111,8 @@ class BatchDrafter:
                            "starts), or its C library has no such switch (glibc >= 2.35 on Linux); the "
                            "index uses ordinary pages", TUNABLE)
         self.index = HistoryIndex(vocab_size=vocab_size, **self.config.index_kwargs())
+        #: A greedy chain node's conditional probability that counts whole (:func:`width_promises`).
+        self._sure = sure_conditional(self.index.draft_config())
         #: Whether each step drafts: ``HISTOSPEC_CONTROL=fixed``, always d; ``cost`` (the default), the
         #: width the measured step costs and the drafts' promised acceptance say gives more tokens per
         #: second (:class:`EngineControl`, whose clock the engine's worker feeds).
@@ -321,7 +323,7 @@ class BatchDrafter:
             # Each request's nodes by path probability, most probable first (pads have probability 0),
             # and what they promise at each width (cum[:, w-2]).
             greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
-            order, cum = width_promises(probs.reshape(bs, d), mask, greedy)
+            order, cum = width_promises(probs.reshape(bs, d), mask, greedy, self._sure)
             by_width = {w: cum[:, w - 2] for w in range(2, d + 1)}
         else:
             order, cum, by_width = None, None, {}

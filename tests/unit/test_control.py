@@ -844,6 +844,39 @@ def test_a_greedy_request_is_promised_its_majority_chain():
     assert c[0].tolist() == [1, 2, 3, 3, 3]  # nodes 1 (over 5), 2 (over 4), 3 (an only child); not 4 nor 5
 
 
+def test_a_greedy_chain_behind_a_short_match_promises_less():
+    """A greedy request's chain weighs the match behind it (``sure``): a chain drafted after a
+    one-token match promises a few tokens, one after a longer match more, and a repeated response
+    (one occurrence behind a long match) nearly its whole chain; without ``sure`` all three promise
+    w - 1. Written against the index's real drafts."""
+    from histospec_sgl._core import HistoryIndex
+    from histospec_sgl.engine.costmodel import sure_conditional, width_promises
+
+    d = 8
+    prompt, repeat = list(range(100, 120)), list(range(500, 540))
+    own = list(range(7, 18))  # a prompt whose tokens the response starts to repeat
+    idx = HistoryIndex()
+    idx.add_response(1, prompt, repeat)
+    idx.begin_request(1, 1, [*prompt, *repeat[:10]])  # the repeated response
+    idx.begin_request(2, 2, own)
+    idx.extend_request(2, [3, 9])  # one token (9) matched
+    idx.begin_request(3, 3, own)
+    idx.extend_request(3, [3, 8, 9, 10])  # three tokens matched
+    tokens, mask = np.zeros(3 * d, np.int64), np.zeros(3 * d * d, np.int64)
+    probs, counts = np.zeros(3 * d, np.float32), np.zeros(3, np.int64)
+    idx.draft_batch(np.array([1, 2, 3], np.int64), d, tokens, mask, probs, counts)
+    assert counts.tolist() == [d - 1] * 3  # three full chains (root excluded)
+    greedy = np.array([True] * 3)
+    _, whole = width_promises(probs.reshape(3, d), mask, greedy)
+    assert whole[:, -1].tolist() == [d - 1] * 3
+    sure = sure_conditional(idx.draft_config())
+    assert sure == pytest.approx(0.425)
+    _, weighed = width_promises(probs.reshape(3, d), mask, greedy, sure)
+    repeated, short, longer = weighed[:, -1]
+    assert repeated > 0.85 * (d - 1) and short < 0.35 * (d - 1) and short < longer < repeated
+    assert np.all(weighed <= whole + 1e-9) and np.all(np.diff(weighed, axis=1) >= 0)
+
+
 def test_narrow_drafts_keep_the_most_probable_subtree():
     """A width-w draft is the d-node draft's root and its w - 1 most probable nodes: a subtree (every
     kept node's parent kept), in BFS order, with the contract SGLang checks, the same tokens, and the
