@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,6 +100,27 @@ def wait_ready(proc: subprocess.Popen, ready: Callable[[], bool], timeout: float
         time.sleep(interval)
 
 
+def read_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str | None:
+    """The rest of the first line on ``proc``'s stdout (text mode) that starts with ``prefix``,
+    stripped; None if none came within ``timeout`` seconds (the child stuck, or its stdout closed).
+    Lines before it are skipped. The reader is a daemon thread, so a child that never writes cannot
+    hang the caller."""
+    out = proc.stdout
+    assert out is not None, "read_line needs stdout=subprocess.PIPE"
+    found: list[str] = []
+
+    def read() -> None:
+        for line in out:
+            if line.startswith(prefix):
+                found.append(line[len(prefix):].strip())
+                return
+
+    t = threading.Thread(target=read, daemon=True, name="read-line")
+    t.start()
+    t.join(timeout)
+    return found[0] if found else None
+
+
 def stop(proc: subprocess.Popen | None, grace: float = 1.0) -> int | None:
     """Ends ``proc`` and, if it leads a process group (:func:`spawn` with ``group``), everything in
     it: SIGTERM, then SIGKILL after ``grace`` seconds, then SIGKILL to the group's leftovers.
@@ -125,7 +147,6 @@ def run_in_group(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: 
     """Runs ``cmd`` to its end in a group of its own (stdout and stderr together, as text), then
     kills whatever it left behind in the group (an engine a trainer's code started), whatever
     happened, a timeout included."""
-    import threading
 
     proc = spawn(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None

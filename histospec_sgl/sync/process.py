@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 from histospec_sgl import procs
 
@@ -59,23 +58,12 @@ class DraftServerProcess:
         self.address = self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> str:
-        found: list[str] = []
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                if line.startswith(READY):
-                    found.append(line[len(READY) :].strip())
-                    break
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout)
-        if not found:
+        address = procs.read_line(self.proc, READY, timeout)
+        if address is None:
             self.kill()
             where = f" (see {self._log.name})" if self._log is not None else ""
             raise RuntimeError(f"draft server did not start within {timeout}s: {' '.join(self.cmd)}{where}")
-        return found[0]
+        return address
 
     @property
     def port(self) -> int:

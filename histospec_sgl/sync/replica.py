@@ -30,11 +30,10 @@ def spawn(address: str, until: int, *, checksum: bool = True, receive_only: bool
                      *([] if checksum else ["--no-checksum"]), *(["--receive-only"] if receive_only else [])],
                     stdout=subprocess.PIPE, text=True, group=False)
     assert p.stdout is not None
-    line = p.stdout.readline().strip()
-    if line != "ready":
+    if procs.read_line(p, "ready", timeout) is None:
         procs.stop(p)
         p.stdout.close()
-        raise RuntimeError(f"replica did not start (printed {line!r})")
+        raise RuntimeError(f"replica did not start within {timeout:.0f} s (it prints 'ready' once subscribed)")
     return p
 
 

@@ -96,6 +96,25 @@ def test_wait_ready_names_a_child_that_exits_or_never_comes_up():
         procs.stop(sleeper)
 
 
+def test_read_line_finds_the_ready_line_and_never_hangs_on_a_silent_child():
+    """The draft server's and a replica's start-up line: lines before it are skipped; a child that
+    stays silent (or exits without it) yields None once the timeout passes, not a hang."""
+    talks = procs.spawn([sys.executable, "-c", "print('warming up'); print('READY 127.0.0.1:5', flush=True); "
+                         "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    silent = procs.spawn([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    quits = procs.spawn([sys.executable, "-c", "print('bye')"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert procs.read_line(talks, "READY ", 30) == "127.0.0.1:5"
+        t0 = time.monotonic()
+        assert procs.read_line(silent, "READY ", 0.3) is None
+        assert time.monotonic() - t0 < 10
+        assert procs.read_line(quits, "READY ", 30) is None
+    finally:
+        for p in (talks, silent, quits):
+            procs.stop(p)
+            p.stdout.close()
+
+
 def test_free_port_and_wait_port_free():
     import socket
 
