@@ -1,4 +1,5 @@
-"""Every ``HISTOSPEC_*`` environment variable, declared once.
+"""Every ``HISTOSPEC_*`` environment variable the package reads, declared once (the project's tests
+and scripts declare their own in tests/helpers/dev_settings.py, outside the wheel: :data:`DEVELOPMENT`).
 
 Each :class:`Setting` names its variable, its scope (who reads it), its parser, default and help.
 Everything in the package reads these variables through :func:`value` (or :class:`HistoryConfig
@@ -28,7 +29,7 @@ from typing import Any
 
 from histospec_sgl.errors import HistospecError
 
-__all__ = ["Setting", "SettingError", "SETTINGS", "SCOPES", "RETIRED", "RESOLVERS", "value", "check_names",
+__all__ = ["Setting", "SettingError", "SETTINGS", "SCOPES", "RETIRED", "DEVELOPMENT", "RESOLVERS", "value", "check_names",
            "registered", "resolve", "table", "parse_size"]
 
 
@@ -43,7 +44,6 @@ SCOPES: dict[str, str] = {
     "trainer": "SPEC-RL and the slime, verl and OpenRLHF adapters",
     "server": "the draft server (histospec-sgl draft-server)",
     "tools": "the offline tools and benchmarks (replay, bench, simulate)",
-    "tests": "this project's tests and scripts",
 }
 
 # -- parsers: text -> value, ValueError with a short reason --------------------------------------
@@ -203,7 +203,7 @@ class Setting:
         return "unset" if self.default is None else str(self.default)
 
 
-_E, _C, _T, _S, _O, _X = "engine", "client", "trainer", "server", "tools", "tests"
+_E, _C, _T, _S, _O = "engine", "client", "trainer", "server", "tools"
 
 SETTINGS: tuple[Setting, ...] = (
     # The engine (HistoryConfig).
@@ -308,23 +308,6 @@ SETTINGS: tuple[Setting, ...] = (
             shown="~/.cache/histospec-sgl/models"),
     Setting("HISTOSPEC_SGLANG_0523", _O, _path, None,
             "SGLang 0.5.23 unpacked beside the environment's SGLang (scripts/setup_sglang_env.sh does it)"),
-    # This project's tests and scripts.
-    Setting("HISTOSPEC_REQUIRE_SGLANG", _X, _choice("0", "1"), "0",
-            "1: tests that need the SGLang environment fail instead of skipping (scripts/test.sh sets it)"),
-    Setting("HISTOSPEC_TEST_MEMORY_GB", _X, _float(1.0, 1e6), 13.0,
-            "the memory the test workers share for servers they start (tests/helpers/_lanes.py)"),
-    Setting("HISTOSPEC_TEST_MODEL", _X, _path, None, "the model a Ray cluster test's engines load"),
-    Setting("HISTOSPEC_TEST_ACTOR", _X, _text, None, "set in a test actor's runtime env"),
-    Setting("HISTOSPEC_TINY_MODEL", _X, _path, None, "tests/engine/test_gpu.py: the tiny model to run on a GPU"),
-    Setting("HISTOSPEC_SHARED", _X, _path, None,
-            "the folder beside the checkout that holds what the repository cannot ship (data/rollouts: the GRPO "
-            "and expert-iteration logs; data/tokenizers/qwen3; trainers/slime; device); when set, the only "
-            "one looked at (default ../shared)"),
-    Setting("HISTOSPEC_REQUIRE_SHARED", _X, _choice("0", "1"), "0",
-            "1: tests that read the shared folder fail when it is missing instead of skipping (.ci/run sets it)"),
-    Setting("HISTOSPEC_SLIME_SRC", _X, _path, None, "slime's source for its tests (default ../shared/trainers/slime)"),
-    Setting("HISTOSPEC_FUZZ_EXAMPLES", _X, _int(1), 150, "examples of the index's stateful property test"),
-    Setting("HISTOSPEC_SGLANG_VERSION", _X, _text, "0.5.17", "the SGLang scripts/setup_sglang_env.sh installs"),
 )
 
 #: Retired names: setting one is an error that says what replaced it.
@@ -333,6 +316,23 @@ _SWITCH_OFF = ("the switch-off settings were retired: the cost model (HISTOSPEC_
                "compares them); unset it")
 RETIRED: dict[str, str] = {name: _SWITCH_OFF for name in (
     "HISTOSPEC_MAX_BATCH", "HISTOSPEC_MIN_ACCEPT", "HISTOSPEC_PROBE_EVERY", "HISTOSPEC_NARROW_VERIFY")}
+
+#: Names this project's own tests and scripts read, never the package: they are declared, parsed and
+#: documented with the tests (tests/helpers/dev_settings.py; docs/settings.md, "Development"), and listed
+#: here only so that an engine a test starts, which inherits them, accepts them as it accepts every
+#: other scope's variables (tests/unit/test_settings.py checks the two lists are the same).
+DEVELOPMENT: frozenset[str] = frozenset({
+    "HISTOSPEC_REQUIRE_SGLANG",
+    "HISTOSPEC_TEST_MEMORY_GB",
+    "HISTOSPEC_TEST_MODEL",
+    "HISTOSPEC_TEST_ACTOR",
+    "HISTOSPEC_TINY_MODEL",
+    "HISTOSPEC_SHARED",
+    "HISTOSPEC_REQUIRE_SHARED",
+    "HISTOSPEC_SLIME_SRC",
+    "HISTOSPEC_FUZZ_EXAMPLES",
+    "HISTOSPEC_SGLANG_VERSION",
+})
 
 BY_NAME: dict[str, Setting] = {s.env: s for s in SETTINGS}
 assert len(BY_NAME) == len(SETTINGS) and all(s.scope in SCOPES for s in SETTINGS)
@@ -386,7 +386,7 @@ def check_names(environ: Mapping[str, str] | None = None) -> None:
     retired = sorted(k for k in names if k in RETIRED)
     if retired:
         raise SettingError(f"{', '.join(retired)}: {RETIRED[retired[0]]}")
-    unknown = sorted(k for k in names if k not in BY_NAME)
+    unknown = sorted(k for k in names if k not in BY_NAME and k not in DEVELOPMENT)
     if unknown:
         hints = []
         for k in unknown:
@@ -397,12 +397,12 @@ def check_names(environ: Mapping[str, str] | None = None) -> None:
 
 
 def table(scopes: tuple[str, ...] | None = None, *, with_scope: bool = False,
-          flagged: bool | None = None) -> str:
-    """The settings of ``scopes`` (default: all) as a Markdown table; ``flagged``: only the settings
-    with (True) or without (False) a ``--history-*`` option."""
+          flagged: bool | None = None, settings: tuple[Setting, ...] = SETTINGS) -> str:
+    """The ``settings`` (default: the package's) of ``scopes`` (default: all) as a Markdown table;
+    ``flagged``: only the settings with (True) or without (False) a ``--history-*`` option."""
     head = "| variable | scope | default | meaning |" if with_scope else "| variable | default | meaning |"
     rows = [head, "|---|---|---|---|" if with_scope else "|---|---|---|"]
-    for s in SETTINGS:
+    for s in settings:
         if scopes is not None and s.scope not in scopes:
             continue
         if flagged is not None and bool(s.flag) != flagged:

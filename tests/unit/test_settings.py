@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import dev_settings
 import pytest
 from _scopes import other_scopes
 
@@ -35,9 +36,21 @@ def test_every_name_in_the_tree_is_registered():
     unknown: dict[str, str] = {}
     for path in _files():
         for name in NAME.findall(path.read_text(errors="replace")):
-            if not settings.registered(name) and name not in settings.RETIRED and name not in DOC_TYPOS:
+            if (not settings.registered(name) and name not in dev_settings.BY_NAME and name not in settings.RETIRED
+                    and name not in DOC_TYPOS):
                 unknown.setdefault(name, str(path.relative_to(ROOT)))
     assert unknown == {}
+
+
+def test_the_wheel_ships_the_products_settings_and_only_the_names_of_the_tests():
+    """The tests' and scripts' settings are declared with the tests; the package lists their names
+    only, the same names, none of them its own, and reads none of them."""
+    assert settings.DEVELOPMENT == frozenset(dev_settings.BY_NAME)
+    assert not settings.DEVELOPMENT & set(settings.BY_NAME)
+    assert all(s.scope in settings.SCOPES for s in settings.SETTINGS) and "tests" not in settings.SCOPES
+    package = "\n".join(p.read_text() for p in (ROOT / "histospec_sgl").rglob("*.py") if p.name != "settings.py")
+    assert sorted(n for n in settings.DEVELOPMENT if n in package) == []
+    settings.check_names({name: "1" for name in settings.DEVELOPMENT})  # an engine a test starts accepts them
 
 
 def test_the_package_reads_histospec_variables_only_through_the_registry():
@@ -50,6 +63,7 @@ def test_the_package_reads_histospec_variables_only_through_the_registry():
 def test_docs_show_the_registrys_tables():
     # Regenerate: python -c "from histospec_sgl import settings; print(settings.table(with_scope=True))"
     assert settings.table(with_scope=True) in (ROOT / "docs" / "settings.md").read_text()
+    assert dev_settings.table() in (ROOT / "docs" / "settings.md").read_text()
     from histospec_sgl.engine.config import settings_table
 
     assert settings_table() in (ROOT / "docs" / "plugin.md").read_text()
@@ -68,13 +82,17 @@ def test_an_engine_accepts_every_other_scopes_variables(tmp_path):
     job; it must start (this is the check SGLang's server start runs), and every value must parse."""
     env = other_scopes(tmp_path)
     # Every variable but the engine's own, and the draft server's address (which would connect).
-    assert sorted(env) == sorted(s.env for s in settings.SETTINGS
-                                 if s.scope != "engine" and s.env != "HISTOSPEC_DRAFT_SERVER")
+    assert sorted(env) == sorted([*(s.env for s in settings.SETTINGS
+                                    if s.scope != "engine" and s.env != "HISTOSPEC_DRAFT_SERVER"),
+                                  *dev_settings.BY_NAME])
     cfg = HistoryConfig.from_env(env)
     assert cfg.draft_server_token_file == env["HISTOSPEC_DRAFT_SERVER_TOKEN_FILE"]
     assert cfg.draft_server_mode == "mirror"
-    for name in env:
-        settings.value(name, env)  # every example is a valid value
+    for name in env:  # every example is a valid value
+        if name in dev_settings.BY_NAME:
+            dev_settings.BY_NAME[name].parse(env[name])
+        else:
+            settings.value(name, env)
 
 
 @pytest.mark.parametrize("env, needle", [
