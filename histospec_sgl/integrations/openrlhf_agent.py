@@ -62,6 +62,18 @@ def _logprob(entry: Any, token: int) -> float | None:
     return None if lp is None else float(lp.logprob)
 
 
+def finished(prompt: list[int], prefix: list[int], prefix_lp: list[float], gen: Any, *, group: int, slot: int,
+             round_: int) -> flow.Finished:
+    """A vLLM ``CompletionOutput`` continuing the reused ``prefix`` as SPEC-RL records it: the prefix
+    and the output's tokens together, with log-probs only when vLLM gave every sampled token's; the
+    version is the slot's round (OpenRLHF's executor is not told its step)."""
+    tokens = [int(t) for t in gen.token_ids]
+    lps = [v for v in (_logprob(e, t) for e, t in zip(gen.logprobs or [], tokens)) if v is not None]
+    whole = len(lps) == len(tokens)
+    return flow.Finished.of(prompt, [*prefix, *tokens], [*prefix_lp, *lps] if whole else None, gen.finish_reason,
+                            group=group, slot=slot, version=round_)
+
+
 class _VllmBackend:
     """SpecRLRollout's backend over OpenRLHF's engine actor (``generate(ids, SamplingParams)`` ->
     vLLM ``RequestOutput``)."""
@@ -146,11 +158,10 @@ class _ReusingEngine:
             out = await self._engine.generate(prompt + prefix, sp, *args, **kwargs)
         gen = out.outputs[0]
         tokens = [int(t) for t in gen.token_ids]
-        lps = [_logprob(e, t) for e, t in zip(gen.logprobs or [], tokens)]
         self.counters.update(histospec_reused=float(len(prefix)), histospec_generated=float(len(tokens)))
-        ids, all_lps = prefix + tokens, prefix_lp + [v for v in lps if v is not None]
-        flow.record(self.options.draft_server, prompt, ids, all_lps, gen.finish_reason, group=group, slot=slot,
-                    version=round_)
+        ids = prefix + tokens
+        flow.record(self.options.draft_server, finished(prompt, prefix, prefix_lp, gen, group=group, slot=slot,
+                                                        round_=round_))
         gen.token_ids = ids
         if sampling_params.logprobs is None:
             gen.logprobs = None

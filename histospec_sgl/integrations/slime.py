@@ -452,26 +452,34 @@ def record(args: Any, all_samples: Any, data_source: Any = None) -> None:
     """slime's ``--rollout-all-samples-process-path``: each sample translated for SPEC-RL's one rule
     (:func:`histospec_sgl.specrl.flow.record`: finished, not aborted, log-probs where there is one
     per token); see the module docstring."""
-    from slime.utils.types import Sample
-
     settings = Settings.from_args(args)
     kept = 0
     for sample in _flatten(all_samples):
-        n = int(sample.response_length or 0)
-        if n == 0 or len(sample.tokens) < n:
-            continue
-        logprobs = list(sample.rollout_log_probs or [])[-n:] if sample.rollout_log_probs else None
-        finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length",
-                  Sample.Status.ABORTED: "abort"}.get(sample.status)
-        kept += flow.record(settings.draft_server, sample.tokens[:-n], sample.tokens[-n:], logprobs, finish,
-                            group=sample_group(sample), slot=sample_slot(args, sample),
-                            version=sample_version(sample), reward=_reward(args, sample))
+        done = finished(args, sample)
+        if done is not None:
+            kept += flow.record(settings.draft_server, done)
     if settings.draft_server and kept and settings.mode == "specrl":
         # The next rollout starts right after this returns: have its previous responses here, unless
         # the draft server is down (then it goes on without them; they follow once it is back).
         shared().settle(settings.draft_server, settings.publish_wait)
     logger.info("histospec: recorded %d finished samples%s", kept,
                 f" on the draft server {settings.draft_server}" if settings.draft_server else "")
+
+
+def finished(args: Any, sample: Any) -> flow.Finished | None:
+    """A slime ``Sample`` as SPEC-RL records it (None: it has no response): its last
+    ``response_length`` tokens are the response, its status the finish reason."""
+    from slime.utils.types import Sample
+
+    n = int(sample.response_length or 0)
+    if n == 0 or len(sample.tokens) < n:
+        return None
+    logprobs = list(sample.rollout_log_probs or [])[-n:] if sample.rollout_log_probs else None
+    finish = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length",
+              Sample.Status.ABORTED: "abort"}.get(sample.status)
+    return flow.Finished.of(sample.tokens[:-n], sample.tokens[-n:], logprobs, finish, group=sample_group(sample),
+                            slot=sample_slot(args, sample), version=sample_version(sample),
+                            reward=_reward(args, sample))
 
 
 def _reward(args: Any, sample: Any) -> float | None:

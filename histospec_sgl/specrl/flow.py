@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -66,24 +67,52 @@ async def reuse(backend: Backend, options: Options, *,
     return await client.reuse([int(t) for t in prompt_ids], dict(sampling_params), previous, name=name)
 
 
-def record(draft_server: str | None, prompt_ids: Sequence[int], response_ids: Sequence[int],
-           logprobs: Sequence[float] | None, finish_reason: str | None, *, group: int, slot: int, version: int,
-           reward: float | None = None) -> bool:
+@dataclass(frozen=True)
+class Finished:
+    """A finished sample as SPEC-RL records it, whichever trainer sampled it: what each adapter
+    translates its trainer's output into (slime's ``Sample``, verl's ``TokenOutput``, vLLM's
+    ``CompletionOutput`` under OpenRLHF), and all :func:`record` reads.
+
+    ``response_ids``: the reused prefix and the generated tokens together; ``logprobs``: the current
+    policy's log-prob of each of them, or None; ``finish_reason``: SGLang's (``"stop"``,
+    ``"length"``, ``"abort"``; an adapter maps its trainer's other names for an abort to
+    ``"abort"``); ``version``: the policy version that sampled it, as the trainer numbers its steps
+    (slime's weight version or rollout id, verl's ``global_steps``; OpenRLHF's executor is not told its
+    step, so there it is the slot's round, which grows with it)."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: str | None
+    group: int
+    slot: int
+    version: int
+    reward: float | None = None
+
+    @classmethod
+    def of(cls, prompt_ids: Sequence[int], response_ids: Sequence[int], logprobs: Sequence[float] | None,
+           finish_reason: str | None, *, group: int, slot: int, version: int,
+           reward: float | None = None) -> Finished:
+        """Built from a trainer's lists (numpy or torch scalars included), as plain ints and floats."""
+        return cls(tuple(int(t) for t in prompt_ids), tuple(int(t) for t in response_ids),
+                   None if logprobs is None else tuple(float(x) for x in logprobs), finish_reason,
+                   int(group), int(slot), int(version), None if reward is None else float(reward))
+
+
+def record(draft_server: str | None, sample: Finished) -> bool:
     """A finished sample recorded for the next epoch, by the one rule every adapter keeps: a response
     of at least one token that was not aborted (``finish_reason`` ``"abort"``) is recorded, the
     reused prefix and the generated tokens together, as history (to the draft server, in the
     background: never waits on it, never fails for it) and as the slot's previous response; its
     log-probs go with it only when there is one per token (without them it is history only, and no
-    previous response in a process without a draft server). ``version``: the policy version that
-    sampled it, as the trainer numbers its steps (slime's weight version or rollout id, verl's
-    ``global_steps``; OpenRLHF's executor is not told its step, so there it is the slot's round, which
-    grows with it); a slot keeps the response of the highest. Returns whether it was recorded."""
-    ids = [int(t) for t in response_ids]
-    if not ids or finish_reason == "abort":
+    previous response in a process without a draft server). A slot keeps the response of the highest
+    ``version``. Returns whether it was recorded."""
+    ids = list(sample.response_ids)
+    if not ids or sample.finish_reason == "abort":
         return False
-    lps = [float(x) for x in logprobs] if logprobs is not None and len(logprobs) == len(ids) else None
-    return shared().record(draft_server, [int(t) for t in prompt_ids], ids, lps, finish_reason, group=group,
-                           slot=slot, version=int(version), reward=reward)
+    lps = list(sample.logprobs) if sample.logprobs is not None and len(sample.logprobs) == len(ids) else None
+    return shared().record(draft_server, list(sample.prompt_ids), ids, lps, sample.finish_reason,
+                           group=sample.group, slot=sample.slot, version=sample.version, reward=sample.reward)
 
 
-__all__ = ["SlotCounter", "record", "reuse", "seed_sequence"]
+__all__ = ["Finished", "SlotCounter", "record", "reuse", "seed_sequence"]

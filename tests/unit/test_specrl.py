@@ -146,18 +146,18 @@ def test_one_rule_records_a_finished_sample_for_the_next_epoch():
 
     group = 0x5EC0_0001
     prompt = [1, 2, 3]
-    assert not flow.record(None, prompt, [], [], "stop", group=group, slot=0, version=1)
-    assert not flow.record(None, prompt, [7, 8], [-0.1, -0.2], "abort", group=group, slot=0, version=1)
+    assert not flow.record(None, flow.Finished.of(prompt, [], [], "stop", group=group, slot=0, version=1))
+    assert not flow.record(None, flow.Finished.of(prompt, [7, 8], [-0.1, -0.2], "abort", group=group, slot=0, version=1))
     assert shared().get(None, group, 0) is None
     # Log-probs that do not match the tokens: recorded (history), but no previous response here.
-    assert flow.record(None, prompt, [7, 8], [-0.1], "stop", group=group, slot=0, version=1)
+    assert flow.record(None, flow.Finished.of(prompt, [7, 8], [-0.1], "stop", group=group, slot=0, version=1))
     assert shared().get(None, group, 0) is None
-    assert flow.record(None, prompt, [7, 8, 9], [-0.1, -0.2, -0.3], "length", group=group, slot=0, version=2)
+    assert flow.record(None, flow.Finished.of(prompt, [7, 8, 9], [-0.1, -0.2, -0.3], "length", group=group, slot=0, version=2))
     prev = shared().get(None, group, 0)
     assert prev is not None and prev.response_ids == [7, 8, 9] and prev.finish_reason == "length"
     assert prev.version == 2 and prev.logprobs == [-0.1, -0.2, -0.3]
     # An older version never replaces a newer one; a newer one does.
-    flow.record(None, prompt, [4], [-0.5], "stop", group=group, slot=0, version=1)
+    flow.record(None, flow.Finished.of(prompt, [4], [-0.5], "stop", group=group, slot=0, version=1))
     assert shared().get(None, group, 0).response_ids == [7, 8, 9]
-    flow.record(None, prompt, [5, 6], [-0.5, -0.6], "stop", group=group, slot=0, version=3)
+    flow.record(None, flow.Finished.of(prompt, [5, 6], [-0.5, -0.6], "stop", group=group, slot=0, version=3))
     assert shared().get(None, group, 0).response_ids == [5, 6]

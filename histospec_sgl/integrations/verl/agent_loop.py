@@ -99,6 +99,19 @@ class _VerlBackend:
         return {"output_ids": ids, "meta_info": meta}
 
 
+#: verl's names for a request that did not finish (its vLLM server says "aborted"), as SGLang's.
+_ABORTED = {"aborted": "abort"}
+
+
+def finished(prompt_ids: list[int], prefix: list[int], prefix_lp: list[float], out: TokenOutput, *, group: int,
+             slot: int) -> flow.Finished:
+    """A verl ``TokenOutput`` continuing the reused ``prefix`` as SPEC-RL records it: the prefix and
+    the output's tokens together, the version verl's ``global_steps``."""
+    lps = None if out.log_probs is None else [*prefix_lp, *out.log_probs]
+    return flow.Finished.of(prompt_ids, [*prefix, *out.token_ids], lps, _ABORTED.get(out.stop_reason or "", out.stop_reason),
+                            group=group, slot=slot, version=int((out.extra_fields or {}).get("global_steps") or 0))
+
+
 def _counters(*, slot: int = -1, generated: int = 0) -> dict[str, int]:
     """A sample's SPEC-RL fields with nothing reused (slot -1: none taken)."""
     return {"histospec_reused": 0, "histospec_generated": generated, "histospec_previous_len": 0,
@@ -172,8 +185,7 @@ class _ReusingServerManager:
         ids = prefix + [int(t) for t in out.token_ids]
         lps = prefix_lp + [float(x) for x in out.log_probs] if out.log_probs is not None else None
         self.first.update(histospec_reused=len(prefix), histospec_generated=len(out.token_ids))
-        flow.record(self.options.draft_server, prompt_ids, ids, lps, out.stop_reason, group=group, slot=slot,
-                    version=int(extra.get("global_steps") or 0))
+        flow.record(self.options.draft_server, finished(prompt_ids, prefix, prefix_lp, out, group=group, slot=slot))
         extra.update(self.first)
         return TokenOutput(token_ids=ids, log_probs=lps if wants_logprobs else None, routed_experts=out.routed_experts, stop_reason=out.stop_reason,
                            num_preempted=out.num_preempted, extra_fields=extra)
