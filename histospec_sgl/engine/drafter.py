@@ -90,6 +90,12 @@ class _Live:
     klass: str | None = None  # its request class at its last draft (greedy, sampled)
 
 
+#: A greedy request's class at a step whose chain promises less than this share of a whole one (its
+#: match is short): calibrated apart from greedy chains behind long matches (:meth:`BatchDrafter.draft`).
+SURE_SHARE = 0.75
+SHORT_GREEDY = "greedy-short"
+
+
 class BatchDrafter:
     """History drafting for one engine (one per process; only TP rank 0 builds one).
 
@@ -314,8 +320,6 @@ class BatchDrafter:
         tokens, mask, counts = self._buffers(bs)
         lives = [self._live[r] for r in rids]
         klasses: list[str | None] = list(classes) if classes is not None else [None] * bs
-        for lv, k in zip(lives, klasses):
-            lv.klass = k
         iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
         if self.policy.reads_promises:
             probs = self._probs[: bs * d]
@@ -325,9 +329,17 @@ class BatchDrafter:
             greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
             order, cum = width_promises(probs.reshape(bs, d), mask, greedy, self._sure)
             by_width = {w: cum[:, w - 2] for w in range(2, d + 1)}
+            if d > 1:
+                # A greedy chain behind a long match is accepted whole and one behind a short match
+                # seldom: calibrated apart, so that a repeated pass's acceptance does not price the
+                # next first pass's drafts (or the other way round).
+                short = greedy & (cum[:, -1] < SURE_SHARE * (d - 1))
+                klasses = [SHORT_GREEDY if sh else k for k, sh in zip(klasses, short.tolist())]
         else:
             order, cum, by_width = None, None, {}
             counts[:] = 0  # drafted below, once the width is known
+        for lv, k in zip(lives, klasses):
+            lv.klass = k
         plan = plan_step(self.policy, self.feedback, by_width, klasses if classes is not None else None,
                          counts > 0, iids.tolist(), forced=width)
         width = plan.width
