@@ -976,6 +976,39 @@ def test_greedy_and_sampled_requests_are_calibrated_apart():
     assert dr.width == 1, "sampled drafts, accepted at a fifth of their promise, do not pay"
 
 
+def test_a_greedy_chain_behind_a_short_match_is_calibrated_apart():
+    """A repeated greedy response (a long match) and a first pass's chain behind a one-token match are
+    both greedy, but their chains are not alike: the short one's class is ``greedy-short``, and its
+    low acceptance does not lower what the repeated response's drafts are trusted with."""
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.drafter import SHORT_GREEDY, BatchDrafter
+
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    ec = dr.policy
+    for w in (2, 4, 8):
+        _time_steps(ec, 1, w, 1.5)
+        _time_steps(ec, 2, w, 1.5)
+    _time_steps(ec, 1, 1, 1.0)
+    _time_steps(ec, 2, 1, 1.0)
+    dr.add_finished([1, 2, 3], list(range(10, 40)))
+    first_prompt = list(range(50, 70))
+    dr.sync("first", first_prompt, [155, 55])  # ...55: one token matched in its own prompt
+    for step in range(16):
+        dr.sync("again", [1, 2, 3], list(range(10, 12 + step)))  # repeating the history: a long match
+        dr.draft(["again", "first"], ["greedy", "greedy"])
+        if dr.width > 1:
+            dr.observe_step([dr.width - 1, 0])  # the repeated response accepted whole, the first pass nothing
+    assert ec.calibration("greedy", d) > 0.8
+    assert ec.calibration(SHORT_GREEDY, d) < 0.2
+    # The first pass alone does not pay; the repeated response alone does.
+    dr.draft(["first"], ["greedy"])
+    assert dr.width == 1
+    dr.sync("again", [1, 2, 3], list(range(10, 25)))
+    dr.draft(["again"], ["greedy"])
+    assert dr.width > 1
+
+
 def _bfs_trees(draw, d: int) -> tuple[list[int], np.ndarray]:
     """A draft tree in BFS order (parents non-decreasing: children of earlier nodes come first) with
     path probabilities that tie (a child as probable as its parent, siblings alike), halve, or sit one
