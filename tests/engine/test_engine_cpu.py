@@ -113,7 +113,7 @@ def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
 def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, plain_server, tmp_path):
     """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens and log-probs
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
-    does a pass after flush_cache. Under the cost model (``HISTOSPEC_CONTROL=cost``), which decodes
+    does a pass after flush_cache. Under the default step policy (the cost model), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
     too (it verifies at each of the widths 2, 4 and d, or decodes plainly), and the plain steps are
     counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
@@ -122,12 +122,14 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     them to an engine (tests/helpers/_scopes.py)."""
     prompts, fresh = _prompts(8), _prompts(8, seed=7)
     methods = ("ngram", "history")
-    cost = server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="cost",
-                   env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
+    cost = server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tag="default",
+                  extra=["--enable-metrics"])
     switch = tmp_path / "broken"
     with running(server(sglang_py, greedy_model, "ngram", tmp_path, max_running=8),
+                 # Fixed: _check_greedy counts d tokens a step from this cold server's second pass.
                  server(sglang_py, greedy_model, "history", tmp_path, max_running=8,
-                         env={"CPU_ENGINE_BROKEN_FILE": str(switch), **other_scopes(tmp_path)}), cost) as servers:
+                        env={"CPU_ENGINE_BROKEN_FILE": str(switch), **other_scopes(tmp_path), **FIXED}),
+                 cost) as servers:
         runs = {"plain": greedy_passes(plain_server, prompts)}
         runs.update({m: greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
         runs["history_cost"] = greedy_passes(cost, prompts)
@@ -179,7 +181,9 @@ def test_greedy_http_with_two_tensor_parallel_ranks(sglang_py, greedy_model, pla
     pass after flush_cache draft whole responses from history."""
     prompts = _prompts(8, seed=6)
     plain = greedy_passes(plain_server, prompts, passes=1)
-    with server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2") as hist_srv:
+    # Fixed: _check_greedy counts d tokens a step from this cold server's second pass.
+    with server(sglang_py, greedy_model, "history", tmp_path, max_running=8, tp=2, tag="history-tp2",
+                env=FIXED) as hist_srv:
         hist = greedy_passes(hist_srv, prompts)
     _check_greedy({"plain": plain, "history": hist})
 
@@ -192,8 +196,10 @@ def test_greedy_http_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, plai
     env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     prompts = _prompts(8, seed=1)
     methods = ("ngram", "history")
-    with running(*(server(sglang_py, greedy_model, m, tmp_path, max_running=8, env=env,
-                           extra=["--enable-metrics"] if m == "history" else [])
+    # HISTORY fixed: _check_greedy counts d tokens a step from this cold server's second pass.
+    with running(*(server(sglang_py, greedy_model, m, tmp_path, max_running=8,
+                          env={**env, **FIXED} if m == "history" else env,
+                          extra=["--enable-metrics"] if m == "history" else [])
                    for m in methods)) as servers:
         runs = {"plain": greedy_passes(plain_server, prompts, passes=1)}
         runs.update({m: greedy_passes(srv, prompts) for m, srv in zip(methods, servers)})
@@ -212,7 +218,7 @@ def _engine_api(py: Path, model: Path, tmp_path: Path, extra_env: dict | None = 
     import os
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
-    base.update({**FIXED, **(extra_env or {})})
+    base.update({**FIXED, **(extra_env or {})})  # _check_engine_api counts d tokens a step from a cold engine
     r = subprocess.run([str(py), str(DRIVERS / "cpu_engine_api.py"), json.dumps(spec)], capture_output=True,
                        text=True, timeout=900, env=cpu_engine_env(str(py), base=base), cwd=str(tmp_path))
     lines = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
@@ -277,12 +283,14 @@ def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peaked")
     switch = tmp / "broken"
     with running(server(sglang_py, peaked_model, "plain", tmp),
+                 # Fixed, beside the default: the checks compare tokens per step at one width (exact
+                 # against lenient verification, shared groups against own ones) and break its verify.
                  server(sglang_py, peaked_model, "history", tmp, draft_tokens=16,
-                         env={"CPU_ENGINE_BROKEN_FILE": str(switch)}),
+                        env={"CPU_ENGINE_BROKEN_FILE": str(switch), **FIXED}),
                  server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="lenient",
-                         env={"HISTOSPEC_LENIENCE": "4"}),
+                        env={"HISTOSPEC_LENIENCE": "4", **FIXED}),
                  server(sglang_py, peaked_model, "history", tmp, draft_tokens=16, tag="default",
-                         env={"HISTOSPEC_CONTROL": "cost"}, extra=["--enable-metrics"])
+                        extra=["--enable-metrics"])
                  ) as (plain, history, lenient, default):
         yield {"plain": plain, "history": history, "lenient": lenient, "default": default, "switch": switch}
 
@@ -488,8 +496,9 @@ def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server,
         ds.kill()
     assert snapshot.exists()
     first = [r for r in greedy if r["sp"]["max_new_tokens"] == 48][:8]
+    # Fixed: a cold server's first pass, counted in tokens a step.
     with server(sglang_py, greedy_model, "history", tmp_path, max_running=16, tag="reloaded",
-                 env={"HISTOSPEC_HISTORY_LOAD": str(snapshot)}) as srv:
+                env={"HISTOSPEC_HISTORY_LOAD": str(snapshot), **FIXED}) as srv:
         outs = srv.generate([r["prompt"] for r in first], [r["sp"] for r in first])
     assert [o["output_ids"] for o in outs] == [want[r["rid"]] for r in first]
     assert sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs) >= D - 1

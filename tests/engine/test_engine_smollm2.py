@@ -12,7 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from _engine_checks import greedy_passes, same_distribution, sample, server
+from _engine_checks import FIXED, greedy_passes, same_distribution, sample, server
 
 from conftest import ROOT
 from histospec_sgl.bench.engine_server import EngineServer, running
@@ -36,7 +36,8 @@ def math_prompts(sglang_py, smollm2, data_root) -> list[list[int]]:
 def servers(sglang_py, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smollm2")
     # HISTORY at a fixed width: the checks below count its tokens per verify step.
-    with running(*(server(sglang_py, smollm2, m, tmp, draft_tokens=D, max_running=64, max_total_tokens=16384)
+    with running(*(server(sglang_py, smollm2, m, tmp, draft_tokens=D, max_running=64, max_total_tokens=16384,
+                          env=FIXED if m == "history" else None)
                    for m in ("plain", "history"))) as (plain, history):
         yield plain, history
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _engine_checks import server
+from _engine_checks import FIXED, server
 from _overlap import mismatches, requests, run
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps, width_steps
@@ -35,9 +35,9 @@ def _counter(srv: EngineServer, name: str) -> float:
 
 
 def _history(py: Path, model: Path, tmp: Path, tag: str, env: dict[str, str]) -> EngineServer:
-    """A HISTORY server on the engine's default step policy unless ``env`` names one."""
+    """A HISTORY server on the engine's default step policy unless ``env`` names one (:data:`FIXED`)."""
     return server(py, model, "history", tmp, max_running=16, tag=tag,
-                  env={**CHECKED, "HISTOSPEC_CONTROL": "cost", **env}, extra=[*EXTRA, "--enable-metrics"])
+                  env={**CHECKED, **env}, extra=[*EXTRA, "--enable-metrics"])
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_history_under_the_overlap_scheduler_equals_plain_decoding(sglang_py, gr
     switch = tmp_path / "broken"
     with running(_history(sglang_py, greedy_model, tmp_path, "default", {}),
                  _history(sglang_py, greedy_model, tmp_path, "retract",
-                          {"HISTOSPEC_CONTROL": "fixed", "SGLANG_TEST_RETRACT": "1",
+                          {**FIXED, "SGLANG_TEST_RETRACT": "1",
                            "CPU_ENGINE_BROKEN_FILE": str(switch)})) as (default, retract):
         passes = _check_scenario(default, plain)
         widths = width_steps(default) or {}

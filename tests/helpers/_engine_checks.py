@@ -12,20 +12,18 @@ import numpy as np
 
 from histospec_sgl.bench.engine_server import EngineServer, verify_steps
 
-#: The step policy of the tests' HISTORY servers unless a test sets its own: a fixed width, named so
-#: that the checks that count d tokens per verify step say what they assume (the engine's default
-#: policy, which decodes its first steps at each batch size plainly to time them, has its own checks).
+#: A fixed verify width (d every step), for a check that counts d tokens per verify step from a cold
+#: server: the engine's default policy decodes its first steps at each batch size plainly to time
+#: them, so it promises no such count. A test that sets it says why where it does.
 FIXED = {"HISTOSPEC_CONTROL": "fixed"}
 
 
 def server(py: Path, model: Path, method: str, tmp_path: Path, *, draft_tokens: int = 8, **kw: Any) -> EngineServer:
     """A server for one test, its log in ``tmp_path/server-{tag}.log`` (``tag``: the method unless
     given); tests start theirs side by side (``running``) and idle ones sleep (``--sleep-on-idle``,
-    which ``server_args`` adds on a CPU). HISTORY runs at :data:`FIXED` unless ``env`` names a policy;
-    ``extra``: more server arguments."""
+    which ``server_args`` adds on a CPU). HISTORY runs on the engine's default step policy, as users
+    run it, unless ``env`` names another (:data:`FIXED`); ``extra``: more server arguments."""
     tag = kw.pop("tag", method)
-    if method == "history":
-        kw["env"] = {**FIXED, **(kw.get("env") or {})}
     return EngineServer(model, method, python=str(py), draft_tokens=draft_tokens,
                         log_path=tmp_path / f"server-{tag}.log", extra_args=list(kw.pop("extra", ())), **kw)
 
