@@ -144,8 +144,8 @@ class Engine:
 
     def _finish(self, r: Request, epoch: int) -> None:
         # As the worker does with a draft server: the response comes back through the server.
-        self.drafter.finish(r.rid, r.truth, keep=False)
-        self.sync.finished(r.prompt, r.truth, version=epoch, group=r.group)
+        self.drafter.complete(r.rid, r.prompt, r.truth, group=r.group,
+                              publish=lambda p, resp, g: self.sync.finished(p, resp, version=epoch, group=g))
 
 
 def load_groups(samples: int, epochs: int, data_root: Any = None, tokenizer: Any = None,

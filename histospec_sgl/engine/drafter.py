@@ -25,7 +25,7 @@ import gzip
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +277,29 @@ class BatchDrafter:
         if len(response):
             self.index.add_response(group, prompt_ids, response,
                                     version=self.index.version if version is None else version)
+
+    def complete(self, rid: str, prompt_ids: Sequence[int], response: Sequence[int], *, keep: bool = True,
+                 group: int | None = None,
+                 publish: Callable[[Sequence[int], Sequence[int], int | None], None] | None = None) -> None:
+        """Request ``rid`` finished with ``response``: the one place that decides what a finished
+        request does with the history (the SGLang worker, the replay and the benchmarks call it).
+
+        ``keep`` False (an aborted request, one that came back after it was finished): nothing of it
+        becomes history. Otherwise, with ``publish`` (a draft server's publisher: ``(prompt_ids,
+        response, group)``) the response goes there and comes back through the subscription, so the
+        request's own copy leaves the index unkept; without, the request's copy becomes history of
+        its group in place, unless the index never saw it (it never reached a decode step) or holds
+        tokens past the response's end (a step that accepted several tokens ran past a stop string,
+        EOS or ``max_new_tokens``): then the response is added afresh and the copy let go."""
+        live = self.is_live(rid)
+        overshot = live and self.held(rid) > len(response)
+        self.finish(rid, response, keep=keep and publish is None and not overshot)
+        if not keep:
+            return
+        if publish is not None:
+            publish(prompt_ids, response, group)
+        elif not live or overshot:
+            self.add_finished(prompt_ids, response, group)
 
     @property
     def width_steps(self) -> dict[int, int]:

@@ -401,25 +401,20 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         aborted = type(getattr(req, "finished_reason", None)).__name__ == "FINISH_ABORT"
         keep = not aborted and rid not in self._no_keep
         self._no_keep.discard(rid)
-        response = returned(req)
         try:
-            live = self.drafter.is_live(rid)
-            # Tokens past the request's end (a step that accepted several tokens went on after a
-            # stop string, EOS or max_new_tokens): the index's copy is let go, the response kept.
-            overshot = live and self.drafter.held(rid) > len(response)
-            group = self._group(req) if keep else None
-            # With a draft server, our own responses come back through the subscription.
-            self.drafter.finish(rid, response, keep=keep and self.sync is None and not overshot)
-            if keep and (not live or overshot) and self.sync is None:
-                self.drafter.add_finished(req.origin_input_ids, response, group)
-            if keep and self.sync is not None:
-                self.sync.finished(req.origin_input_ids, response, version=self.drafter.index.version,
-                                   group=group)
+            self.drafter.complete(rid, req.origin_input_ids, returned(req), keep=keep,
+                                  group=self._group(req) if keep else None,
+                                  publish=self._publish if self.sync is not None else None)
         except Exception:
             logger.exception("histospec: could not record finished request %s", rid)
         self._done[rid] = None
         while len(self._done) > 4096:
             self._done.popitem(last=False)
+
+    def _publish(self, prompt_ids: Any, response: Any, group: int | None) -> None:
+        """A finished response to the draft server (it comes back through the subscription)."""
+        assert self.sync is not None and self.drafter is not None
+        self.sync.finished(prompt_ids, response, version=self.drafter.index.version, group=group)
 
     # -- history in and out --------------------------------------------------------------------
 

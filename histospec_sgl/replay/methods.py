@@ -195,7 +195,6 @@ class Ours:
         prompt, seen, new = self.texts.pop(rid)
         response = seen + new
         self.pending.discard(rid)
-        keep = self.finish_mode == "keep"
-        self.drafter.finish(str(rid), response, keep=keep)
-        if not keep:
-            self.drafter.add_finished(prompt, response)
+        # "draft-server": published, and back at once as a record.
+        echo = self.drafter.add_finished if self.finish_mode == "draft-server" else None
+        self.drafter.complete(str(rid), prompt, response, publish=echo)

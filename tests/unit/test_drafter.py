@@ -27,6 +27,39 @@ FIXED = HistoryConfig(control="fixed")
 # -- the draft source ------------------------------------------------------------------------------
 
 
+def test_a_finished_request_is_completed_in_one_place():
+    """``BatchDrafter.complete``, what the SGLang worker, the replay and the benchmarks do with a
+    finished request: kept in place; added afresh when the index never saw it or holds tokens past
+    its end (a step that accepted past a stop); nothing on an abort; with a publisher (a draft
+    server), published and let go, its copy coming back through the subscription."""
+    from histospec_sgl import group_key
+
+    prompt = [1, 2, 3]
+    g = group_key(prompt)
+    dr = BatchDrafter(8, FIXED)
+
+    def history() -> list[list[int]]:
+        return [r for _, r, _ in dr.index.responses(g)] if g in dr.index.group_keys() else []
+
+    dr.sync("kept", prompt, [10, 11])
+    dr.complete("kept", prompt, [10, 11, 12])
+    assert history() == [[10, 11, 12]] and not dr.is_live("kept")
+    dr.complete("never-decoded", prompt, [20])
+    assert history()[-1] == [20]
+    dr.sync("overshot", prompt, [30, 31, 32, 33])  # the index took 4 tokens; the response ends at 2
+    dr.complete("overshot", prompt, [30, 31])
+    assert history()[-1] == [30, 31] and [30, 31, 32, 33] not in history()
+    dr.sync("aborted", prompt, [40, 41])
+    dr.complete("aborted", prompt, [40, 41], keep=False)
+    assert [40, 41] not in history() and not dr.is_live("aborted")
+    sent = []
+    dr.sync("published", prompt, [50, 51])
+    dr.complete("published", prompt, [50, 51], group=7, publish=lambda p, r, grp: sent.append((list(p), list(r), grp)))
+    assert sent == [(prompt, [50, 51], 7)] and [50, 51] not in history()
+    dr.complete("aborted-published", prompt, [60], keep=False, publish=lambda *a: sent.append(a))
+    assert len(sent) == 1
+
+
 def test_drafter_contract_and_sibling_drafting_on_real_completions():
     """Decode the samples of each HumanEval task in lockstep, as SGLang does, feeding back exactly
     what greedy tree verification would accept; check the contract at every step, that siblings
