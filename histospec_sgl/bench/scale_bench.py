@@ -122,7 +122,7 @@ class Engine:
         while live:
             self.sync.step_boundary()
             drafter.sync_batch((r.rid, r.prompt, r.truth[:r.pos], (), None) for r in live)
-            tokens, mask = drafter.draft([r.rid for r in live], width=d)
+            tokens, mask = drafter.draft([r.rid for r in live], width=d)[:2]
             parents = tree_parents_batch(mask, d)
             still = []
             for b, r in enumerate(live):

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -88,6 +88,23 @@ class _Live:
     steps: int = 0  # verify steps it took part in
     group: int | None = None  # the group it was started in (None: its prompt's key)
     klass: str | None = None  # its request class at its last draft (greedy, sampled)
+
+
+class StepDraft(NamedTuple):
+    """A decode step's draft, whole: what the engine's worker runs. ``tokens`` (int64[bs*w]) and
+    ``mask`` (int64[bs*w*w], each node's ancestors) at the step's verify ``width`` w (1: plain
+    decoding, each request's root alone); ``drafted``: whether any request has a draft node (False:
+    a verify would accept nothing, so the step may as well decode plainly)."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    width: int
+    drafted: bool
+
+    @property
+    def roots(self) -> np.ndarray:
+        """Each request's root: its last accepted token, the one a plain step decodes."""
+        return self.tokens[:: self.width]
 
 
 #: A greedy request's class at a step whose chain promises less than this share of a whole one (its
@@ -327,12 +344,12 @@ class BatchDrafter:
     # -- drafting -------------------------------------------------------------------------------
 
     def draft(self, rids: Sequence[str], classes: Sequence[str | None] | None = None,
-              width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+              width: int | None = None) -> StepDraft:
         """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step, at the width
         the step policy chooses (:attr:`width`). ``classes``: each request's class (``"greedy"``,
         ``"sampled"``), which the cost model calibrates apart.
 
-        Returns ``(tokens int64[bs*w], mask int64[bs*w*w])`` for the chosen width w: at d, views into
+        Returns the step's :class:`StepDraft`, its tokens and mask at the chosen width w: at d, views into
         buffers that the next call reuses (SGLang copies them to the device right away); at a
         narrower width, each request's w - 1 most probable nodes (the index grows drafts best-first by
         path probability, so they form a subtree, kept in BFS order); at 1 (plain decoding), each
@@ -393,7 +410,7 @@ class BatchDrafter:
         dt = time.perf_counter() - t0
         for c in (self._window, self.totals):
             c.step(width, bs, nonempty, int(counts.sum()), dt)
-        return tokens, mask
+        return StepDraft(tokens, mask, width, nonempty > 0)
 
     def _buffers(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The draft buffers for ``bs`` requests (tokens, mask, counts; :attr:`_probs` beside them),

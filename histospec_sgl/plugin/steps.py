@@ -10,6 +10,7 @@ in the order plain decoding returns them. :class:`StepPaths` is mixed into
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,17 +18,36 @@ import numpy as np
 from sglang.srt.speculative.ngram_info import NgramVerifyInput
 
 from histospec_sgl.engine.draft import tree_parents_batch
+from histospec_sgl.engine.drafter import StepDraft
+
+#: What NGRAM's buffer allocator (``NGRAMWorker._init_preallocated_tensors``) reads of its worker, in
+#: every SGLang release the plugin supports (0.5.15, 0.5.17, 0.5.23).
+_ALLOCATOR_READS = ("max_batch_size", "draft_token_num", "device")
+
+
+def width_buffers(max_batch_size: int, width: int, device: Any) -> dict[str, Any]:
+    """NGRAM's preallocated per-batch-size buffers (draft tokens, tree mask, positions, retrieve
+    indices) for verify width ``width``, made by NGRAM's own allocator on an object that holds only
+    what it reads: the attributes it sets are the buffers, by name, whatever the release calls
+    them. A release whose allocator reads more fails here with the name it missed."""
+    from sglang.srt.speculative.ngram_worker import NGRAMWorker
+
+    holder = types.SimpleNamespace(max_batch_size=max_batch_size, draft_token_num=width, device=device)
+    NGRAMWorker._init_preallocated_tensors(holder)  # type: ignore[arg-type]
+    return {k: v for k, v in vars(holder).items() if k not in _ALLOCATOR_READS}
 
 
 class StepPaths:
     """The step paths of :class:`~histospec_sgl.plugin.worker.HistoryWorker` beside NGRAM's own."""
 
-    # Set by the worker (and NGRAM's __init__ for the first two).
+    # Set by the worker (and NGRAM's __init__ for the first four).
     draft_token_num: int
+    max_batch_size: int
+    device: Any
     target_worker: Any
     plain_steps: int
     _width_state: dict[int, dict[str, Any]]
-    _last_draft: tuple[np.ndarray, np.ndarray] | None
+    _last_draft: StepDraft | None
 
     def _accepted_hidden_states(self, result: Any, batch: Any) -> Any:
         """``--enable-return-hidden-states``: a verify step's hidden states as plain decoding returns
@@ -41,9 +61,8 @@ class StepPaths:
             return result
         import torch
 
-        tokens, mask = self._last_draft
+        tokens, mask, w, _ = self._last_draft
         bs = len(batch.reqs)
-        w = tokens.size // bs
         if w < 2 or hidden.shape[0] != bs * w:
             return result
         toks = tokens.reshape(bs, w)
@@ -87,20 +106,11 @@ class StepPaths:
     @contextlib.contextmanager
     def _at_width(self, w: int) -> Iterator[None]:
         """NGRAM's width and its preallocated per-batch-size buffers set to width ``w`` for the block
-        (the buffers of each width are made once, by NGRAM's own allocator)."""
-        state = self._width_state.get(w)
-        if state is None:
-            before = dict(vars(self))
-            self.draft_token_num = w
-            self._init_preallocated_tensors()  # type: ignore[attr-defined]  # NGRAM's allocator
-            state = {k: v for k, v in vars(self).items() if k not in before or before[k] is not v}
-            for k in state:
-                if k in before:
-                    setattr(self, k, before[k])
-                else:
-                    delattr(self, k)
-            self._width_state[w] = state
-        state = {**state, "draft_token_num": w, "speculative_num_draft_tokens": w}
+        (the buffers of each width are made once, by NGRAM's own allocator: :func:`width_buffers`)."""
+        buffers = self._width_state.get(w)
+        if buffers is None:
+            buffers = self._width_state[w] = width_buffers(self.max_batch_size, w, self.device)
+        state = {**buffers, "draft_token_num": w, "speculative_num_draft_tokens": w}
         saved = {k: getattr(self, k) for k in state}
         for k, v in state.items():
             setattr(self, k, v)

@@ -1,9 +1,10 @@
 """Identical drafts on every tensor-parallel rank: TP rank 0 drafts, the others receive.
 
 The history index is host state that only rank 0 builds and queries (the other ranks keep none,
-so they cannot drift from it). Each decode step rank 0 broadcasts the step's verify width and the
-batch's draft tokens and tree masks at that width over the TP group's CPU (gloo) process group:
-``1 + bs*d*(d+1)`` int64 values, about 100 KB at bs 48 and d 16, so every rank takes the same width. Every rank calls :meth:`DraftBroadcast.share` exactly once per verify step, and rank
+so they cannot drift from it). Each decode step rank 0 broadcasts the step's draft (its verify
+width, whether any request has a draft, and the batch's draft tokens and tree masks at that width)
+over the TP group's CPU (gloo) process group: ``2 + bs*d*(d+1)`` int64 values, about 100 KB at bs 48
+and d 16, so every rank takes the same path. Every rank calls :meth:`DraftBroadcast.share` exactly once per verify step, and rank
 0 always sends (an empty draft if drafting failed), so a TP group never waits on a rank that is not
 coming.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from histospec_sgl.engine.drafter import StepDraft
 
 
 class DraftBroadcast:
@@ -47,25 +48,25 @@ class DraftBroadcast:
     def is_source(self) -> bool:
         return self.rank_in_group == 0
 
-    def share(self, tokens: np.ndarray | None, mask: np.ndarray | None, bs: int, d: int
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """On rank 0, sends ``tokens[bs*w]`` and ``mask[bs*w*w]`` for the step's verify width w (at
-        most ``d``: the cost model may verify fewer nodes, 1 being plain decoding); elsewhere (pass
-        None) returns what rank 0 sent. With one rank, returns the arguments unchanged."""
+    def share(self, step: StepDraft | None, bs: int, d: int) -> StepDraft:
+        """On rank 0, sends the step's draft (its width w, at most ``d``: the cost model may verify
+        fewer nodes, 1 being plain decoding; whether any request has a draft; ``tokens[bs*w]`` and
+        ``mask[bs*w*w]``); elsewhere (pass None) returns what rank 0 sent. With one rank, returns
+        ``step`` unchanged."""
         if self.world_size == 1:
-            assert tokens is not None and mask is not None
-            return tokens, mask
+            assert step is not None
+            return step
         import torch
         import torch.distributed as dist
 
-        buf = torch.zeros(1 + bs * d * (d + 1), dtype=torch.int64)
+        buf = torch.zeros(2 + bs * d * (d + 1), dtype=torch.int64)
         if self.is_source:
-            assert tokens is not None and mask is not None
-            w = tokens.size // bs
-            buf[0] = w
-            buf[1: 1 + bs * w] = torch.from_numpy(tokens)
-            buf[1 + bs * d: 1 + bs * d + bs * w * w] = torch.from_numpy(mask)
+            assert step is not None
+            w = step.width
+            buf[0], buf[1] = w, int(step.drafted)
+            buf[2: 2 + bs * w] = torch.from_numpy(step.tokens)
+            buf[2 + bs * d: 2 + bs * d + bs * w * w] = torch.from_numpy(step.mask)
         dist.broadcast(buf, src=self.src, group=self.cpu_group)
         out = buf.numpy()
         w = int(out[0])
-        return out[1: 1 + bs * w], out[1 + bs * d: 1 + bs * d + bs * w * w]
+        return StepDraft(out[2: 2 + bs * w], out[2 + bs * d: 2 + bs * d + bs * w * w], w, bool(out[1]))

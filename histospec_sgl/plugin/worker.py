@@ -45,7 +45,7 @@ from sglang.srt.speculative.ngram_worker import NGRAMWorker
 
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import write_empty
-from histospec_sgl.engine.drafter import BatchDrafter, group_of
+from histospec_sgl.engine.drafter import BatchDrafter, StepDraft, group_of
 from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat
 from histospec_sgl.plugin.metrics import HistoryMetrics
@@ -105,16 +105,11 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         self._no_keep: set[str] = set()
         self._errors = 0
         self.context_mismatches = 0
-        # The width of the step being drafted: None where the step policy chooses it (steps drafted in
-        # forward_batch_generation), 1 for a step decoded plainly whatever the policy says (a request
-        # in the batch needs SGLang's full sampler), d on NGRAM's own path (grammar batches, a fixed
-        # width).
-        self._step_width: int | None = self.draft_token_num
         self._width_state: dict[int, dict[str, Any]] = {}
-        # (tokens, mask) drafted ahead of NGRAM's verify path, handed to it by _prepare_draft_tokens.
-        self._staged: tuple[np.ndarray, np.ndarray] | None = None
-        # The (tokens, mask) the last verify step ran, for its hidden states' rows.
-        self._last_draft: tuple[np.ndarray, np.ndarray] | None = None
+        # The step's draft, made before NGRAM's verify path runs and handed to it (_verify).
+        self._staged: StepDraft | None = None
+        # The draft the last verify step ran, for its hidden states' rows.
+        self._last_draft: StepDraft | None = None
         self.plain_steps = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
@@ -181,52 +176,47 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         return self.config.control == "cost"
 
     def forward_batch_generation(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """One scheduler step. A prefill is NGRAM's. A decode step is drafted first, at the width the
+        step policy chooses, then run as that draft says: plainly (width 1, or no request has a
+        draft), or verified at its width. Under ``HISTOSPEC_CONTROL=fixed`` and for grammar batches
+        (whose verify path runs only d) NGRAM's own verify at d asks for its draft itself."""
         started = time.perf_counter()
-        # The step policy times the decode steps (rank 0's; a policy that times nothing ignores it).
-        control = self.drafter.policy if self.drafter is not None else None
-        if control is not None:
-            control.begin(started)
-        if self.drafter is not None:
-            current = set()
-            for req in batch.reqs:
-                self._reqs.setdefault(req.rid, req)
-                current.add(req.rid)
-            self._sweep(current)
-        decode = batch.forward_mode.is_decode()
+        policy = self.drafter.policy if self.drafter is not None else None  # rank 0's: it times the steps
+        if policy is not None:
+            policy.begin(started)
+        self._track(batch)
+        if not batch.forward_mode.is_decode():
+            return super().forward_batch_generation(batch, *args, **kwargs)
         bs, d = len(batch.reqs), self.draft_token_num
         grammar = getattr(batch, "has_grammar", False)
         # A request whose sampling SGLang's verify path does not reproduce: the whole step is decoded
         # plainly, through the target's own sampler (every rank reads the same requests).
-        full_sampler = decode and not grammar and any(needs_full_sampler(req) for req in batch.reqs)
-        if decode and not grammar and (full_sampler or self._plain_when_undrafted()):
-            # Draft first, at the width the step policy picks (every TP rank gets rank 0's drafts and
-            # width here), then branch on what all ranks share, so that every rank takes the same one.
-            self._step_width = 1 if full_sampler else None
-            try:
-                tokens, mask = self._prepare_draft_tokens(batch)
-            finally:
-                self._step_width = d
-            w = tokens.size // bs
-            if w == 1 or not tokens.reshape(bs, w)[:, 1:].any():
-                if control is not None:
-                    control.decode_step(bs, 1, started)
-                return self._plain_decode(batch, tokens[::w].copy(), *args, **kwargs)
-            if control is not None:
-                control.decode_step(bs, w, started)
-            self._staged = (tokens, mask)
-            try:
-                if w < d:
-                    return self._accepted_hidden_states(self._narrow_verify(batch, w, *args, **kwargs), batch)
-                return self._accepted_hidden_states(super().forward_batch_generation(batch, *args, **kwargs), batch)
-            finally:
-                self._staged = None
-        if control is not None and decode:
-            control.decode_step(bs, d, started)
+        full_sampler = not grammar and any(needs_full_sampler(req) for req in batch.reqs)
+        if grammar or not (full_sampler or self._plain_when_undrafted()):
+            if policy is not None:
+                policy.decode_step(bs, d, started)
+            return self._accepted_hidden_states(super().forward_batch_generation(batch, *args, **kwargs), batch)
+        # Every TP rank gets rank 0's draft, so every rank takes the same path below.
+        step = self._step_draft(batch, width=1 if full_sampler else None)
+        width = step.width if step.drafted else 1
+        if policy is not None:
+            policy.decode_step(bs, width, started)
+        if width == 1:
+            return self._plain_decode(batch, step.roots.copy(), *args, **kwargs)
+        return self._accepted_hidden_states(self._verify(batch, step, *args, **kwargs), batch)
+
+    def _verify(self, batch: Any, step: StepDraft, *args: Any, **kwargs: Any) -> Any:
+        """``step`` verified on NGRAM's path (at a narrower width through :meth:`_narrow_verify`).
+        NGRAM's ``forward_batch_generation`` takes no draft: it asks ``_prepare_draft_tokens`` for
+        one, so the draft made ahead of it is handed over there (``_staged``). SGLang's interface
+        allows no other way in; this is the only place the worker re-enters itself."""
+        self._staged = step
         try:
-            result = super().forward_batch_generation(batch, *args, **kwargs)
+            if step.width < self.draft_token_num:
+                return self._narrow_verify(batch, step.width, *args, **kwargs)
+            return super().forward_batch_generation(batch, *args, **kwargs)
         finally:
             self._staged = None
-        return self._accepted_hidden_states(result, batch) if decode else result
 
     def add_external_corpus(self, corpus_id: str, token_chunks: list[list[int]]) -> int:
         raise NotImplementedError(
@@ -240,10 +230,15 @@ class HistoryWorker(StepPaths, NGRAMWorker):
     # -- drafting ------------------------------------------------------------------------------
 
     def _prepare_draft_tokens(self, batch: Any) -> tuple[np.ndarray, np.ndarray]:
-        staged, self._staged = self._staged, None
-        if staged is not None:  # drafted by forward_batch_generation before NGRAM's verify path ran
-            self._last_draft = staged
-            return staged
+        # NGRAM's verify path asks for the step's draft: the one _verify staged, else (NGRAM's own
+        # verify at d: grammar batches, a fixed width) one drafted now at d.
+        step = self._staged if self._staged is not None else self._step_draft(batch, width=self.draft_token_num)
+        self._staged = None
+        return step.tokens, step.mask
+
+    def _step_draft(self, batch: Any, width: int | None) -> StepDraft:
+        """The decode step's draft at ``width`` (None: the width the step policy chooses), drafted on
+        TP rank 0 and shared with the others; an empty draft at d if drafting failed."""
         t0 = time.perf_counter()
         bs, d = len(batch.reqs), self.draft_token_num
         prev_ids, prev_lens = batch.spec_info.accept_tokens, batch.spec_info.accept_lens
@@ -251,20 +246,19 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             prev_ids, prev_lens = prev_ids.cpu(), prev_lens.cpu()
         self.prev_token_ids = prev_ids.tolist()
         self.prev_accept_lens = prev_lens.tolist()
-        tokens = mask = None
+        step = None
         if self.drafter is not None:
             # Overlap mode is one step behind: the last accepted tokens are not in output_ids yet.
             use_prev = self.enable_overlap and not compat.grammar_needs_sync(batch)
             try:
-                tokens, mask = self._draft(batch, use_prev)
+                step = self._draft(batch, use_prev, width)
             except Exception:
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.exception("histospec: drafting failed (%d times); verifying without drafts",
                                      self._errors)
-                tokens, mask = self._empty(batch, use_prev)
-        shared = self.broadcast.share(tokens, mask, bs, d)
-        self._last_draft = shared
+                step = self._empty(batch, use_prev)
+        step = self._last_draft = self.broadcast.share(step, bs, d)
         if self.metrics is not None and self.drafter is not None:
             try:
                 self.metrics.observe(self.drafter, errors=self._errors, plain_steps=self.plain_steps,
@@ -273,9 +267,9 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             except Exception:
                 logger.exception("histospec: could not update the Prometheus metrics; they stay off")
                 self.metrics = None
-        return shared
+        return step
 
-    def _draft(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _draft(self, batch: Any, use_prev: bool, width: int | None) -> StepDraft:
         assert self.drafter is not None
         if self.sync is not None:
             try:
@@ -304,11 +298,11 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             # A group's first request asks the draft server for its history (on_demand); it arrives
             # in the background, and the request drafts from its siblings until it has.
             self.sync.want(started)
-        tokens, mask = drafter.draft(rids, classes, width=self._step_width)
+        step = drafter.draft(rids, classes, width=width)
         self._maybe_log()
-        return tokens, mask
+        return step
 
-    def _empty(self, batch: Any, use_prev: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _empty(self, batch: Any, use_prev: bool) -> StepDraft:
         d, bs = self.draft_token_num, len(batch.reqs)
         roots = []
         for req, prev in zip(batch.reqs, self._unprocessed(batch, use_prev)):
@@ -321,7 +315,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         tokens = np.empty(bs * d, dtype=np.int64)
         mask = np.empty(bs * d * d, dtype=np.int64)
         write_empty(tokens, mask, roots, d)
-        return tokens, mask
+        return StepDraft(tokens, mask, d, False)
 
     def _unprocessed(self, batch: Any, use_prev: bool) -> list[list[int]]:
         """Each request's accepted tokens that are not in its ``output_ids`` yet.
@@ -382,6 +376,17 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             return None
 
     # -- request lifecycle ---------------------------------------------------------------------
+
+    def _track(self, batch: Any) -> None:
+        """The batch's requests are remembered until they finish; those that left it finished are
+        completed (:meth:`_finalize`)."""
+        if self.drafter is None:
+            return
+        current = set()
+        for req in batch.reqs:
+            self._reqs.setdefault(req.rid, req)
+            current.add(req.rid)
+        self._sweep(current)
 
     def _departed(self, rids: list[str]) -> None:
         for rid in rids:

@@ -153,7 +153,7 @@ class Ours:
             return [(tokens[b * d:b * d + 1 + c].tolist(), parents[b, :1 + c].tolist(),
                      probs[b * d:b * d + 1 + c].tolist()) for b, c in enumerate(counts.tolist())]
         t0 = time.perf_counter()
-        tokens, mask = self.drafter.draft(keys)
+        tokens, mask = self.drafter.draft(keys)[:2]
         self.last_draft_s = time.perf_counter() - t0
         parents = tree_parents_batch(mask, d)
         out: list[tuple[Sequence[int], ...]] = []

@@ -8,7 +8,7 @@ import numpy as np
 import torch.distributed as dist
 
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.drafter import BatchDrafter
+from histospec_sgl.engine.drafter import BatchDrafter, StepDraft
 from histospec_sgl.plugin.tp import DraftBroadcast
 
 rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -27,13 +27,13 @@ for step in range(20):
             dr.sync(f"r{k}", [1, 2, 3], [10 + k, 11, 12, 13, 14, 15][: 1 + step % 5])
         if step == 7:
             # rank 0's drafting failed: it sends the empty draft
-            tokens = np.zeros(bs * d, np.int64)
-            mask = np.tile(np.tril(np.ones((d, d), np.int64)).ravel(), bs)
+            sent = StepDraft(np.zeros(bs * d, np.int64), np.tile(np.tril(np.ones((d, d), np.int64)).ravel(), bs),
+                             d, False)
         else:
-            tokens, mask = dr.draft([f"r{k}" for k in range(bs)])
-        tokens, mask = bc.share(tokens, mask, bs, d)
+            sent = dr.draft([f"r{k}" for k in range(bs)])
+        step_draft = bc.share(sent, bs, d)
     else:
-        tokens, mask = bc.share(None, None, bs, d)
-    got.append([tokens.tolist(), mask.tolist()])
+        step_draft = bc.share(None, bs, d)
+    got.append([step_draft.tokens.tolist(), step_draft.mask.tolist(), step_draft.width, step_draft.drafted])
 json.dump(got, open(out, "w"))
 dist.destroy_process_group()

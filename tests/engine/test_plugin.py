@@ -156,7 +156,7 @@ def test_draft_buffers_match_sglang_tree_reconstruction(sglang_py, tmp_path):
         dr.sync(rid, prompt, head)
         rids.append(rid)
         roots.append(head[-1])
-    tokens, mask = dr.draft(rids)
+    tokens, mask = dr.draft(rids)[:2]
     parents = check_contract(tokens, mask, roots, d)
     np.save(tmp_path / "mask.npy", mask)
     code = _sglang_tree_links(sglang_py) + textwrap.dedent(f"""
@@ -205,7 +205,9 @@ def test_tp_broadcast_gives_every_rank_rank0s_drafts(sglang_py, tmp_path):
     a = json.loads((tmp_path / "r0.json").read_text())
     b = json.loads((tmp_path / "r1.json").read_text())
     assert a == b and len(a) == 20
-    assert any(any(t[1:8]) for t, _ in a), "rank 0 drafted real nodes"
+    assert any(any(t[1:8]) for t, _, _, _ in a), "rank 0 drafted real nodes"
+    assert not a[7][3] and sum(drafted for _, _, _, drafted in a) >= 10  # step 7: the empty draft
+    assert {w for _, _, w, _ in a} == {8}
 
 
 def test_worker_glue_with_sglang_ngram_worker_on_cpu(sglang_py, tmp_path):

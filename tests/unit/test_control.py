@@ -569,13 +569,13 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
     for w in dr.policy.widths:
         _time_steps(dr.policy, 2, w, 100.0)
     _time_steps(dr.policy, 2, 1, 1.0)
-    tokens, _ = dr.draft(["a", "b"])
+    tokens, _ = dr.draft(["a", "b"])[:2]
     assert tokens.tolist() == [11, 11] and not dr.drafting and dr.width == 1
     dr.observe_step([0, 0])
     # At the same cost as plain decoding, any promised token pays: the widest draft promises most.
     for w in dr.policy.widths:
         dr.policy.clock.table[(w, 2)] = 1.0
-    tokens, _ = dr.draft(["a", "b"])
+    tokens, _ = dr.draft(["a", "b"])[:2]
     assert dr.width == d
     assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting
     dr.observe_step([7, 7])

@@ -76,7 +76,7 @@ def test_drafter_contract_and_sibling_drafting_on_real_completions():
         while active:
             for k in active:
                 dr.sync(rids[k], prompt, samples[k][:pos[k]])
-            tokens, mask = dr.draft([rids[k] for k in active])
+            tokens, mask = dr.draft([rids[k] for k in active])[:2]
             roots = [samples[k][pos[k] - 1] for k in active]
             parents = check_contract(tokens.copy(), mask.copy(), roots, d)
             steps += 1
@@ -139,7 +139,7 @@ def test_sync_batch_with_pending_tokens_equals_syncing_whole_contexts():
             items.append((rid, prompt, ctx[:head], ctx[head:], group))
         parts.sync_batch(items)
         rids = [r[0] for r in live]
-        a, b = whole.draft(rids), parts.draft(rids)
+        a, b = whole.draft(rids), parts.draft(rids)[:2]
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), f"step {step}"
         for i, (rid, _, full) in enumerate(live):
             t = a[0][i * d:(i + 1) * d]
@@ -170,7 +170,7 @@ def test_a_context_of_the_same_length_with_another_last_token_restarts_the_reque
     dr.sync_batch([("a", prompt, [1], [1], None)])  # [1] counted twice: the index holds 2 tokens
     assert dr.draft(["a"])[0][0] == 1
     dr.sync_batch([("a", prompt, [1], [2], None)])  # the real context: 2 tokens, the last one 2
-    tokens, _ = dr.draft(["a"])
+    tokens, _ = dr.draft(["a"])[:2]
     assert tokens[0] == 2
     dr.sync_batch([("a", prompt, [1, 2], [3], None)])
     assert dr.draft(["a"])[0][0] == 3
@@ -182,7 +182,7 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     prompt = [5, 6, 7]
     dr.add_finished(prompt, [1, 2, 3, 4, 5, 6])
     dr.sync("a", prompt, [1])
-    tokens, mask = dr.draft(["a"])
+    tokens, mask = dr.draft(["a"])[:2]
     assert tokens[:d].tolist() == [1, 2, 3, 4, 5, 6]  # the earlier response, as a chain
     # Retraction: SGLang rewinds a request; its context starts again, nothing breaks.
     dr.sync("a", prompt, [1, 2, 3])
@@ -192,10 +192,10 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     for r in ("b", "c"):
         dr.sync(r, prompt, [1])
     dr.policy = Fixed(1)
-    tokens, mask = dr.draft(["a", "b", "c"])
+    tokens, mask = dr.draft(["a", "b", "c"])[:2]
     assert tokens.tolist() == [1, 1, 1] and mask.tolist() == [1, 1, 1] and dr.width == 1
     # A caller whose verify path runs only d (SGLang's grammar batches) gets d, whatever the policy.
-    tokens, mask = dr.draft(["a", "b", "c"], width=d)
+    tokens, mask = dr.draft(["a", "b", "c"], width=d)[:2]
     dr.policy = Fixed(d)
     check_contract(tokens, mask, [1, 1, 1], d)
     assert dr.totals.drafted_steps == 3 and dr.totals.steps == 4
