@@ -218,6 +218,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
                               if n - widths_before.get(w, 0) > 0}
         row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
+        row["step_seconds_mean"] = step_seconds(srv, mean=True)
     return row
 
 
@@ -419,7 +420,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     total[w] = total.get(w, 0) + n
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
             continue
-        if k == "step_seconds":  # the step costs the policy had measured by the end of the last run
+        if k in ("step_seconds", "step_seconds_mean"):  # the step costs measured by the end of the last run
             out[k] = runs[-1][k]
             continue
         if k == _OUTPUTS:  # every run's outputs, in order

@@ -342,15 +342,16 @@ def context_mismatches(srv: EngineServer) -> int | None:
     return total
 
 
-def step_seconds(srv: EngineServer) -> dict[str, dict[str, float]]:
+def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
-    (``histospec:step_seconds``, with ``--enable-metrics``): width -> batch-size bucket -> seconds;
-    empty at a fixed width."""
+    (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
+    width -> batch-size bucket -> seconds; empty at a fixed width."""
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
         return out
+    name = "histospec:step_seconds_mean{" if mean else "histospec:step_seconds{"
     for line in srv.metrics().splitlines():
-        if line.startswith("histospec:step_seconds{"):
+        if line.startswith(name):
             width = line.split('width="', 1)[1].split('"', 1)[0]
             bucket = line.split('batch="', 1)[1].split('"', 1)[0]
             out.setdefault(width, {})[bucket] = float(line.rsplit(" ", 1)[1])

@@ -206,7 +206,7 @@ class CostModel:
     def decode_step(self, batch: int, width: int, started: float) -> None:
         pass
 
-    def step_costs(self) -> dict[tuple[int, int], float]:
+    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
 
     def summary(self) -> str:
@@ -262,6 +262,9 @@ class StepClock:
     samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     #: (width, bucket) -> its cost: the median of its samples.
     table: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: (width, bucket) -> the mean of its samples: what a run of such steps takes a step on average,
+    #: a few slow ones included (the median leaves them out; a row of steps pays them).
+    means: dict[tuple[int, int], float] = field(default_factory=dict)
     #: (width, bucket) -> the value of ``records`` when it was last timed.
     last: dict[tuple[int, int], int] = field(default_factory=dict)
     records: int = 0
@@ -291,6 +294,7 @@ class StepClock:
         xs.append(seconds)
         del xs[: -self.window]
         self.table[key] = sorted(xs)[(len(xs) - 1) // 2]
+        self.means[key] = sum(xs) / len(xs)
         self.last[key] = self.records
 
     def count(self, batch: int, width: int) -> int:
@@ -472,9 +476,10 @@ class EngineControl:
         came closest to paying."""
         return self.model.candidate if self.model.candidate > 1 else self.widths[-1]
 
-    def step_costs(self) -> dict[tuple[int, int], float]:
-        """Its clock's measured costs: seconds per (width, batch-size bucket)."""
-        return dict(self.clock.table)
+    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
+        """Its clock's measured costs: seconds per (width, batch-size bucket), the medians it prices
+        by (``mean``: the means of the same timings)."""
+        return dict(self.clock.means if mean else self.clock.table)
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

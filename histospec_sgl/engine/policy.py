@@ -92,8 +92,10 @@ class StepPolicy(Protocol):
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         ...
 
-    def step_costs(self) -> dict[tuple[int, int], float]:
-        """The step costs it measured: seconds per (width, batch-size bucket); empty if it times none."""
+    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
+        """The step costs it measured: seconds per (width, batch-size bucket), its robust estimates
+        (``mean``: the plain means of the same timings, what a run of such steps pays); empty if it
+        times none."""
         ...
 
     def summary(self) -> str:
@@ -132,7 +134,7 @@ class Fixed:
     def decode_step(self, batch: int, width: int, started: float) -> None:
         pass
 
-    def step_costs(self) -> dict[tuple[int, int], float]:
+    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
 
     def summary(self) -> str:

@@ -41,7 +41,8 @@ drafted, 0 if the cost model decoded it plainly), ``histospec:index_groups``,
 ``histospec:inflight_requests`` and, under the default step policy, ``histospec:step_seconds``: a
 decode step's cost as the policy measured it (the median of its last timings), per verify width
 (label ``width``; 1 is plain decoding) and batch-size bucket (label ``batch``: the bucket's largest
-batch, 1, 2, 4, 8, ...), the costs it chooses the width by.
+batch, 1, 2, 4, 8, ...), the costs it chooses the width by; ``histospec:step_seconds_mean``, the
+means of the same timings (a few slow steps lift a mean, not a median: what a run of steps pays).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
             fam["histospec:step_seconds"] = Gauge(
                 "histospec:step_seconds", "A decode step's measured cost per verify width and batch-size bucket.",
                 (*labelnames, "width", "batch"), registry=registry, multiprocess_mode="mostrecent")
+            fam["histospec:step_seconds_mean"] = Gauge(
+                "histospec:step_seconds_mean", "The mean of the timings histospec:step_seconds is the median of.",
+                (*labelnames, "width", "batch"), registry=registry, multiprocess_mode="mostrecent")
             _families[id(registry)] = fam
         return fam
 
@@ -130,11 +134,13 @@ class HistoryMetrics:
         self._labels = {k: str(v) for k, v in labels.items()}
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
-                   if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds")}
+                   if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds",
+                                   "histospec:step_seconds_mean")}
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._widths_family = fam["histospec:width_steps"]
         self._costs_family = fam["histospec:step_seconds"]
+        self._means_family = fam["histospec:step_seconds_mean"]
         self._widths: dict[int, Any] = {}
         self._seen: dict[str, float] = {}
         self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
@@ -198,5 +204,6 @@ class HistoryMetrics:
         self._m["histospec:index_tokens"].set(st["tokens"])
         self._m["histospec:index_bytes"].set(st["bytes"])
         self._m["histospec:inflight_requests"].set(st["requests"])
-        for (width, bucket), seconds in drafter.policy.step_costs().items():
-            self._costs_family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)
+        for family, mean in ((self._costs_family, False), (self._means_family, True)):
+            for (width, bucket), seconds in drafter.policy.step_costs(mean).items():
+                family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)

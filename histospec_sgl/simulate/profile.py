@@ -146,11 +146,15 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     had measured per verify width and batch-size bucket by the end of the row; later rows override
     earlier ones, as the server's clock does). These are per decode step at the batch actually
     running, the costs that a row's average over its passes hides (its prefill, its shrinking
-    tail). None when no row carries them (a result of fixed widths only, or from before they were
+    tail). The means of the clock's timings where the result has them (``step_seconds_mean``): a row
+    pays every step, the slow ones too, where the clock's median, which the policy chooses by, leaves
+    them out. None when no row carries them (a result of fixed widths only, or from before they were
     recorded)."""
     times: dict[tuple[int, int], float] = {}
-    for r in result.get("rows", []):
-        for w, by_bucket in (r.get("step_seconds") or {}).items():
+    rows = result.get("rows", [])
+    key = "step_seconds_mean" if any(r.get("step_seconds_mean") for r in rows) else "step_seconds"
+    for r in rows:
+        for w, by_bucket in (r.get(key) or {}).items():
             for b, seconds in by_bucket.items():
                 times[(int(w), int(b))] = float(seconds)
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):

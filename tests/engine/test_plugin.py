@@ -376,7 +376,8 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
 
 def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     """``histospec:step_seconds{width,batch}``: the costs the default policy times per verify width and
-    batch bucket, read from a real drafter into a real prometheus_client registry; none at a fixed width."""
+    batch bucket (and ``histospec:step_seconds_mean``, the means of the same timings), read from a real
+    drafter into a real prometheus_client registry; none at a fixed width."""
     r = run_sglang(sglang_py, """
         import json
         from prometheus_client import CollectorRegistry
@@ -388,15 +389,18 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
             reg = CollectorRegistry()
             dr = BatchDrafter(8, HistoryConfig(control=control))
             for w, s in ((1, 0.01), (8, 0.02), (4, 0.015)):
-                for _ in range(3):  # the default policy times them; a fixed width times nothing
+                for k in range(4):  # the default policy times them; a fixed width times nothing
                     dr.policy.decode_step(6, w, 0.0)
-                    dr.policy.begin(s)
+                    dr.policy.begin(s * (3 if k == 3 else 1))  # the last one slow
             HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg).refresh_index(dr)
-            out[control] = sorted((s.labels["width"], s.labels["batch"], s.value) for m in reg.collect()
-                                  for s in m.samples if s.name == "histospec:step_seconds")
+            for name in ("histospec:step_seconds", "histospec:step_seconds_mean"):
+                out[control + ("-mean" if name.endswith("_mean") else "")] = sorted((s.labels["width"], s.labels["batch"], round(s.value, 6))
+                                                  for m in reg.collect() for s in m.samples if s.name == name)
         print("RESULT " + json.dumps(out))
     """)
     got = result(r)
-    assert got["fixed"] == []
-    # The first timing of each width in a bucket is left out (warm-up): two of three kept, bucket 5-8.
+    assert got["fixed"] == got["fixed-mean"] == []
+    # The first timing of each width in a bucket is left out (warm-up): three of four kept, bucket
+    # 5-8, the last three times the others: the median leaves it out, the mean has it.
     assert got["cost"] == [["1", "8", 0.01], ["4", "8", 0.015], ["8", "8", 0.02]], got
+    assert got["cost-mean"] == [["1", "8", 0.016667], ["4", "8", 0.025], ["8", "8", 0.033333]], got

@@ -634,6 +634,13 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     assert m.step_s(4, 4, 0) == pytest.approx(0.040 + (0.080 - 0.040) * 2 / 6)
     assert from_engine_clock({**engine, "rows": rows[:1]}) is None
     assert from_engine_clock({**engine, "rows": [{"step_seconds": {"8": {"1": 0.02}}}]}) is None
+    # A row pays every step, the slow ones too: where the result has the means of the clock's timings
+    # (step_seconds_mean), they price the steps, not the medians the policy chose by.
+    means = [{**r, "step_seconds_mean": {w: {b: 2 * s for b, s in by.items()} for w, by in r["step_seconds"].items()}}
+             for r in rows[1:]]
+    prof = from_engine_clock({**engine, "rows": [rows[0], *means]})
+    assert prof is not None and {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]} == {
+        (1, 1): 0.022, (1, 4): 0.060, (2, 4): 0.080, (8, 1): 0.040, (8, 4): 0.160}
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():

@@ -248,9 +248,13 @@ def test_every_step_policy_has_the_one_interface():
         p.begin(0.5)
         assert isinstance(p.summary(), str) and p.calibration("sampled", 8) > 0
     assert [bool(p.step_costs()) for p in policies] == [False, False, False, False]  # a first timing is warm-up
-    policies[2].decode_step(4, 8, 1.0)
-    policies[2].begin(1.4)
+    for t0, dt in ((1.0, 0.4), (2.0, 0.4), (3.0, 1.0)):  # a slow step among steady ones
+        policies[2].decode_step(4, 8, t0)
+        policies[2].begin(t0 + dt)
+    # The median the policy chooses by leaves the slow step out; the mean, what a row pays, has it.
     assert policies[2].step_costs() == {(8, 4): pytest.approx(0.4)}
+    assert policies[2].step_costs(mean=True) == {(8, 4): pytest.approx(0.6)}
+    assert all(p.step_costs(mean=True) == {} for p in (policies[0], policies[1], policies[3]))
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
