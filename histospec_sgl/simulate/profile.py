@@ -148,8 +148,12 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     running, the costs that a row's average over its passes hides (its prefill, its shrinking
     tail). The means of the clock's timings where the result has them (``step_seconds_mean``): a row
     pays every step, the slow ones too, where the clock's median, which the policy chooses by, leaves
-    them out. None when no row carries them (a result of fixed widths only, or from before they were
-    recorded)."""
+    them out. A batch-size bucket whose plain step the clock never timed (the policy verified every
+    step there) is priced by the plain row's own average at that batch, not extrapolated from the
+    smaller buckets. None when no row carries them (a result of fixed widths only, or from before
+    they were recorded)."""
+    from histospec_sgl.engine.costmodel import bucket
+
     times: dict[tuple[int, int], float] = {}
     rows = result.get("rows", [])
     key = "step_seconds_mean" if any(r.get("step_seconds_mean") for r in rows) else "step_seconds"
@@ -159,9 +163,16 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
                 times[(int(w), int(b))] = float(seconds)
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
         return None
+    filled = []
+    for r in rows:
+        b = bucket(int(r.get("batch_size", 0) or 0))
+        if r.get("method") == "plain" and r.get("step_ms") and (1, b) not in times:
+            times[(1, b)] = float(r["step_ms"]) / 1e3
+            filled.append(b)
+    note = f"; plain steps at batch {', '.join(map(str, sorted(filled)))} from the plain rows' averages" if filled else ""
     return _measured_json(result, times, None, "engine-clock",
                           "the engine's own step clock during histospec-sgl bench engine",
-                          ", per batch-size bucket", result.get("command"))
+                          f", per batch-size bucket{note}", result.get("command"))
 
 
 def _measured_json(result: dict[str, Any], times: dict[tuple[int, int], float], name: str | None, suffix: str,

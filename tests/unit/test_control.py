@@ -641,6 +641,13 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     prof = from_engine_clock({**engine, "rows": [rows[0], *means]})
     assert prof is not None and {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]} == {
         (1, 1): 0.022, (1, 4): 0.060, (2, 4): 0.080, (8, 1): 0.040, (8, 4): 0.160}
+    # A bucket whose plain step the policy never ran (it verified every step at batch 64) is priced by
+    # the plain row's average there, not from the smaller buckets.
+    big = [*rows, {"method": "plain", "batch_size": 64, "step_ms": 120.0},
+           {"method": "history_cost", "batch_size": 64, "step_seconds": {"4": {"64": 0.15}}}]
+    prof = from_engine_clock({**engine, "rows": big})
+    points = {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]}
+    assert points[(1, 64)] == 0.120 and points[(1, 4)] == 0.030 and "plain steps at batch 64" in prof["description"]
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
