@@ -33,10 +33,10 @@ import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, sure_conditional, width_promises
+from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
 from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
-from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step
+from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step, sure_conditional, width_promises
 from histospec_sgl.engine.policy import Fixed, StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 

@@ -4,18 +4,85 @@
 step policy may choose (calibrated by request class, :meth:`Feedback.promises`), the width it
 chooses, each request's promise at that width, and which drafts are followed as shadow drafts (a
 plain step's at the width the policy names; a narrower verified step's widest beside it). The
-callers only carry it out: narrow the drafts, verify or decode, start the shadows.
+callers only carry it out: narrow the drafts, verify or decode, start the shadows. What each
+request's draft promises at each width is :func:`width_promises`, here too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.policy import StepPolicy
+
+
+def sure_conditional(draft_config: Mapping[str, Any]) -> float:
+    """The probability the index's estimate gives a continuation seen once behind a match of
+    unbounded length (docs/index.md): ``((1 - recency) + recency * (1 - recency_decay)) / (1 +
+    escape)``, 0.425 at the defaults. A greedy target is deterministic, so such a continuation is as
+    sure as the history can make one; a shorter match (more escape mass) or a split history is less."""
+    a, beta = float(draft_config["recency"]), float(draft_config["recency_decay"])
+    return ((1.0 - a) + a * (1.0 - beta)) / (1.0 + float(draft_config["escape"]))
+
+
+def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
+                   greedy: np.ndarray | None = None, sure: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """What each request's draft promises at each width, the one definition the engine's drafter and
+    the simulator use. ``probs[bs, d]``: each draft's path probabilities in SGLang's layout (node 0
+    the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``: a node is taken as at most as
+    probable as its parent, so that the most probable nodes form a subtree whatever the rounding; and
+    greedy rows' chains), ``greedy[bs]``: which requests decode greedily.
+
+    Returns ``(order, cum)``: ``order[b]`` the non-root nodes (1-based positions minus 1), most
+    probable first (a narrower draft keeps the first ``w - 1``), and ``cum[b, w - 2]`` the tokens
+    request b's width-w draft promises. A sampled request accepts a node about as often as its path
+    probability says, so its promise is their sum. A greedy one accepts a node exactly when it is the
+    target's argmax: its promise counts the kept nodes on its majority chain, each more probable
+    than its drafted siblings together, its parent on the chain too. The history's majority
+    continuation is where a greedy target goes when the history's distribution has its mode where
+    the target's has; a repeated greedy response, one occurrence behind a long match, has every
+    node at 0.4-0.7 of its parent (the rest is the estimate's mass for continuations never seen), a
+    path probability that falls by half or more every node or two, and accepts them all. ``sure``
+    (:func:`sure_conditional`): a chain node's conditional probability (its over its parent's) at
+    which it counts whole; one below counts that share of it, times its parent's, so a chain behind
+    a one-token match (conditionals near half of ``sure``) promises a token or two, not w - 1, while
+    a repeated response still promises its whole chain (None: every chain node counts whole)."""
+    bs, d = probs.shape
+    rows = np.arange(bs)
+    full = probs.astype(np.float64)
+    parents = tree_parents_batch(masks, d) if masks is not None and d > 1 else None
+    if parents is not None:
+        # No node above its parent (rounding, or a source that does not keep to it), so that the most
+        # probable nodes, ties going to the lower index (a parent's), always form a subtree.
+        bound = np.full(bs, np.inf)
+        for i in range(1, d):  # BFS order: a parent comes before its children
+            par = parents[:, i]
+            full[:, i] = np.minimum(full[:, i], np.where(par == 0, bound, full[rows, par]))
+    p = full[:, 1:]
+    order = np.argsort(-p, axis=1, kind="stable")
+    per_node = p
+    if greedy is not None and parents is not None and bool(np.any(greedy)):
+        kids = np.zeros((bs, d))  # each node's children's probabilities, summed
+        np.add.at(kids, (np.repeat(rows, d - 1), parents[:, 1:].reshape(-1)), full[:, 1:].reshape(-1))
+        chain = np.zeros((bs, d), dtype=bool)
+        chain[:, 0] = True
+        for i in range(1, d):  # BFS order: a parent comes before its children
+            par = parents[:, i]
+            chain[:, i] = chain[rows, par] & (full[:, i] > 0) & (2 * full[:, i] > kids[rows, par])
+        weight = chain.astype(np.float64)
+        if sure is not None:
+            for i in range(1, d):
+                above = full[rows, parents[:, i]]
+                cond = np.divide(full[:, i], above, out=np.zeros(bs), where=above > 0)
+                weight[:, i] *= weight[rows, parents[:, i]] * np.minimum(1.0, cond / sure)
+        per_node = np.where(greedy[:, None], weight[:, 1:], p)
+    cum = np.cumsum(np.take_along_axis(per_node, order, axis=1), axis=1)
+    return order, cum
 
 
 @dataclass(frozen=True)
@@ -44,8 +111,7 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
     running batch of ``batch`` (default: those), at mean ``context`` tokens with ``prefill`` prompt
     tokens joining it.
 
-    ``by_width[w]``: each request's promise at width ``w`` (:func:`~histospec_sgl.engine.costmodel.
-    width_promises`), at least at every width in ``policy.widths`` when the policy reads promises;
+    ``by_width[w]``: each request's promise at width ``w`` (:func:`~histospec_sgl.engine.plan.width_promises`), at least at every width in ``policy.widths`` when the policy reads promises;
     ``klasses``: each request's class (greedy, sampled), whose calibration scales its promises (None:
     classes unknown, the promises summed as they are); ``drafted``: whether each
     request has a draft (the index found nodes for it); ``keys``: each request's key in

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from histospec_sgl.engine.costmodel import EngineControl, width_promises
+from histospec_sgl.engine.costmodel import EngineControl
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
-from histospec_sgl.engine.plan import StepCounts, plan_step
+from histospec_sgl.engine.plan import StepCounts, plan_step, width_promises
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay

@@ -821,8 +821,8 @@ def test_a_greedy_request_is_promised_its_majority_chain():
     than its drafted siblings together, its parent on the chain), which a repeated greedy response
     fills and a split history does not. Written against the index's real drafts."""
     from histospec_sgl._core import HistoryIndex
-    from histospec_sgl.engine.costmodel import width_promises
     from histospec_sgl.engine.draft import tree_mask
+    from histospec_sgl.engine.plan import width_promises
 
     d = 8
     prompt = list(range(100, 120))
@@ -864,7 +864,7 @@ def test_a_greedy_chain_behind_a_short_match_promises_less():
     (one occurrence behind a long match) nearly its whole chain; without ``sure`` all three promise
     w - 1. Written against the index's real drafts."""
     from histospec_sgl._core import HistoryIndex
-    from histospec_sgl.engine.costmodel import sure_conditional, width_promises
+    from histospec_sgl.engine.plan import sure_conditional, width_promises
 
     d = 8
     prompt, repeat = list(range(100, 120)), list(range(500, 540))
@@ -1053,9 +1053,9 @@ def test_narrowing_never_keeps_a_node_without_its_parent():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from histospec_sgl.engine.costmodel import width_promises
     from histospec_sgl.engine.draft import tree_mask, tree_parents_batch
     from histospec_sgl.engine.drafter import narrow
+    from histospec_sgl.engine.plan import width_promises
 
     @st.composite
     def batches(draw):

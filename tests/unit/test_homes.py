@@ -37,6 +37,18 @@ def test_a_decode_steps_plan_is_decided_in_one_place():
     assert _defined("StepCounts") == ["engine/plan.py"]
 
 
+def test_a_finished_request_and_a_steps_draft_have_one_home():
+    """What a finished request does is decided by ``BatchDrafter.complete``: the worker, the replay and
+    the scale benchmark call it, and none of them finishes a request itself (the replay's draft-server
+    mode hands ``add_finished`` over as the publisher). A step's draft is one ``StepDraft``."""
+    assert _defined("complete") == ["engine/drafter.py"] and _defined("StepDraft") == ["engine/drafter.py"]
+    mods = _modules()
+    for user in ("plugin/worker.py", "replay/methods.py", "bench/scale_bench.py"):
+        assert _calls(mods[user], "complete") == 1 and _calls(mods[user], "finish") == 0, user
+    for user in ("plugin/worker.py", "bench/scale_bench.py"):  # the replay adds its history with it
+        assert _calls(mods[user], "add_finished") == 0, user
+
+
 def test_callers_use_the_step_policy_as_it_is():
     """No class checks of a step policy and no probing for its attributes outside the policies' own
     module: what the worker, the metrics, the feedback and the simulator need is on the protocol."""
