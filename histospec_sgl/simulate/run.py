@@ -127,7 +127,8 @@ CHECKED = ("history", "history_cost")
 def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
     """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
     from the result itself (the step costs the engine's clock measured,
-    :func:`~histospec_sgl.simulate.profile.from_engine_clock`, or else the rows' averages,
+    :func:`~histospec_sgl.simulate.profile.from_engine_clock`, as they stood at the end of the
+    default policy's row of the batch size checked, or else the rows' averages,
     :func:`~histospec_sgl.simulate.profile.from_engine_bench`), the same
     logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.simulate.trace`), and
     each measured row re-run in the simulator as the engine ran it: its requests in order, in
@@ -173,7 +174,12 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         # every simulated step of the row costs that, however many of its requests are still
         # running (the interpolation to the running batch would count the tail's smaller batches
         # twice: the average already holds them).
-        row_profile = profile if clock else AtBatch(profile, batch)
+        # The clock as it stood at the end of the default policy's row of this batch size (each
+        # bucket's last timings then): a later row's tail would reprice this row's steps.
+        at_row = clock and from_engine_clock({**engine, "rows": [
+            r for r in engine["rows"] if r["method"] == "plain"
+            or (r["method"], r["batch_size"], r["temperature"]) == ("history_cost", batch, temp)]})
+        row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
         if method == "history_cost":
             # The row's runs one after the other on the server's policy (the first run of the first
