@@ -180,18 +180,20 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             r for r in engine["rows"] if r["method"] == "plain"
             or (r["method"], r["batch_size"], r["temperature"]) == ("history_cost", batch, temp)]})
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
-        base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None)
+        plain_row = measured[("plain", batch, temp)]
+        base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None,
+                                                   overlap(plain_row))
         if method == "history_cost":
             # The row's runs one after the other on the server's policy (the first run of the first
             # row explores and calibrates, later ones use what it learned), their median as the
             # bench reports it.
             runs = sorted(((s, steps, used) for s, steps, _, used in
-                           (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control)
+                           (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row))
                             for _ in range(max(1, int(settings.get("repeats", 1)))))),
                           key=lambda run: run[:2])  # by time and steps (the width counts do not order)
             s, steps, used = runs[len(runs) // 2]
         else:
-            s, steps, _, used = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None)
+            s, steps, _, used = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row))
         out.append({"method": method, "batch_size": batch, "temperature": temp,
                     "predicted_speedup": round(base_s / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
@@ -207,6 +209,11 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
             "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
             "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
+
+
+def overlap(row: dict[str, Any]) -> bool:
+    """Whether a measured row's server ran SGLang's overlap scheduler (every row since it is recorded)."""
+    return bool(row.get("overlap", False))
 
 
 @dataclass(frozen=True)
@@ -233,12 +240,14 @@ class AtBatch:
 
 
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
-               width: int | None, control: Any) -> tuple[float, int, int, dict[int, int]]:
+               width: int | None, control: Any, overlap: bool = False) -> tuple[float, int, int, dict[int, int]]:
     """Simulated seconds of a trace row under one policy (a fixed ``width``, the engine's default
     policy ``control`` at widths up to ``d``, or plain decoding): its requests in batches of
     ``batch`` one after the other, each group's samples of earlier batches in the row added to its
     history, as the engine keeps them (``control`` keeps its clock and calibration over the row's
-    batches, as the server does). Returns its seconds, steps, tokens and steps per width."""
+    batches, as the server does); ``overlap``: under SGLang's overlap scheduler, a request's batch
+    runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`). Returns its seconds,
+    steps, tokens and steps per width."""
     from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens = 0.0, 0, 0
@@ -253,7 +262,8 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
             mine = [g.samples[si][:cap] for gj, si in chunk if gj == gi]
             sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths)
             done.setdefault(gi, []).extend(mine)
-        o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1))
+        o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1),
+                              overlap=overlap)
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)

@@ -137,7 +137,7 @@ class Outcome:
 
 
 def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, length_first: bool,
-             policy: StepPolicy | None = None, siblings: bool = True) -> Outcome:
+             policy: StepPolicy | None = None, siblings: bool = True, overlap: bool = False) -> Outcome:
     """Simulates one rollout step. ``policy`` chooses each step's verify width, as it does in the
     engine (:mod:`histospec_sgl.engine.policy`; None: plain decoding). New requests join when slots free up, in
     submission order or, with ``length_first``, longest predicted first (ties: submission order).
@@ -146,7 +146,9 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     known lengths: its history and its siblings that finished in this step
     (:func:`~histospec_sgl.length.expected_longest`); ``predicted`` for a group with none.
     Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
-    the step it joins."""
+    the step it joins. ``overlap``: as SGLang's overlap scheduler runs it, the step after a
+    request's last one was launched before its end was known, so the request stays in that step's
+    batch (its slot taken, its cost paid, nothing emitted) and its answer is out when that step ends."""
     if max_running < 1:
         raise ValueError(f"max_running must be >= 1, got {max_running}")
     policy = policy or Fixed(1)
@@ -174,22 +176,24 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     feedback = Feedback(policy, widest)
 
     running: list[list[int]] = []  # [request index, tokens generated]
+    lingering: list[int] = []  # under ``overlap``: requests that ended at the last step, in this one too
     t = 0.0
     finish: list[float] = []
     timeline: list[tuple[float, int, int, float]] = []
     counts = StepCounts()
-    while queue or running:
+    while queue or running or lingering:
         prefill = 0
-        if length_first and queue and len(running) < max_running:
+        if length_first and queue and len(running) + len(lingering) < max_running:
             # Longest predicted last (popped first); the sort is stable, so ties keep submission order.
             pred = predictions()
             queue.sort(key=lambda i: (pred[i], -i))
-        while queue and len(running) < max_running:
+        while queue and len(running) + len(lingering) < max_running:
             i = queue.pop()
             running.append([i, 0])
             prefill += reqs[i].prompt_len
-        bs = len(running)
-        context = sum(reqs[i].prompt_len + pos for i, pos in running) / bs
+        bs = len(running) + len(lingering)
+        context = (sum(reqs[i].prompt_len + pos for i, pos in running)
+                   + sum(reqs[i].prompt_len + reqs[i].length for i in lingering)) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
         klasses: list[str | None] = ["sampled"] * len(decoding)
         by_width = {w: np.array([reqs[i].promised[w][pos] for i, pos in decoding], np.float64)
@@ -232,10 +236,15 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         if decoding:
             feedback.verified(accepted)  # a plain step's entry is taken and measures nothing
         timeline.append((t, bs, w, emitted / bs))
+        finish.extend(t for _ in lingering)  # their answers are out once this step ends
+        lingering = []
         for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
             running.remove(entry)
             feedback.finished(entry[0])
-            finish.append(t)
+            if overlap:
+                lingering.append(entry[0])
+            else:
+                finish.append(t)
             finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
     policy.begin(t)
     finish.sort()

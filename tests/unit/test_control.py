@@ -159,6 +159,22 @@ def test_two_request_step_makespan_by_hand():
     assert plain.tail_s == 0.0
 
 
+def test_under_the_overlap_scheduler_a_request_runs_one_step_past_its_end():
+    """SGLang's overlap scheduler launches the next step before the last one's result is known: a
+    request stays in that step's batch (its slot taken, the step paid, nothing emitted) and its
+    answer is out when the step ends. The by-hand step above, and one slot for two requests."""
+    a = _req(5, accepted4=[0, 2, 0, 0, 0])
+    b = _req(2)
+    # Width 4: B ends at step 2 (t=4) and rides along in step 3 (out at 6); A ends at step 3 (t=6) and
+    # stays for step 4, alone (out at 8).
+    spec = run_step([a, b], FLAT, max_running=2, length_first=False, policy=Fixed(4), overlap=True)
+    assert (spec.makespan_s, spec.steps, spec.finish_s) == (8.0, 4, [6.0, 8.0])
+    # One slot, plain: A's 5 steps and its extra one before B's slot frees; then B's 2 and one more.
+    one = run_step([a, b], FLAT, max_running=1, length_first=False, overlap=True)
+    assert (one.makespan_s, one.steps, one.finish_s) == (9.0, 9, [6.0, 9.0])
+    assert run_step([a, b], FLAT, max_running=1, length_first=False).makespan_s == 7.0
+
+
 def test_length_first_admits_the_longest_predicted_first():
     # One slot; lengths 1, 1, 4 submitted in that order. FCFS: finishes at 1, 2, 6. Longest
     # predicted first: 4 first (t=4), then the short ones (5, 6). Same makespan, and the tail (from
