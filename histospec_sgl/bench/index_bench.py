@@ -64,6 +64,7 @@ import numpy as np
 
 from histospec_sgl import HistoryIndex, huge_pages
 from histospec_sgl.bench.workload import SPECS, Workload, generate
+from histospec_sgl.engine.draft import advance
 
 D = 16
 K = 16
@@ -136,7 +137,7 @@ def latency(
             want = truths[i][pos[i] : pos[i] + K]
             m = chains[i, : len(want)] == want
             acc = int(np.cumprod(m).sum()) if len(want) else 0
-            adv.append(min(acc + 1, max(len(truths[i]) - pos[i], 0)))
+            adv.append(advance(acc, len(truths[i]) - pos[i]))
         lens = np.asarray(adv, dtype=np.int64)
         flat = np.concatenate([truths[i][pos[i] : pos[i] + lens[i]] for i in range(n)]).astype(np.int32)
         return flat, lens

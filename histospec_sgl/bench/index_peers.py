@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.bench.workload import Workload
-from histospec_sgl.engine.draft import tree_parents
+from histospec_sgl.engine.draft import advance, tree_parents
 from histospec_sgl.replay.measure import Clocks, Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Method
 from histospec_sgl.replay.peers import SGLangNgram, sglang_ngram_corpus_class
@@ -171,7 +171,7 @@ class SGLangSAM:
                 toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
                 path = _longest_path(np.asarray(toks), tree_parents(mask, SGLANG_NODES))
                 acc = _matching(path[:K], truths[p], int(pos[p]))
-                pos[p] = min(pos[p] + acc + 1, len(truths[p]))
+                pos[p] += advance(acc, len(truths[p]) - int(pos[p]))
             t2 = time.perf_counter()
             t_tree.append(t1 - t0)
             t_chain.append(t2 - t1)

@@ -62,7 +62,7 @@ import numpy as np
 
 from histospec_sgl.bench.scale_load import run_load, run_restart, timed_restart
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.draft import tree_parents_batch, walk
+from histospec_sgl.engine.draft import advance, tree_parents_batch, walk
 from histospec_sgl.engine.drafter import BatchDrafter
 from histospec_sgl.sync.client import DraftServerError, HistoryPublisher
 from histospec_sgl.sync.engine import EngineSync
@@ -128,7 +128,7 @@ class Engine:
             for b, r in enumerate(live):
                 n = 1 + drafter.drafted(r.rid)
                 acc = walk(tokens[b * d:b * d + n], parents[b, :n], r.truth[r.pos:])[1]
-                step = min(acc + 1, len(r.truth) - r.pos)
+                step = advance(acc, len(r.truth) - r.pos)
                 r.pos += step
                 self.steps += 1
                 self.emitted += step

@@ -20,6 +20,13 @@ if TYPE_CHECKING:  # the native module loads on first use (histospec_sgl/__init_
 __all__ = ["Draft", "draft", "tree_mask", "tree_parents", "tree_parents_batch", "walk", "write_empty"]
 
 
+def advance(accepted: int, left: int) -> int:
+    """Tokens a verify step emits: its ``accepted`` draft tokens and the one the target samples after
+    them, never past the response's end (``left`` tokens to go). The one advance rule of the replay,
+    the benchmarks and the simulator's traces."""
+    return min(accepted + 1, max(left, 0))
+
+
 def walk(tokens: Sequence[int] | Any, parents: Sequence[int] | Any, seq: Any, node: int = 0, *,
          leaf_ends: bool = False) -> tuple[int, int, bool]:
     """Tree verification's walk, written once (the replay's acceptance, the simulator's traces and

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
-from histospec_sgl.engine.draft import walk
+from histospec_sgl.engine.draft import advance, walk
 from histospec_sgl.replay.methods import Method
 from histospec_sgl.replay.scenarios import Case
 
@@ -177,7 +177,7 @@ def replay(method: Method, tracks: Sequence[Track], num_nodes: int, *, every_pos
         steps = []
         for tr, d in zip(live, drafts):
             acc = walk_(d, tr.truth, tr.pos)
-            steps.append(Step(tr, d, acc, min(acc + 1, len(tr.truth) - tr.pos)))
+            steps.append(Step(tr, d, acc, advance(acc, len(tr.truth) - tr.pos)))
         yield steps
         for s in steps:
             tr = s.track

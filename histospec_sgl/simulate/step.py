@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import EngineControl
+from histospec_sgl.engine.draft import advance
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.plan import StepCounts, plan_step, width_promises
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
@@ -224,12 +225,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         for entry in running:
             i, pos = entry
             r = reqs[i]
-            adv = 1
+            acc = 0
             if pos > 0 and w > 1:
                 acc = int(r.accepted[w][pos])
-                adv += acc
                 accepted.append(acc)
-            adv = min(adv, r.length - pos)
+            adv = advance(acc, r.length - pos)
             entry[1] += adv
             emitted += adv
             feedback.advanced(i, range(adv))

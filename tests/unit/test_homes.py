@@ -49,6 +49,20 @@ def test_a_finished_request_and_a_steps_draft_have_one_home():
         assert _calls(mods[user], "add_finished") == 0, user
 
 
+def test_the_advance_rule_is_written_once():
+    """A verify step emits its accepted tokens and one more, never past the end: ``engine/draft.py``
+    ``advance``, which the replay loop, the benchmarks' loops and the simulator call, none writing it
+    again (no ``acc + 1`` anywhere else in the package)."""
+    mods = _modules()
+    assert [path for path, tree in mods.items() for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name == "advance"] == ["engine/draft.py"]
+    for user in ("replay/measure.py", "bench/index_bench.py", "bench/index_peers.py", "bench/scale_bench.py",
+                 "simulate/step.py"):
+        assert _calls(mods[user], "advance") >= 1, user
+    again = [p.relative_to(PKG) for p in PKG.rglob("*.py") if p.name != "draft.py" and "acc + 1" in p.read_text()]
+    assert again == []
+
+
 def test_callers_use_the_step_policy_as_it_is():
     """No class checks of a step policy and no probing for its attributes outside the policies' own
     module: what the worker, the metrics, the feedback and the simulator need is on the protocol."""
