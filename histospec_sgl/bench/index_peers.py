@@ -28,7 +28,7 @@ from histospec_sgl.bench.workload import Workload
 from histospec_sgl.engine.draft import advance, tree_parents
 from histospec_sgl.replay.measure import Clocks, Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Method
-from histospec_sgl.replay.peers import SGLangNgram, sglang_ngram_corpus_class
+from histospec_sgl.replay.peers import SGLangNgram, inserted, sglang_ngram_corpus_class
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.
@@ -219,7 +219,7 @@ class SGLangTriePeer:
 
     @staticmethod
     def _history(c: Any, w: Workload, p: int) -> None:
-        c.batch_put([w.prompts[p][-DEPTH:].tolist() + r.tolist() for r in w.epoch1[p]])
+        c.batch_put([inserted(w.prompts[p], r, DEPTH) for r in w.epoch1[p]])
 
     def run(self, w: Workload, rss: Callable[[], int], steps: int, acc_prompts: int,
             latency_requests: int, measure_ingest: bool = True) -> dict[str, Any]:

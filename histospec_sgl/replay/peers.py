@@ -12,6 +12,13 @@ from histospec_sgl._core import TriePeer
 from histospec_sgl.engine.draft import tree_parents
 
 
+def inserted(prompt: Sequence[int] | Any, response: Sequence[int] | Any, depth: int) -> list[int]:
+    """A finished response as SGLang's NGRAM worker inserts it into its trie: behind its prompt's
+    last ``depth`` tokens (its ``max_trie_depth``), so that a match may start in the prompt. The one
+    rule of the replay's trie peers and ``bench index``'s."""
+    return [*(int(t) for t in prompt[len(prompt) - min(depth, len(prompt)):]), *(int(t) for t in response)]
+
+
 class SGLangTrie:
     """Model of SGLang's NGRAM trie (recency BFS, depth 18, breadth 1..10), see ``TriePeer``.
 
@@ -55,7 +62,7 @@ class SGLangTrie:
         if not self.per_prompt and not self.visible:
             return
         self._prompt(prompt)
-        self.trie.insert(list(prompt[-self.depth :]) + list(response))
+        self.trie.insert(inserted(prompt, response, self.depth))
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
         self._prompt(prompt)
@@ -151,7 +158,7 @@ class SGLangNgram:
         # Online, the engine saw these only if it decoded them since the last weight update.
         if self.visible:
             self._ensure(self.d or 16)
-            self.corpus.batch_put([list(prompt[-self.depth:]) + list(response)])
+            self.corpus.batch_put([inserted(prompt, response, self.depth)])
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
         self.ctx[rid] = list(prompt)

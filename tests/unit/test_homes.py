@@ -61,6 +61,10 @@ def test_the_advance_rule_is_written_once():
         assert _calls(mods[user], "advance") >= 1, user
     again = [p.relative_to(PKG) for p in PKG.rglob("*.py") if p.name != "draft.py" and "acc + 1" in p.read_text()]
     assert again == []
+    # How SGLang's worker inserts a response into its trie, for the replay's trie peers and bench
+    # index's: once.
+    assert _defined("inserted") == ["replay/peers.py"]
+    assert _calls(mods["replay/peers.py"], "inserted") == 2 and _calls(mods["bench/index_peers.py"], "inserted") == 1
 
 
 def test_callers_use_the_step_policy_as_it_is():
