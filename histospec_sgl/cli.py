@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def reference() -> str:
     """docs/cli.md's command reference: every command's ``--help``, as its parser prints it at 100
-    columns (tests/test_cli_doc.py keeps the page equal to it)."""
+    columns (tests/docs/test_docs.py keeps docs/cli.md equal to it)."""
     from histospec_sgl.plugin.launch import _parser as launch_parser
 
     def walk(p: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
