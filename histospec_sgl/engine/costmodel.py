@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from histospec_sgl.engine.clock import StepClock, bucket
 from histospec_sgl.engine.draft import walk
-from histospec_sgl.engine.policy import Profile, interpolate
+from histospec_sgl.engine.policy import Profile
 
 
 @dataclass
@@ -173,118 +174,6 @@ class ShadowDraft:
         self.node, matched, ended = walk(self.tokens, self.parents, tokens, self.node, leaf_ends=True)
         self.accepted += matched
         return ended
-
-
-def bucket(batch: int) -> int:
-    """Batch sizes share a measured step cost within powers of two: 1, 2, 3-4, 5-8, ..."""
-    return 1 << max(batch - 1, 0).bit_length()
-
-
-@dataclass
-class StepClock:
-    """Step costs measured on the running engine: the time from one decode step's start to the
-    next's, per verify width and batch-size bucket. A bucket's cost at a width is the median of its
-    last ``window`` timings, so that one slow step (the first of a shape, a pause of the host) does
-    not move it. A profile (:class:`~histospec_sgl.engine.policy.Profile`) once a bucket has both
-    widths measured."""
-
-    name: str = "measured online"
-    description: str = "step costs timed by the engine as it runs"
-    analytic: bool = False
-    window: int = 9
-    #: (width, bucket) -> its last timings, oldest first.
-    samples: dict[tuple[int, int], list[float]] = field(default_factory=dict)
-    #: (width, bucket) -> its cost: the median of its samples.
-    table: dict[tuple[int, int], float] = field(default_factory=dict)
-    #: (width, bucket) -> the mean of its samples: what a run of such steps takes a step on average,
-    #: a few slow ones included (the median leaves them out; a row of steps pays them).
-    means: dict[tuple[int, int], float] = field(default_factory=dict)
-    #: (width, bucket) -> the value of ``records`` when it was last timed.
-    last: dict[tuple[int, int], int] = field(default_factory=dict)
-    records: int = 0
-
-    #: An interval this many times the bucket's estimate held more than a step (the engine idled).
-    outlier: float = 5.0
-    #: The first timings of each width in each bucket are left out: the first forward of a shape
-    #: warms caches and allocators (and on a fresh server can take several steps' time), and before
-    #: any estimate exists nothing else would tell such a step from a real cost.
-    warmup: int = 1
-    #: (width, bucket) -> timings left out as warm-up so far.
-    warmed: dict[tuple[int, int], int] = field(default_factory=dict)
-    #: bucket -> the steps timed in it so far (every width).
-    timed: dict[int, int] = field(default_factory=dict)
-
-    def record(self, batch: int, width: int, seconds: float) -> None:
-        key = (width, bucket(batch))
-        if self.warmed.get(key, 0) < self.warmup:
-            self.warmed[key] = self.warmed.get(key, 0) + 1
-            return
-        old = self.table.get(key)
-        if old is not None and seconds > self.outlier * old:
-            return
-        self.records += 1
-        self.timed[key[1]] = self.timed.get(key[1], 0) + 1
-        xs = self.samples.setdefault(key, [])
-        xs.append(seconds)
-        del xs[: -self.window]
-        self.table[key] = sorted(xs)[(len(xs) - 1) // 2]
-        self.means[key] = sum(xs) / len(xs)
-        self.last[key] = self.records
-
-    def count(self, batch: int, width: int) -> int:
-        return len(self.samples.get((width, bucket(batch)), ()))
-
-    def age(self, batch: int, width: int) -> int:
-        """Steps timed since this width was last timed in this batch size's bucket."""
-        return self.records - self.last.get((width, bucket(batch)), 0)
-
-    def known(self, batch: int, width: int) -> bool:
-        return (width, bucket(batch)) in self.table
-
-    def steps_in(self, batch: int) -> int:
-        """Steps timed in this batch size's bucket so far."""
-        return self.timed.get(bucket(batch), 0)
-
-    def _by_bucket(self) -> dict[int, list[tuple[int, float]]]:
-        """:attr:`table` by bucket: each bucket's measured (width, cost), by width."""
-        out: dict[int, list[tuple[int, float]]] = {}
-        for (w, b), cost in sorted(self.table.items()):
-            out.setdefault(b, []).append((w, cost))
-        return out
-
-    @staticmethod
-    def _lender(b: int, by_bucket: dict[int, list[tuple[int, float]]]) -> int | None:
-        """The nearest bucket to ``b`` (the smaller of two as near) with two widths or more measured."""
-        full = [bb for bb, ws in by_bucket.items() if bb != b and len(ws) > 1]
-        return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
-
-    def priced(self, batch: int) -> bool:
-        """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
-        measured, or another bucket has, to borrow from."""
-        b, per = bucket(batch), self._by_bucket()
-        return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
-
-    def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
-        """The bucket's measured cost at ``width``; a width not measured there yet is interpolated
-        linearly in the width between the nearest measured ones (a verify step's cost grows with
-        the nodes it verifies), and measured once it is chosen. A bucket with fewer than two widths
-        measured prices each width as the nearest bucket that has two does (:meth:`_lender`),
-        scaled to agree with its own cost where it has one: what a width costs against another
-        carries over between neighbouring batch sizes better than not knowing at all."""
-        b = bucket(batch)
-        cost = self.table.get((width, b))
-        if cost is not None:
-            return cost
-        per = self._by_bucket()
-        own = per.get(b, [])
-        if len(own) > 1:
-            return interpolate(own, width)
-        lender = self._lender(b, per)
-        if lender is None:
-            raise KeyError((width, b))
-        theirs = per[lender]
-        scale = own[0][1] / interpolate(theirs, own[0][0]) if own else 1.0
-        return interpolate(theirs, width) * scale
 
 
 def verify_widths(d: int) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ class Profile(Protocol):
     """Step costs: how long one engine step takes for a running batch of ``batch`` requests that
     verifies ``width`` tokens each (1: plain decoding) at a mean context of ``context`` tokens, plus
     the prompt tokens prefilled in the same step. The engine measures its own
-    (:class:`~histospec_sgl.engine.costmodel.StepClock`); the simulator's analytic and measured
+    (:class:`~histospec_sgl.engine.clock.StepClock`); the simulator's analytic and measured
     profiles are in :mod:`histospec_sgl.simulate.profile`."""
 
     @property

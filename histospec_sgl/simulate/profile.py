@@ -74,7 +74,7 @@ class Measured:
     ``context_s_per_token`` adds the KV read per running request and context token, and
     ``prefill_s_per_token`` the prefill. A width that was not timed is interpolated linearly between
     the nearest timed widths (a verify step's cost grows with the nodes it verifies; the engine's
-    own clock, :class:`~histospec_sgl.engine.costmodel.StepClock`, prices an untimed width the same
+    own clock, :class:`~histospec_sgl.engine.clock.StepClock`, prices an untimed width the same
     way), and beyond the widest takes the widest."""
 
     name: str
@@ -142,7 +142,7 @@ def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str |
 
 def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     """A measured profile from the step costs a ``bench engine`` result's default-policy rows carry
-    (``step_seconds``: what the engine's own clock, :class:`~histospec_sgl.engine.costmodel.StepClock`,
+    (``step_seconds``: what the engine's own clock, :class:`~histospec_sgl.engine.clock.StepClock`,
     had measured per verify width and batch-size bucket by the end of the row; later rows override
     earlier ones, as the server's clock does). These are per decode step at the batch actually
     running, the costs that a row's average over its passes hides (its prefill, its shrinking

@@ -519,6 +519,37 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     assert ec.clock.step_s(16, 8) == 6.0
 
 
+def test_a_timing_is_priced_at_the_batch_asked_about():
+    """A bucket spans batch sizes (33-64): a width timed in a row's tail (batch 36) and another timed
+    at its top (64) are compared at the batch asked about, as a fixed part plus a part per request,
+    not as if both ran at one size. Here steps cost 0.02 s plus 12, 19 and 26 ms per request at
+    widths 1, 4 and 8: width 8 timed at 36 is 0.96 s, but at 64 it costs 1.68 s, more than width 4's
+    1.24 s, and width 4 gives more tokens per second there."""
+    ec = EngineControl(d=8, widths=(4, 8))
+    per_request = {1: 0.012, 4: 0.019, 8: 0.026}
+
+    def cost(w: int, batch: int) -> float:
+        return 0.02 + per_request[w] * batch
+
+    for batch in (1, 2, 4, 8, 16, 32):
+        for w in (1, 8):
+            _time_steps(ec, batch, w, cost(w, batch))
+    _time_steps(ec, 64, 1, cost(1, 64))
+    _time_steps(ec, 36, 8, cost(8, 36))
+    _time_steps(ec, 64, 4, cost(4, 64))
+    assert ec.clock.fixed(1) == pytest.approx(0.02) and ec.clock.fixed(8) == pytest.approx(0.02)
+    for batch in (36, 48, 64):
+        for w in (1, 4, 8):
+            assert ec.clock.step_s(batch, w) == pytest.approx(cost(w, batch), rel=1e-6), (batch, w)
+    # The table is each width's cost at the bucket's largest batch, as the metrics and the simulator read it.
+    assert ec.clock.table[(8, 64)] == pytest.approx(cost(8, 64))
+    ec.clock.timed[64] = ec.settle  # the bucket has run long enough to trust what it measured
+    promised = {4: 64 * 1.5, 8: 64 * 2.0}
+    assert ec.choose(promised, 64) == 4
+    # Priced as timed (width 8 at 0.96 s whatever the batch), width 8 would have looked best.
+    assert (64 + promised[8]) / cost(8, 36) > (64 + promised[4]) / cost(4, 64)
+
+
 def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_prices():
     """At a batch size its prices are borrowed for (or interpolated between the widths it measured),
     the policy runs each width that comes within ``contend`` of the best until it has timed it there,
@@ -554,7 +585,7 @@ def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
     # the host) is kept out by the median of three.
     for took in (60.0, 2.0, 8.0, 2.0):
         ec.clock.record(1, 8, took)
-    assert ec.clock.samples[(8, 1)] == [2.0, 8.0, 2.0]
+    assert ec.clock.samples[(8, 1)] == [(1, 2.0), (1, 8.0), (1, 2.0)]
     _time_steps(ec, 1, 1, 1.0)
     assert ec.clock.step_s(1, 8) == 2.0
     assert ec.choose({ec.d: 1.5}, 1) == 8  # 2.5 tokens / 2 s beat 1 / 1 s
@@ -590,7 +621,7 @@ def test_drafter_under_the_cost_model_drafts_only_where_it_pays():
     dr.observe_step([0, 0])
     # At the same cost as plain decoding, any promised token pays: the widest draft promises most.
     for w in dr.policy.widths:
-        dr.policy.clock.table[(w, 2)] = 1.0
+        _time_steps(dr.policy, 2, w, 1.0, n=dr.policy.clock.window)
     tokens, _ = dr.draft(["a", "b"])[:2]
     assert dr.width == d
     assert tokens.reshape(2, d)[:, 1:4].tolist() == [[12, 13, 14], [12, 13, 14]] and dr.drafting

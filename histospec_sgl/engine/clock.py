@@ -1,0 +1,190 @@
+"""The engine's step clock: what a decode step costs per verify width and batch size, timed as the
+engine runs (:class:`StepClock`), the prices the default step policy
+(:class:`~histospec_sgl.engine.costmodel.EngineControl`) chooses by."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from histospec_sgl.engine.policy import interpolate
+
+
+def bucket(batch: int) -> int:
+    """Batch sizes share a measured step cost within powers of two: 1, 2, 3-4, 5-8, ..."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class StepClock:
+    """Step costs measured on the running engine: the time from one decode step's start to the
+    next's, per verify width and batch-size bucket, each timing kept with the batch it ran at. A
+    timing is priced at another batch size as a fixed part plus a part per request
+    (:meth:`fixed`), so that a width timed in a bucket's tail (batch 33) and another timed at its
+    top (batch 64) are compared at the batch asked about. A bucket's cost at a width and batch is the
+    median of its last ``window`` timings so priced, so that one slow step (the first of a shape, a
+    pause of the host) does not move it. A profile (:class:`~histospec_sgl.engine.policy.Profile`)
+    once a bucket has both widths measured."""
+
+    name: str = "measured online"
+    description: str = "step costs timed by the engine as it runs"
+    analytic: bool = False
+    window: int = 9
+    #: (width, bucket) -> its last timings, oldest first, as (batch, seconds).
+    samples: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
+    #: (width, bucket) -> the value of ``records`` when it was last timed.
+    last: dict[tuple[int, int], int] = field(default_factory=dict)
+    records: int = 0
+
+    #: An interval this many times the bucket's estimate held more than a step (the engine idled).
+    outlier: float = 5.0
+    #: The first timings of each width in each bucket are left out: the first forward of a shape
+    #: warms caches and allocators (and on a fresh server can take several steps' time), and before
+    #: any estimate exists nothing else would tell such a step from a real cost.
+    warmup: int = 1
+    #: (width, bucket) -> timings left out as warm-up so far.
+    warmed: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: bucket -> the steps timed in it so far (every width).
+    timed: dict[int, int] = field(default_factory=dict)
+    #: width -> the fixed part of its step's cost (:meth:`fixed`), where its timings give one.
+    fixed_s: dict[int, float] = field(default_factory=dict)
+    #: (width, bucket) -> the median batch and the median seconds of its timings.
+    points: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    _costs: tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]] | None = None
+
+    def record(self, batch: int, width: int, seconds: float) -> None:
+        key = (width, bucket(batch))
+        if self.warmed.get(key, 0) < self.warmup:
+            self.warmed[key] = self.warmed.get(key, 0) + 1
+            return
+        if self.samples.get(key) and seconds > self.outlier * self.price(batch, width):
+            return
+        self.records += 1
+        self.timed[key[1]] = self.timed.get(key[1], 0) + 1
+        xs = self.samples.setdefault(key, [])
+        xs.append((batch, seconds))
+        del xs[: -self.window]
+        self.last[key] = self.records
+        self.points[key] = (_median([b for b, _ in xs]), _median([t for _, t in xs]))
+        fit = _fixed_part([p for (w, _), p in self.points.items() if w == width])
+        if fit is None:
+            self.fixed_s.pop(width, None)
+        else:
+            self.fixed_s[width] = fit
+        self._costs = None
+
+    @property
+    def table(self) -> dict[tuple[int, int], float]:
+        """(width, bucket) -> its cost at the bucket's largest batch (the batch its key names): the
+        median of its timings priced there."""
+        return self._tables()[0]
+
+    @property
+    def means(self) -> dict[tuple[int, int], float]:
+        """(width, bucket) -> the mean of the same priced timings: what a run of such steps takes a
+        step on average, a few slow ones included (the median leaves them out; a row pays them)."""
+        return self._tables()[1]
+
+    def _tables(self) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+        if self._costs is None:
+            table, means = {}, {}
+            for (w, b), xs in self.samples.items():
+                if xs:
+                    priced = self._priced(xs, w, b)
+                    table[(w, b)] = _median(priced)
+                    means[(w, b)] = sum(priced) / len(priced)
+            self._costs = (table, means)
+        return self._costs
+
+    def fixed(self, width: int) -> float | None:
+        """The part of a width-``width`` step's cost that does not grow with the batch: the intercept
+        of its cost against the batch size (Theil-Sen over its buckets' median timings, at most their
+        smallest), or plain decoding's where the width has not been timed at two batch sizes. A
+        timing at batch ``b`` is priced at batch ``n`` as ``fixed + (seconds - fixed) * n / b``. None
+        until plain decoding has been timed at two batch sizes: a timing is then its price at any
+        batch of its bucket."""
+        return self.fixed_s.get(width, self.fixed_s.get(1))
+
+    def _priced(self, xs: Sequence[tuple[int, float]], width: int, batch: int) -> list[float]:
+        """The timings ``xs`` (batch, seconds) of ``width``, priced at ``batch``."""
+        f = self.fixed(width)
+        if f is None:
+            return [s for _, s in xs]
+        return [f + max(s - f, 0.0) * batch / b for b, s in xs]
+
+    def price(self, batch: int, width: int) -> float:
+        """The median of the bucket's timings at ``width`` priced at ``batch`` (measured there)."""
+        return _median(self._priced(self.samples[(width, bucket(batch))], width, batch))
+
+    def count(self, batch: int, width: int) -> int:
+        return len(self.samples.get((width, bucket(batch)), ()))
+
+    def age(self, batch: int, width: int) -> int:
+        """Steps timed since this width was last timed in this batch size's bucket."""
+        return self.records - self.last.get((width, bucket(batch)), 0)
+
+    def known(self, batch: int, width: int) -> bool:
+        return bool(self.samples.get((width, bucket(batch))))
+
+    def steps_in(self, batch: int) -> int:
+        """Steps timed in this batch size's bucket so far."""
+        return self.timed.get(bucket(batch), 0)
+
+    def _by_bucket(self) -> dict[int, list[int]]:
+        """Each bucket's measured widths, in order."""
+        out: dict[int, list[int]] = {}
+        for (w, b), xs in sorted(self.samples.items()):
+            if xs:
+                out.setdefault(b, []).append(w)
+        return out
+
+    @staticmethod
+    def _lender(b: int, by_bucket: dict[int, list[int]]) -> int | None:
+        """The nearest bucket to ``b`` (the smaller of two as near) with two widths or more measured."""
+        full = [bb for bb, ws in by_bucket.items() if bb != b and len(ws) > 1]
+        return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
+
+    def priced(self, batch: int) -> bool:
+        """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
+        measured, or another bucket has, to borrow from."""
+        b, per = bucket(batch), self._by_bucket()
+        return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
+
+    def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
+        """The bucket's measured cost at ``width`` priced at ``batch``; a width not measured there
+        yet is interpolated linearly in the width between the nearest measured ones (a verify step's
+        cost grows with the nodes it verifies), and measured once it is chosen. A bucket with fewer
+        than two widths measured prices each width as the nearest bucket that has two does
+        (:meth:`_lender`), scaled to agree with its own cost where it has one: what a width costs
+        against another carries over between neighbouring batch sizes better than not knowing at
+        all."""
+        b = bucket(batch)
+        if self.known(batch, width):
+            return self.price(batch, width)
+        per = self._by_bucket()
+        own = [(w, self.price(batch, w)) for w in per.get(b, [])]
+        if len(own) > 1:
+            return interpolate(own, width)
+        lender = self._lender(b, per)
+        if lender is None:
+            raise KeyError((width, b))
+        theirs = [(w, self.price(lender, w)) for w in per[lender]]
+        scale = own[0][1] / interpolate(theirs, own[0][0]) if own else 1.0
+        return interpolate(theirs, width) * scale
+
+
+def _median(xs: Sequence[float]) -> float:
+    """The lower median (an observed value)."""
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
+def _fixed_part(points: Sequence[tuple[float, float]]) -> float | None:
+    """The intercept of the Theil-Sen line through ``points`` (batch, seconds): the median of the
+    slopes between points at different batch sizes, then the median intercept, held between 0 and
+    the smallest cost (a step costs at least its fixed part). None without two batch sizes."""
+    slopes = [(s1 - s0) / (b1 - b0) for i, (b0, s0) in enumerate(points) for b1, s1 in points[i + 1:] if b1 != b0]
+    if not slopes:
+        return None
+    slope = sorted(slopes)[len(slopes) // 2]
+    f = sorted(s - slope * b for b, s in points)[len(points) // 2]
+    return min(max(f, 0.0), min(s for _, s in points))
