@@ -12,7 +12,11 @@ Metrics as for ours (``index_bench``): ingest and RSS growth, the 256-request ba
 included), greedy chain acceptance at k=16 at every position and simulated tokens per verify step
 with 16-node trees. Acceptance drives each peer through its replay adapter (``replay.methods``
 ``SGLangNgram`` over the bench's corpora, ``replay.arctic.ArcticMethod`` over its stores), the one
-``histospec-sgl replay`` drives; the timed per-step calls are each peer's own batch calls.
+``histospec-sgl replay`` drives, and so does the timing (:func:`peer_latency`): 256 requests, one per
+prompt, decode their epoch-2 responses together through the replay's loop, and each step's time in
+the peer's own calls (its batch call where it has one) is what its method counts
+(``index_ns``), as ours counts its index's. The classes here build each peer's stores (the ingest
+and memory measured) and say which replay methods drive them.
 """
 
 from __future__ import annotations
@@ -25,10 +29,9 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.bench.workload import Workload
-from histospec_sgl.engine.draft import advance, tree_parents
-from histospec_sgl.replay.measure import Clocks, Track, accept_greedy, replay
+from histospec_sgl.replay.measure import Clocks, Track, replay
 from histospec_sgl.replay.methods import Method
-from histospec_sgl.replay.peers import SGLangNgram, inserted, sglang_ngram_corpus_class
+from histospec_sgl.replay.peers import PerPrompt, SGLangNgram, inserted, sglang_ngram_corpus_class
 
 DEPTH = 18
 #: Draft nodes (root included) and chain length, as for ours.
@@ -110,6 +113,50 @@ def replay_acceptance(w: Workload, prompts: int, method: Callable[[int, str], Me
     }
 
 
+def _by_prompt(w: Workload) -> dict[tuple[int, ...], int]:
+    """Each prompt's index by its tokens (a :class:`~histospec_sgl.replay.peers.PerPrompt` key)."""
+    return {tuple(int(t) for t in prompt): p for p, prompt in enumerate(w.prompts)}
+
+
+def timed_steps(method: Any, w: Workload, n: int, nodes: int, steps: int, warm: int = 500) -> tuple[list[int], list[int]]:
+    """Nanoseconds per step drafting and updating, as ``method`` counts its store's calls: the
+    epoch-2 responses of the first ``n`` prompts (one request each, from their token ``warm`` on)
+    decode together through the replay's loop (:func:`~histospec_sgl.replay.measure.replay`) with
+    ``nodes``-node drafts, for ``steps`` steps. A step's update is what comes between its draft and
+    the next (its tokens appended, and the windows a trie inserts before drafting)."""
+    tracks = [Track(p, w.prompts[p].tolist(), w.epoch2(p, 0).tolist(), start=warm) for p in range(n)]
+    clocks = Clocks(method)
+    drafts: list[int] = []
+    updates: list[int] = []
+    d0 = u0 = 0
+    run = replay(method, tracks, nodes, clocks=clocks)
+    for i, _ in enumerate(run):
+        if i:
+            updates.append(clocks.update_ns - u0)
+        if i == steps:
+            break
+        drafts.append(clocks.draft_ns - d0)
+        d0, u0 = clocks.draft_ns, clocks.update_ns
+    run.close()
+    return drafts, updates
+
+
+def peer_latency(w: Workload, n: int, steps: int, tree: Any, tree_nodes: int, chain: Any = None,
+                 chain_nodes: int = 0, update: bool = True) -> dict[str, float]:
+    """A peer's per-step times on ``n`` requests (:func:`timed_steps`), medians in ms: its ``tree``
+    method's drafts (``batch_draft_ms_per_step``) and updates (``update_ms_per_step``, unless the
+    store takes no request output), and its ``chain`` method's drafts (``batch_chain_ms_per_step``)."""
+    n = min(n, len(w.prompts))
+    ms = lambda xs: float(np.median(xs) / 1e6)  # noqa: E731
+    drafts, updates = timed_steps(tree, w, n, tree_nodes, steps)
+    out = {"batch_draft_ms_per_step": ms(drafts)}
+    if update:
+        out["update_ms_per_step"] = ms(updates)
+    if chain is not None:
+        out["batch_chain_ms_per_step"] = ms(timed_steps(chain, w, n, chain_nodes, steps)[0])
+    return out
+
+
 class SGLangSAM:
     """One SGLang ``NgramCorpus`` per prompt, drafting only from its external-corpus SAM."""
 
@@ -155,34 +202,13 @@ class SGLangSAM:
         return res
 
     def _latency(self, w: Workload, tree: list[Any], chain: list[Any], steps: int, n: int) -> dict[str, float]:
-        n = min(n, len(w.prompts))
-        truths = [w.epoch2(p, 0) for p in range(n)]
-        pos = np.full(n, 500, dtype=np.int64)
-        rid = [f"lat-{p}" for p in range(n)]
-        t_tree, t_chain = [], []
-        for _ in range(steps):
-            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
-            wins = [c[-DEPTH:].tolist() for c in ctx]
-            t0 = time.perf_counter()
-            for p in range(n):
-                tree[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-            t1 = time.perf_counter()
-            for p in range(n):
-                toks, mask = chain[p].batch_get([rid[p]], [wins[p]], [len(ctx[p])])
-                path = _longest_path(np.asarray(toks), tree_parents(mask, SGLANG_NODES))
-                acc = _matching(path[:K], truths[p], int(pos[p]))
-                pos[p] += advance(acc, len(truths[p]) - int(pos[p]))
-            t2 = time.perf_counter()
-            t_tree.append(t1 - t0)
-            t_chain.append(t2 - t1)
-        for p in range(n):
-            tree[p].erase_match_state([rid[p]])
-            chain[p].erase_match_state([rid[p]])
-        return {
-            "batch_draft_ms_per_step": float(np.median(t_tree) * 1e3),
-            # The chain column includes our acceptance bookkeeping in Python: an upper bound.
-            "batch_chain_ms_per_step_upper_bound": float(np.median(t_chain) * 1e3),
-        }
+        route = _by_prompt(w)
+
+        def over(corpora: list[Any]) -> PerPrompt:  # immutable once built: no request output goes in
+            return PerPrompt(self.name, lambda key: SGLangNgram(corpus=corpora[route[key]], nodes=SGLANG_NODES,
+                                                                insert_own=False))
+
+        return peer_latency(w, n, steps, over(tree), SGLANG_NODES, over(chain), SGLANG_NODES, update=False)
 
     def _acceptance(self, w: Workload, tree: list[Any], chain: list[Any], prompts: int) -> dict[str, float]:
         # The SAM cannot take the request's own output (immutable after its build).
@@ -244,30 +270,8 @@ class SGLangTriePeer:
         return res
 
     def _latency(self, w: Workload, c: Any, steps: int, n: int) -> dict[str, float]:
-        n = min(n, len(w.prompts))
-        truths = [w.epoch2(p, 0) for p in range(n)]
-        pos = np.full(n, 500, dtype=np.int64)
-        rids = [f"lat-{p}" for p in range(n)]
-        t_tree, t_upd = [], []
-        for _ in range(steps):
-            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
-            wins = [x[-DEPTH:].tolist() for x in ctx]
-            t0 = time.perf_counter()
-            c.batch_put(wins)
-            c.synchronize()
-            t1 = time.perf_counter()
-            toks, mask = c.batch_get(rids, wins, [len(x) for x in ctx])
-            t2 = time.perf_counter()
-            toks = np.asarray(toks).reshape(n, SGLANG_NODES)
-            mask = np.asarray(mask).reshape(n, -1)
-            for p in range(n):
-                a = accept_greedy(toks[p], tree_parents(mask[p], SGLANG_NODES), truths[p], int(pos[p]))
-                pos[p] = min(pos[p] + a + 1, len(truths[p]))
-            t_upd.append(t1 - t0)
-            t_tree.append(t2 - t1)
-        c.erase_match_state(rids)
-        ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
-        return {"batch_draft_ms_per_step": ms(t_tree), "update_ms_per_step": ms(t_upd)}
+        # One corpus for every request, each request's window inserted every step, as the worker does.
+        return peer_latency(w, n, steps, SGLangNgram(corpus=c, nodes=SGLANG_NODES), SGLANG_NODES)
 
     def _acceptance(self, w: Workload, prompts: int) -> dict[str, float]:
         def method(p: int, kind: str) -> SGLangNgram:
@@ -327,49 +331,25 @@ class ArcticPeer:
         res.update(self._acceptance(w, stores, acc_prompts))
         return res
 
+    def _method(self, store: Any, settings: Any) -> Any:
+        """The replay's Arctic method over ``store``; a replayed response leaves it when it ends (it
+        must not draft for the next one; ours finishes with keep=False)."""
+        m = self.arctic.ArcticMethod(self.name, lambda: store, settings, "", keep=False)
+        m.reset(True)
+        return m
+
     def _latency(self, w: Workload, stores: list[Any], steps: int, n: int) -> dict[str, float]:
-        n = min(n, len(w.prompts))
-        truths = [w.epoch2(p, 0) for p in range(n)]
-        pos = np.full(n, 500, dtype=np.int64)
-        hs = []
-        for p in range(n):
-            h = stores[p].begin(w.prompts[p])
-            stores[p].extend(h, truths[p][:500])
-            hs.append(h)
-        t_tree, t_chain, t_upd = [], [], []
-        for _ in range(steps):
-            ctx = [np.concatenate([w.prompts[p], truths[p][: pos[p]]]) for p in range(n)]
-            t0 = time.perf_counter()
-            for p in range(n):
-                stores[p].speculate(hs[p], ctx[p], D - 1, self.tree_s)
-            t1 = time.perf_counter()
-            drafts = [stores[p].speculate(hs[p], ctx[p], K, self.chain_s) for p in range(n)]
-            t2 = time.perf_counter()
-            adv = [min(_matching(drafts[p].token_ids, truths[p], int(pos[p])) + 1, len(truths[p]) - int(pos[p]))
-                   for p in range(n)]
-            t3 = time.perf_counter()
-            for p in range(n):
-                stores[p].extend(hs[p], truths[p][pos[p] : pos[p] + adv[p]])
-            t4 = time.perf_counter()
-            pos += np.asarray(adv, dtype=np.int64)
-            t_tree.append(t1 - t0)
-            t_chain.append(t2 - t1)
-            t_upd.append(t4 - t3)
-        for p in range(n):
-            # The replayed response must not stay for the next one (ours finishes with keep=False).
-            stores[p].finish(hs[p], keep=False)
-        ms = lambda xs: float(np.median(xs) * 1e3)  # noqa: E731
-        return {
-            "batch_draft_ms_per_step": ms(t_tree),
-            "batch_chain_ms_per_step": ms(t_chain),
-            "update_ms_per_step": ms(t_upd),
-        }
+        route = _by_prompt(w)
+
+        def over(settings: Any) -> Any:
+            if not self.per_prompt:
+                return self._method(stores[0], settings)
+            return PerPrompt(self.name, lambda key: self._method(stores[route[key]], settings))
+
+        return peer_latency(w, n, steps, over(self.tree_s), D, over(self.chain_s), K + 1)
 
     def _acceptance(self, w: Workload, stores: list[Any], prompts: int) -> dict[str, float]:
         def method(p: int, kind: str) -> Any:
-            settings = self.chain_s if kind == "chain" else self.tree_s
-            m = self.arctic.ArcticMethod(self.name, lambda: stores[p], settings, "", keep=False)
-            m.reset(True)
-            return m
+            return self._method(stores[p], self.chain_s if kind == "chain" else self.tree_s)
 
         return replay_acceptance(w, prompts, method)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
@@ -131,7 +131,7 @@ class Clocks:
 
 def replay(method: Method, tracks: Sequence[Track], num_nodes: int, *, every_position: bool = False,
            accept: Callable[[tuple, Sequence[int], int], int] | None = None,
-           clocks: Clocks | None = None) -> Iterator[list[Step]]:
+           clocks: Clocks | None = None) -> Generator[list[Step], None, None]:
     """The replay loop, written once: ``tracks`` decode together as one batch, a verify step at a
     time. Each step every live request drafts ``num_nodes`` nodes (one ``draft_batch`` call where the
     method has it, as the worker drafts a decode batch), the draft is accepted along the logged
@@ -139,7 +139,8 @@ def replay(method: Method, tracks: Sequence[Track], num_nodes: int, *, every_pos
     step is yielded to the caller, and each request advances by its step's tokens (one token with
     ``every_position``, so acceptance is read at every position), which the method is told; a
     request whose response is complete finishes. Methods that are bounds, not drafters, are shown
-    the logged response first (``reveal``)."""
+    the logged response first (``reveal``). Closed early (the caller stops iterating), the requests
+    still live finish."""
     if num_nodes < 2:
         raise ValueError("a draft needs at least 2 nodes (the root and one draft token)")
     walk_ = accept or (lambda d, truth, pos: accept_greedy(d[0], d[1], truth, pos))
@@ -158,43 +159,50 @@ def replay(method: Method, tracks: Sequence[Track], num_nodes: int, *, every_pos
             method.finish(tr.rid)
         else:
             live.append(tr)
-    while live:
-        if batch is not None:
-            # One call for the whole batch (which also brings the index up to the last step's
-            # tokens, as the worker does); its time is shared out over the measured requests.
-            share = sum(tr.measured for tr in live) / len(live)
-            t0, u0 = clk.draft(), clk.update()
-            drafts = batch([tr.rid for tr in live], num_nodes)
-            clk.draft_ns += int((clk.draft() - t0) * share)
-            clk.update_ns += int((clk.update() - u0) * share)
-        else:
-            drafts = []
-            for tr in live:
-                t0 = clk.draft()
-                drafts.append(method.draft(tr.rid, num_nodes))
+    try:
+        while live:
+            if batch is not None:
+                # One call for the whole batch (which also brings the index up to the last step's
+                # tokens, as the worker does); its time is shared out over the measured requests.
+                share = sum(tr.measured for tr in live) / len(live)
+                t0, u0 = clk.draft(), clk.update()
+                drafts = batch([tr.rid for tr in live], num_nodes)
+                clk.draft_ns += int((clk.draft() - t0) * share)
+                clk.update_ns += int((clk.update() - u0) * share)
+            else:
+                drafts = []
+                for tr in live:
+                    t0 = clk.draft()
+                    drafts.append(method.draft(tr.rid, num_nodes))
+                    if tr.measured:
+                        clk.draft_ns += clk.draft() - t0
+            steps = []
+            for tr, d in zip(live, drafts):
+                acc = walk_(d, tr.truth, tr.pos)
+                steps.append(Step(tr, d, acc, advance(acc, len(tr.truth) - tr.pos)))
+            yield steps
+            for s in steps:
+                tr = s.track
+                adv = 1 if every_position else s.emit
+                t0 = clk.update()
+                method.extend(tr.rid, list(tr.truth[tr.pos : tr.pos + adv]))  # type: ignore[arg-type]
                 if tr.measured:
-                    clk.draft_ns += clk.draft() - t0
-        steps = []
-        for tr, d in zip(live, drafts):
-            acc = walk_(d, tr.truth, tr.pos)
-            steps.append(Step(tr, d, acc, advance(acc, len(tr.truth) - tr.pos)))
-        yield steps
-        for s in steps:
-            tr = s.track
-            adv = 1 if every_position else s.emit
-            t0 = clk.update()
-            method.extend(tr.rid, list(tr.truth[tr.pos : tr.pos + adv]))  # type: ignore[arg-type]
-            if tr.measured:
-                clk.update_ns += clk.update() - t0
-            tr.pos += adv
-            tr.steps += 1
-            tr.emitted += s.emit
-        for tr in [tr for tr in live if tr.pos >= len(tr.truth)]:
-            live.remove(tr)
-            u0 = clk.update()
+                    clk.update_ns += clk.update() - t0
+                tr.pos += adv
+                tr.steps += 1
+                tr.emitted += s.emit
+            for tr in [tr for tr in live if tr.pos >= len(tr.truth)]:
+                live.remove(tr)
+                u0 = clk.update()
+                method.finish(tr.rid)
+                if tr.measured and clk.own:
+                    clk.update_ns += clk.update() - u0  # its last tokens reach the index here
+    except GeneratorExit:
+        # Closed before its requests ended (a caller that takes only some steps): they finish, so
+        # that the method holds none in flight.
+        for tr in live:
             method.finish(tr.rid)
-            if tr.measured and clk.own:
-                clk.update_ns += clk.update() - u0  # its last tokens reach the index here
+        raise
 
 
 def run_method(

@@ -5,8 +5,11 @@ corpus, prompt lookup, and the copy bounds."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from histospec_sgl._core import TriePeer
 from histospec_sgl.engine.draft import tree_parents
@@ -110,9 +113,12 @@ def sglang_ngram_corpus_class() -> Any:
 class SGLangNgram:
     """SGLang's own NGRAM corpus (the C++ trie its NGRAM worker drafts from, JIT-built on first use),
     driven as the worker drives it online: one corpus for every request, each request's last
-    ``max_trie_depth`` tokens inserted once per step, ``batch_get`` on the same window, the corpus
-    reset at every weight update (here: at every case, like ``sglang_trie_global``). Needs sglang
-    (``.venv-sglang``), ninja and a C++ compiler (see :func:`sglang_ngram_corpus_class`).
+    ``max_trie_depth`` tokens inserted once per step, one ``batch_get`` for the step's batch on the
+    same windows (:meth:`draft_batch`), the corpus reset at every weight update (here: at every
+    case, like ``sglang_trie_global``). The time spent in the corpus's own calls is counted
+    (:meth:`index_ns`: ``batch_get`` drafting; ``batch_put`` and waiting for its insert thread
+    updating), as ours counts its index's. Needs sglang (``.venv-sglang``), ninja and a C++ compiler
+    (see :func:`sglang_ngram_corpus_class`).
     """
 
     name = "sglang_ngram_global"
@@ -122,8 +128,8 @@ class SGLangNgram:
                  insert_own: bool = True):
         """``corpus``: drive this ``NgramCorpus`` (built for ``nodes`` draft tokens, loaded by the
         caller, kept by :meth:`reset`) instead of one made per draft size (``bench index`` drives its
-        per-prompt corpora this way). ``insert_own``: insert each request's window as it grows, as the
-        worker does (False for a corpus that takes no request output, like the external-corpus SAM)."""
+        corpora this way). ``insert_own``: insert each request's window as it grows, as the worker
+        does (False for a corpus that takes no request output, like the external-corpus SAM)."""
         self._cls = sglang_ngram_corpus_class()
         self.kw = dict(min_bfs_breadth=min_breadth, max_bfs_breadth=max_breadth, match_type=match_type,
                        capacity=capacity, max_trie_depth=depth, external_sam_budget=0,
@@ -137,6 +143,15 @@ class SGLangNgram:
         self.visible = True
         self.ctx: dict[int, list[int]] = {}
         self.inserted: dict[int, int] = {}
+        # Text put into the corpus that its insert thread may not have taken yet (a corpus handed in
+        # may hold the caller's).
+        self.unsynced = self.bound
+        self.draft_ns = 0
+        self.update_ns = 0
+
+    def index_ns(self) -> tuple[int, int]:
+        """Nanoseconds spent in the corpus's drafting and updating calls so far."""
+        return self.draft_ns, self.update_ns
 
     def _ensure(self, d: int) -> None:
         if self.bound:
@@ -154,26 +169,48 @@ class SGLangNgram:
         self.ctx.clear()
         self.inserted.clear()
 
+    def _put(self, texts: list[list[int]]) -> None:
+        t0 = time.perf_counter_ns()
+        self.corpus.batch_put(texts)
+        self.update_ns += time.perf_counter_ns() - t0
+        self.unsynced = True
+
     def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
         # Online, the engine saw these only if it decoded them since the last weight update.
         if self.visible:
             self._ensure(self.d or 16)
-            self.corpus.batch_put([inserted(prompt, response, self.depth)])
+            self._put([inserted(prompt, response, self.depth)])
 
     def begin(self, rid: int, prompt: Sequence[int]) -> None:
         self.ctx[rid] = list(prompt)
         self.inserted[rid] = len(prompt)  # the prompt body is never inserted (SGLang's FIXME)
 
-    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+    def draft_batch(self, rids: Sequence[int], num_nodes: int) -> list[tuple[Sequence[int], Sequence[int]]]:
+        """One decode step's drafts for ``rids``, as the worker draws them: the windows that grew are
+        inserted in one ``batch_put``, then one ``batch_get`` for the whole batch."""
         self._ensure(num_nodes)
-        ctx = self.ctx[rid]
-        window = ctx[-self.depth:]
-        if self.insert_own and self.inserted[rid] < len(ctx):
-            self.corpus.batch_put([window])
-            self.inserted[rid] = len(ctx)
-        self.corpus.synchronize()
-        toks, mask = self.corpus.batch_get([str(rid)], [window], [len(ctx)])
-        return [int(t) for t in toks], tree_parents(mask, num_nodes).tolist()
+        wins = [self.ctx[rid][-self.depth:] for rid in rids]
+        if self.insert_own:
+            grew = [w for rid, w in zip(rids, wins) if self.inserted[rid] < len(self.ctx[rid])]
+            for rid in rids:
+                self.inserted[rid] = len(self.ctx[rid])
+            if grew:
+                self._put(grew)
+        t0 = time.perf_counter_ns()
+        if self.unsynced:
+            self.corpus.synchronize()
+            self.unsynced = False
+        t1 = time.perf_counter_ns()
+        toks, mask = self.corpus.batch_get([str(r) for r in rids], wins, [len(self.ctx[r]) for r in rids])
+        t2 = time.perf_counter_ns()
+        self.update_ns += t1 - t0
+        self.draft_ns += t2 - t1
+        toks = np.asarray(toks).reshape(len(rids), num_nodes)
+        mask = np.asarray(mask).reshape(len(rids), -1)
+        return [(toks[i].tolist(), tree_parents(mask[i], num_nodes).tolist()) for i in range(len(rids))]
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], Sequence[int]]:
+        return self.draft_batch([rid], num_nodes)[0]
 
     def extend(self, rid: int, tokens: Sequence[int]) -> None:
         self.ctx[rid].extend(tokens)
@@ -183,6 +220,85 @@ class SGLangNgram:
             self.corpus.erase_match_state([str(rid)])
         del self.ctx[rid]
         del self.inserted[rid]
+
+
+class PerPrompt:
+    """Several methods behind the replay's one interface, one per prompt: a request is drafted by
+    its prompt's (``method(prompt)``, made at the prompt's first request), as a store per prompt
+    serves a decode batch of many prompts (``bench index`` drives its peers' per-prompt stores this
+    way). A step's batch goes to each prompt's method in one call where it has ``draft_batch``.
+    :meth:`index_ns` adds up the time of its methods' calls: what each counts of its own store
+    (``index_ns``), or else the call's wall time."""
+
+    def __init__(self, name: str, method: Callable[[tuple[int, ...]], Any]):
+        self.name = name
+        self.description = f"{name}, a store per prompt"
+        self.make = method
+        self.methods: dict[tuple[int, ...], Any] = {}
+        self.of: dict[int, Any] = {}
+        self.ns = [0, 0]  # drafting, updating
+
+    def index_ns(self) -> tuple[int, int]:
+        return self.ns[0], self.ns[1]
+
+    def _call(self, m: Any, which: int, fn: Callable[[], Any]) -> Any:
+        """``fn()``, a call to ``m``: the time ``m`` counts in it (drafting and updating alike), or
+        its wall time as ``which`` (0 drafting, 1 updating)."""
+        own = getattr(m, "index_ns", None)
+        before = own() if own else None
+        t0 = time.perf_counter_ns()
+        try:
+            return fn()
+        finally:
+            if own is not None and before is not None:
+                after = own()
+                self.ns[0] += after[0] - before[0]
+                self.ns[1] += after[1] - before[1]
+            else:
+                self.ns[which] += time.perf_counter_ns() - t0
+
+    def reset(self, case_online_visible: bool, num_nodes: int = 16) -> None:
+        for m in self.methods.values():
+            m.reset(case_online_visible, num_nodes)
+
+    def _method(self, prompt: Sequence[int]) -> Any:
+        key = tuple(int(t) for t in prompt)
+        if key not in self.methods:
+            self.methods[key] = self.make(key)
+        return self.methods[key]
+
+    def add_history(self, prompt: Sequence[int], response: Sequence[int]) -> None:
+        self._method(prompt).add_history(prompt, response)
+
+    def begin(self, rid: int, prompt: Sequence[int]) -> None:
+        self.of[rid] = self._method(prompt)
+        self.of[rid].begin(rid, prompt)
+
+    def draft_batch(self, rids: Sequence[int], num_nodes: int) -> list[tuple[Sequence[int], ...]]:
+        by: dict[int, list[int]] = {}
+        for i, rid in enumerate(rids):
+            by.setdefault(id(self.of[rid]), []).append(i)
+        out: list[Any] = [None] * len(rids)
+        for idx in by.values():
+            m = self.of[rids[idx[0]]]
+            mine = [rids[i] for i in idx]
+            batch = getattr(m, "draft_batch", None)
+            drafts = self._call(m, 0, lambda: batch(mine, num_nodes) if batch else  # noqa: B023
+                                [m.draft(r, num_nodes) for r in mine])  # noqa: B023
+            for i, d in zip(idx, drafts):
+                out[i] = d
+        return out
+
+    def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], ...]:
+        return self.draft_batch([rid], num_nodes)[0]
+
+    def extend(self, rid: int, tokens: Sequence[int]) -> None:
+        m = self.of[rid]
+        self._call(m, 1, lambda: m.extend(rid, tokens))
+
+    def finish(self, rid: int) -> None:
+        m = self.of.pop(rid)
+        self._call(m, 1, lambda: m.finish(rid))
 
 
 class PromptLookup:

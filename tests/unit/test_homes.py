@@ -56,8 +56,7 @@ def test_the_advance_rule_is_written_once():
     mods = _modules()
     assert [path for path, tree in mods.items() for node in tree.body
             if isinstance(node, ast.FunctionDef) and node.name == "advance"] == ["engine/draft.py"]
-    for user in ("replay/measure.py", "bench/index_bench.py", "bench/index_peers.py", "bench/scale_bench.py",
-                 "simulate/step.py"):
+    for user in ("replay/measure.py", "bench/index_bench.py", "bench/scale_bench.py", "simulate/step.py"):
         assert _calls(mods[user], "advance") >= 1, user
     again = [p.relative_to(PKG) for p in PKG.rglob("*.py") if p.name != "draft.py" and "acc + 1" in p.read_text()]
     assert again == []
@@ -65,6 +64,20 @@ def test_the_advance_rule_is_written_once():
     # index's: once.
     assert _defined("inserted") == ["replay/peers.py"]
     assert _calls(mods["replay/peers.py"], "inserted") == 2 and _calls(mods["bench/index_peers.py"], "inserted") == 1
+
+
+def test_the_peers_are_one_set_of_adapters_driven_by_the_replays_loop():
+    """``bench index`` times and scores its peers through the replay's loop and the replay's adapters:
+    its own module builds their stores and calls none of their drafting or updating calls itself."""
+    mods = _modules()
+    bench = mods["bench/index_peers.py"]
+    assert _calls(bench, "replay") == 3  # acceptance (chains, trees) and timing
+    # (Building SGLang's trie puts its history in with ``batch_put`` and waits: ``synchronize``.)
+    for call in ("batch_get", "speculate", "speculate_ndarray", "extend", "draft", "draft_batch"):
+        assert _calls(bench, call) == 0, call
+    assert _defined("PerPrompt") == ["replay/peers.py"]
+    for adapter in ("SGLangNgram", "PerPrompt"):
+        assert _defined(adapter) == ["replay/peers.py"], adapter
 
 
 def test_callers_use_the_step_policy_as_it_is():

@@ -83,6 +83,58 @@ def test_the_replay_loop_advances_by_the_step_or_by_one_position():
         next(replay(m, [], 1))
 
 
+def test_a_store_per_prompt_drafts_each_request_from_its_own_prompts_history():
+    """``PerPrompt`` (how ``bench index`` drives its peers' per-prompt stores through the replay's
+    loop): two prompts, each with its own history, decode as one batch; each request drafts from its
+    prompt's store alone, as if replayed on its own, and a replay closed after some steps finishes
+    the requests still in flight. ``timed_steps`` reads the store's own time (``index_ns``) per step."""
+    from histospec_sgl.bench.index_peers import timed_steps
+    from histospec_sgl.bench.workload import W1, generate
+    from histospec_sgl.replay.peers import PerPrompt
+
+    a, b = list(range(100, 130)), list(range(200, 230))
+    made: list[tuple[int, ...]] = []
+
+    def per_prompt(key: tuple[int, ...]) -> PromptLookup:
+        made.append(key)
+        m = PromptLookup()
+        m.add_history(list(key), a if key == (1,) else b)
+        return m
+
+    m = PerPrompt("lookup", per_prompt)
+    run = replay(m, [Track(1, [1], a), Track(2, [2], b)], 8)
+    first = next(run)
+    assert [s.accepted for s in first] == [7, 7] and sorted(made) == [(1,), (2,)]
+    run.close()
+    assert m.of == {} and all(not x.reqs for x in m.methods.values())
+    # Alone, each drafts the same.
+    alone = PromptLookup()
+    alone.add_history([1], a)
+    assert [s.draft for s in next(replay(alone, [Track(1, [1], a)], 8))] == [first[0].draft]
+
+    class Counted(PromptLookup):
+        """Prompt lookup that counts 1000 ns per draft call and 10 per updated request."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ns = [0, 0]
+
+        def index_ns(self) -> tuple[int, int]:
+            return self.ns[0], self.ns[1]
+
+        def draft(self, rid, num_nodes):
+            self.ns[0] += 1000
+            return super().draft(rid, num_nodes)
+
+        def extend(self, rid, tokens):
+            self.ns[1] += 10
+            super().extend(rid, tokens)
+
+    w = generate(W1, prompts=3)
+    drafts, updates = timed_steps(Counted(), w, 3, 8, steps=4)
+    assert drafts == [3000] * 4 and updates == [30] * 4
+
+
 def test_the_simulators_draft_probabilities_are_the_engines():
     """``Ours(probs=True)`` drafts through ``BatchDrafter.draft_nodes``: the same trees the worker's
     fixed-width drafts are, with each node's path probability (non-increasing from parent to child;
