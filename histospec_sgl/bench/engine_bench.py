@@ -60,6 +60,7 @@ from histospec_sgl import settings
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
+    prefill_seconds_per_token,
     running,
     step_seconds,
     verify_steps,
@@ -219,6 +220,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
                               if n - widths_before.get(w, 0) > 0}
         row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
+        row["prefill_s_per_token"] = prefill_seconds_per_token(srv)  # None at a fixed width
     return row
 
 
@@ -420,7 +422,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     total[w] = total.get(w, 0) + n
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
             continue
-        if k in ("step_seconds", "step_seconds_mean"):  # the step costs measured by the end of the last run
+        if k in ("step_seconds", "step_seconds_mean", "prefill_s_per_token"):  # measured by the end of the last run
             out[k] = runs[-1][k]
             continue
         if k == _OUTPUTS:  # every run's outputs, in order

@@ -342,6 +342,17 @@ def context_mismatches(srv: EngineServer) -> int | None:
     return total
 
 
+def prefill_seconds_per_token(srv: EngineServer) -> float | None:
+    """A HISTORY server's prefill time per prompt token as its step policy timed it
+    (``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
+    if srv.method != "history":
+        return None
+    for line in srv.metrics().splitlines():
+        if line.startswith("histospec:prefill_seconds_per_token{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):

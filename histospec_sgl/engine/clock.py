@@ -50,6 +50,9 @@ class StepClock:
     fixed_s: dict[int, float] = field(default_factory=dict)
     #: (width, bucket) -> the median batch and the median seconds of its timings.
     points: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    #: The last prefill forward passes' seconds per prompt token, oldest first.
+    prefills: list[float] = field(default_factory=list)
+    prefill_warmed: int = 0
     _costs: tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]] | None = None
 
     def record(self, batch: int, width: int, seconds: float) -> None:
@@ -72,6 +75,22 @@ class StepClock:
         else:
             self.fixed_s[width] = fit
         self._costs = None
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill forward pass of ``tokens`` prompt tokens took ``seconds`` (start to the next
+        forward's start). Not a decode step: the policy does not price it, the simulator charges it."""
+        per = seconds / tokens
+        if self.prefill_warmed < self.warmup:  # a fresh server's first prefill warms it up
+            self.prefill_warmed += 1
+            return
+        if self.prefills and per > self.outlier * self.prefill_s_per_token():  # type: ignore[operator]
+            return
+        self.prefills.append(per)
+        del self.prefills[: -self.window]
+
+    def prefill_s_per_token(self) -> float | None:
+        """The median of the last prefill forward passes' seconds per prompt token (None: none yet)."""
+        return _median(self.prefills) if self.prefills else None
 
     @property
     def table(self) -> dict[tuple[int, int], float]:

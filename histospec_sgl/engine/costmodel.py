@@ -141,8 +141,14 @@ class CostModel:
     def decode_step(self, batch: int, width: int, started: float) -> None:
         pass
 
+    def prefill_step(self, tokens: int, started: float) -> None:
+        pass
+
     def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
+
+    def prefill_cost(self) -> float | None:
+        return None
 
     def summary(self) -> str:
         chosen = ", ".join(f"w{w} {n}" for w, n in sorted(self.chosen.items()))
@@ -277,12 +283,21 @@ class EngineControl:
         the time since that step started."""
         if self._current is not None:
             w, b, t0 = self._current
-            self.clock.record(b, w, now - t0)
+            if w:
+                self.clock.record(b, w, now - t0)
+            else:
+                self.clock.record_prefill(b, now - t0)
         self._current = None
 
     def decode_step(self, batch: int, width: int, started: float) -> None:
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         self._current = (width, batch, started)
+
+    def prefill_step(self, tokens: int, started: float) -> None:
+        """The forward pass begun at ``started`` prefills ``tokens`` prompt tokens (timed, not priced:
+        the choice of width is made between decode steps)."""
+        if tokens > 0:
+            self._current = (0, tokens, started)
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
                 klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
@@ -303,6 +318,10 @@ class EngineControl:
         """Its clock's measured costs: seconds per (width, batch-size bucket), the medians it prices
         by (``mean``: the means of the same timings)."""
         return dict(self.clock.means if mean else self.clock.table)
+
+    def prefill_cost(self) -> float | None:
+        """Seconds per prompt token of the prefill forward passes its clock timed."""
+        return self.clock.prefill_s_per_token()
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

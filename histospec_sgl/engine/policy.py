@@ -92,10 +92,19 @@ class StepPolicy(Protocol):
         """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
         ...
 
+    def prefill_step(self, tokens: int, started: float) -> None:
+        """The forward pass begun at ``started`` prefills ``tokens`` prompt tokens."""
+        ...
+
     def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         """The step costs it measured: seconds per (width, batch-size bucket), its robust estimates
         (``mean``: the plain means of the same timings, what a run of such steps pays); empty if it
         times none."""
+        ...
+
+    def prefill_cost(self) -> float | None:
+        """What its prefill forward passes took per prompt token, as it timed them (None: it times
+        none). The engine spends this outside decode steps; the simulator charges it."""
         ...
 
     def summary(self) -> str:
@@ -134,8 +143,14 @@ class Fixed:
     def decode_step(self, batch: int, width: int, started: float) -> None:
         pass
 
+    def prefill_step(self, tokens: int, started: float) -> None:
+        pass
+
     def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
+
+    def prefill_cost(self) -> float | None:
+        return None
 
     def summary(self) -> str:
         return ""

@@ -42,7 +42,9 @@ drafted, 0 if the cost model decoded it plainly), ``histospec:index_groups``,
 decode step's cost as the policy measured it (the median of its last timings), per verify width
 (label ``width``; 1 is plain decoding) and batch-size bucket (label ``batch``: the bucket's largest
 batch, 1, 2, 4, 8, ...), the costs it chooses the width by; ``histospec:step_seconds_mean``, the
-means of the same timings (a few slow steps lift a mean, not a median: what a run of steps pays).
+means of the same timings (a few slow steps lift a mean, not a median: what a run of steps pays);
+``histospec:prefill_seconds_per_token``, what a prefill forward pass took per prompt token (the
+median of the last ones timed): time the engine spends outside decode steps.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ _GAUGES = {
     "histospec:index_tokens": "Response tokens held (history and in flight).",
     "histospec:index_bytes": "Bytes used by the history index.",
     "histospec:inflight_requests": "Requests drafting from the index right now.",
+    "histospec:prefill_seconds_per_token": "A prefill forward pass's measured time per prompt token (default policy).",
 }
 
 _families: dict[int, dict[str, Any]] = {}
@@ -204,6 +207,9 @@ class HistoryMetrics:
         self._m["histospec:index_tokens"].set(st["tokens"])
         self._m["histospec:index_bytes"].set(st["bytes"])
         self._m["histospec:inflight_requests"].set(st["requests"])
+        prefill = drafter.policy.prefill_cost()
+        if prefill is not None:
+            self._m["histospec:prefill_seconds_per_token"].set(prefill)
         for family, mean in ((self._costs_family, False), (self._means_family, True)):
             for (width, bucket), seconds in drafter.policy.step_costs(mean).items():
                 family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)

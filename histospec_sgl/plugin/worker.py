@@ -186,6 +186,9 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             policy.begin(started)
         self._track(batch)
         if not batch.forward_mode.is_decode():
+            tokens = getattr(batch, "extend_num_tokens", None)
+            if policy is not None and batch.forward_mode.is_extend() and tokens:
+                policy.prefill_step(int(tokens), started)
             return super().forward_batch_generation(batch, *args, **kwargs)
         bs, d = len(batch.reqs), self.draft_token_num
         grammar = getattr(batch, "has_grammar", False)

@@ -150,8 +150,10 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     pays every step, the slow ones too, where the clock's median, which the policy chooses by, leaves
     them out. A batch-size bucket whose plain step the clock never timed (the policy verified every
     step there) is priced by the plain row's own average at that batch, not extrapolated from the
-    smaller buckets. None when no row carries them (a result of fixed widths only, or from before
-    they were recorded)."""
+    smaller buckets. The prefill forward passes' time per prompt token as the same clock timed them
+    (``prefill_s_per_token``: the engine spends it outside decode steps; the latest row's) is charged
+    for each prompt joining a step. None when no row carries step costs (a result of fixed widths
+    only, or from before they were recorded)."""
     from histospec_sgl.engine.costmodel import bucket
 
     times: dict[tuple[int, int], float] = {}
@@ -170,9 +172,14 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
             times[(1, b)] = float(r["step_ms"]) / 1e3
             filled.append(b)
     note = f"; plain steps at batch {', '.join(map(str, sorted(filled)))} from the plain rows' averages" if filled else ""
-    return _measured_json(result, times, None, "engine-clock",
-                          "the engine's own step clock during histospec-sgl bench engine",
-                          f", per batch-size bucket{note}", result.get("command"))
+    out = _measured_json(result, times, None, "engine-clock",
+                         "the engine's own step clock during histospec-sgl bench engine",
+                         f", per batch-size bucket{note}", result.get("command"))
+    prefill = [r["prefill_s_per_token"] for r in rows if r.get("prefill_s_per_token")]
+    if prefill:
+        out["prefill_s_per_token"] = float(prefill[-1])
+        out["description"] += ", prefill timed per prompt token"
+    return out
 
 
 def _measured_json(result: dict[str, Any], times: dict[tuple[int, int], float], name: str | None, suffix: str,

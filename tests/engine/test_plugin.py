@@ -376,8 +376,9 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
 
 def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     """``histospec:step_seconds{width,batch}``: the costs the default policy times per verify width and
-    batch bucket (and ``histospec:step_seconds_mean``, the means of the same timings), read from a real
-    drafter into a real prometheus_client registry; none at a fixed width."""
+    batch bucket (and ``histospec:step_seconds_mean``, the means of the same timings), and
+    ``histospec:prefill_seconds_per_token``, read from a real drafter into a real prometheus_client
+    registry; none at a fixed width."""
     r = run_sglang(sglang_py, """
         import json
         from prometheus_client import CollectorRegistry
@@ -392,7 +393,12 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
                 for k in range(4):  # the default policy times them; a fixed width times nothing
                     dr.policy.decode_step(6, w, 0.0)
                     dr.policy.begin(s * (3 if k == 3 else 1))  # the last one slow
+            for seconds in (0.5, 0.2, 0.3):  # prefill passes of 100 prompt tokens, the first a warm-up
+                dr.policy.prefill_step(100, 0.0)
+                dr.policy.begin(seconds)
             HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg).refresh_index(dr)
+            out[control + "-prefill"] = [round(s.value, 6) for m in reg.collect() for s in m.samples
+                                         if s.name == "histospec:prefill_seconds_per_token"]
             for name in ("histospec:step_seconds", "histospec:step_seconds_mean"):
                 out[control + ("-mean" if name.endswith("_mean") else "")] = sorted((s.labels["width"], s.labels["batch"], round(s.value, 6))
                                                   for m in reg.collect() for s in m.samples if s.name == name)
@@ -400,6 +406,8 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     """)
     got = result(r)
     assert got["fixed"] == got["fixed-mean"] == []
+    # The prefill passes' time per prompt token: the lower median of the two kept (0.002, 0.003).
+    assert got["cost-prefill"] == [0.002] and got["fixed-prefill"] == [], got
     # The first timing of each width in a bucket is left out (warm-up): three of four kept, bucket
     # 5-8, the last three times the others: the median leaves it out, the mean has it.
     assert got["cost"] == [["1", "8", 0.01], ["4", "8", 0.015], ["8", "8", 0.02]], got

@@ -695,6 +695,34 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     prof = from_engine_clock({**engine, "rows": big})
     points = {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]}
     assert points[(1, 64)] == 0.120 and points[(1, 4)] == 0.030 and "plain steps at batch 64" in prof["description"]
+    assert "prefill_s_per_token" not in prof
+    # The prefill passes the clock timed (the latest row's) are charged per prompt token joining a step.
+    timed = [*rows[:2], {**rows[2], "prefill_s_per_token": 0.0005}]
+    prof = from_engine_clock({**engine, "rows": timed})
+    assert prof is not None and prof["prefill_s_per_token"] == 0.0005 and "prefill timed" in prof["description"]
+    path.write_text(json.dumps(prof))
+    assert resolve(str(path)).step_s(1, 1, 0, prefill=200) == pytest.approx(0.011 + 200 * 0.0005)
+
+
+def test_the_clock_times_prefill_passes_apart_from_decode_steps():
+    """A prefill forward pass is timed from its start to the next forward's, per prompt token, apart
+    from the decode steps the policy prices (the first, a fresh server's warm-up, left out; one far
+    slower than the rest, an idle engine, too); the policies that time nothing report none."""
+    from histospec_sgl.engine.policy import Fixed
+
+    ec = EngineControl(d=8)
+    assert ec.prefill_cost() is None
+    t = 0.0
+    for tokens, seconds in ((100, 9.0), (100, 0.2), (200, 0.6), (50, 50.0), (100, 0.25)):
+        ec.prefill_step(tokens, t)
+        t += seconds
+        ec.begin(t)
+    assert ec.prefill_cost() == pytest.approx(0.0025) and ec.clock.prefills == pytest.approx([0.002, 0.003, 0.0025])
+    # A decode step after it is timed as a decode step, not as a prefill.
+    ec.decode_step(1, 8, t)
+    ec.begin(t + 0.1)
+    assert len(ec.clock.prefills) == 3 and ec.clock.warmed[(8, 1)] == 1
+    assert Fixed(8).prefill_cost() is None and CostModel(ec.clock, [8]).prefill_cost() is None
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
