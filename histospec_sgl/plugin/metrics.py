@@ -138,12 +138,14 @@ class HistoryMetrics:
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
                    if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds",
-                                   "histospec:step_seconds_mean")}
+                                   "histospec:step_seconds_mean", "histospec:prefill_seconds_per_token")}
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._widths_family = fam["histospec:width_steps"]
         self._costs_family = fam["histospec:step_seconds"]
         self._means_family = fam["histospec:step_seconds_mean"]
+        # Labelled once a policy has timed a prefill (none at a fixed width).
+        self._prefill_family = fam["histospec:prefill_seconds_per_token"]
         self._widths: dict[int, Any] = {}
         self._seen: dict[str, float] = {}
         self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
@@ -209,7 +211,7 @@ class HistoryMetrics:
         self._m["histospec:inflight_requests"].set(st["requests"])
         prefill = drafter.policy.prefill_cost()
         if prefill is not None:
-            self._m["histospec:prefill_seconds_per_token"].set(prefill)
+            self._prefill_family.labels(**self._labels).set(prefill)
         for family, mean in ((self._costs_family, False), (self._means_family, True)):
             for (width, bucket), seconds in drafter.policy.step_costs(mean).items():
                 family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)
