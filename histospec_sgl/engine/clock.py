@@ -120,8 +120,8 @@ class StepClock:
         of its cost against the batch size (Theil-Sen over its buckets' median timings, at most their
         smallest), or plain decoding's where the width has not been timed at two batch sizes. A
         timing at batch ``b`` is priced at batch ``n`` as ``fixed + (seconds - fixed) * n / b``. None
-        until plain decoding has been timed at two batch sizes: a timing is then its price at any
-        batch of its bucket."""
+        while neither the width nor plain decoding has been timed at two batch sizes: a timing is
+        then its price at any batch of its bucket."""
         return self.fixed_s.get(width, self.fixed_s.get(1))
 
     def _priced(self, xs: Sequence[tuple[int, float]], width: int, batch: int) -> list[float]:
