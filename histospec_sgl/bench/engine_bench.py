@@ -60,7 +60,7 @@ from histospec_sgl import settings
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
-    prefill_seconds_per_token,
+    prefill_cost,
     running,
     step_seconds,
     verify_steps,
@@ -190,12 +190,14 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     widths_before = width_steps(srv)
     mismatches_before = context_mismatches(srv)
     t0 = time.perf_counter()
-    tokens, steps, passes, outputs = 0, [], 0, []
+    tokens, steps, passes, outputs, prompt, cached = 0, [], 0, [], 0, 0
     for k in range(0, len(ids), batch):
         chunk = rids[k: k + batch] if rids is not None else None
         out = srv.generate(ids[k: k + batch], params[k: k + batch], rids=chunk)
         outputs += [list(o["output_ids"]) for o in out]
         tokens += sum(len(o["output_ids"]) for o in out)
+        prompt += sum(int(o.get("meta_info", {}).get("prompt_tokens", 0)) for o in out)
+        cached += sum(int(o.get("meta_info", {}).get("cached_tokens", 0)) for o in out)
         batch_steps = [verify_steps(o) for o in out]
         steps += batch_steps
         # Forward passes the row waited for: the longest request of each batch.
@@ -210,7 +212,9 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     row: dict[str, Any] = {
         "tokens": tokens, "wall_s": round(wall, 4), "tokens_per_s": round(tokens / wall, 2),
         "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
-        "step_ms": round(1000 * wall / max(1, passes), 3), _OUTPUTS: outputs}
+        "step_ms": round(1000 * wall / max(1, passes), 3),
+        # Prompt tokens, and those a cached prefix covered (the rest were prefilled), SGLang's count.
+        "prompt_tokens": prompt, "cached_tokens": cached, _OUTPUTS: outputs}
     mismatches = context_mismatches(srv)
     row["context_mismatches"] = (None if mismatches is None or mismatches_before is None
                                  else mismatches - mismatches_before)
@@ -220,7 +224,8 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
                               if n - widths_before.get(w, 0) > 0}
         row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
-        row["prefill_s_per_token"] = prefill_seconds_per_token(srv)  # None at a fixed width
+        # What the policy timed a prefill pass to cost (None at a fixed width).
+        row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
     return row
 
 
@@ -422,7 +427,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     total[w] = total.get(w, 0) + n
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
             continue
-        if k in ("step_seconds", "step_seconds_mean", "prefill_s_per_token"):  # measured by the end of the last run
+        if k in ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token"):  # by the last run
             out[k] = runs[-1][k]
             continue
         if k == _OUTPUTS:  # every run's outputs, in order

@@ -342,15 +342,20 @@ def context_mismatches(srv: EngineServer) -> int | None:
     return total
 
 
-def prefill_seconds_per_token(srv: EngineServer) -> float | None:
-    """A HISTORY server's prefill time per prompt token as its step policy timed it
-    (``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
+def prefill_cost(srv: EngineServer) -> tuple[float, float] | None:
+    """A HISTORY server's prefill forward pass cost as its step policy timed it, (seconds a pass,
+    seconds a prompt token) (``histospec:prefill_seconds_fixed`` and
+    ``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
     if srv.method != "history":
         return None
+    found: dict[str, float] = {}
     for line in srv.metrics().splitlines():
-        if line.startswith("histospec:prefill_seconds_per_token{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+        for name in ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token"):
+            if line.startswith(name + "{"):
+                found[name] = float(line.rsplit(" ", 1)[1])
+    if "histospec:prefill_seconds_per_token" not in found:
+        return None
+    return found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"]
 
 
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from histospec_sgl.engine.policy import interpolate
+from histospec_sgl.engine.policy import PrefillCost, interpolate
 
 
 def bucket(batch: int) -> int:
@@ -50,9 +50,10 @@ class StepClock:
     fixed_s: dict[int, float] = field(default_factory=dict)
     #: (width, bucket) -> the median batch and the median seconds of its timings.
     points: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
-    #: The last prefill forward passes' seconds per prompt token, oldest first.
-    prefills: list[float] = field(default_factory=list)
+    #: bucket of prompt tokens -> its last prefill forward passes, oldest first, as (tokens, seconds).
+    prefills: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     prefill_warmed: int = 0
+    _prefill: PrefillCost | None = None
     _costs: tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]] | None = None
 
     def record(self, batch: int, width: int, seconds: float) -> None:
@@ -77,20 +78,31 @@ class StepClock:
         self._costs = None
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
-        """A prefill forward pass of ``tokens`` prompt tokens took ``seconds`` (start to the next
-        forward's start). Not a decode step: the policy does not price it, the simulator charges it."""
-        per = seconds / tokens
+        """A prefill forward pass computed ``tokens`` prompt tokens (those no cached prefix covers) in
+        ``seconds`` (start to the next forward's start). Not a decode step: the policy does not price
+        it, the simulator charges it. Kept per bucket of token counts, as decode steps are per batch
+        size, so that passes of one token (a prompt the radix cache holds) and of whole prompts both
+        stay measured."""
         if self.prefill_warmed < self.warmup:  # a fresh server's first prefill warms it up
             self.prefill_warmed += 1
             return
-        if self.prefills and per > self.outlier * self.prefill_s_per_token():  # type: ignore[operator]
-            return
-        self.prefills.append(per)
-        del self.prefills[: -self.window]
+        xs = self.prefills.setdefault(bucket(tokens), [])
+        if xs and self._prefill is not None and seconds > self.outlier * self._prefill.seconds(tokens):
+            return  # the engine idled (a first pass of its size is taken: nothing prices it yet)
+        xs.append((tokens, seconds))
+        del xs[: -self.window]
+        points = [(_median([t for t, _ in v]), _median([x for _, x in v])) for _, v in sorted(self.prefills.items())]
+        line = _line(points)
+        if line is None:  # one size of pass timed: its seconds per token, no fixed part known
+            self._prefill = PrefillCost(0.0, _median([x / t for t, x in xs]))
+        else:
+            self._prefill = PrefillCost(*line)
 
-    def prefill_s_per_token(self) -> float | None:
-        """The median of the last prefill forward passes' seconds per prompt token (None: none yet)."""
-        return _median(self.prefills) if self.prefills else None
+    def prefill(self) -> PrefillCost | None:
+        """What a prefill forward pass costs: the Theil-Sen line through each bucket's median pass
+        (tokens, seconds), its intercept the fixed part (:class:`PrefillCost`); with passes of one
+        bucket only, their median seconds per token and no fixed part. None before any is timed."""
+        return self._prefill
 
     @property
     def table(self) -> dict[tuple[int, int], float]:
@@ -171,25 +183,30 @@ class StepClock:
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width`` priced at ``batch``; a width not measured there
-        yet is interpolated linearly in the width between the nearest measured ones (a verify step's
-        cost grows with the nodes it verifies), and measured once it is chosen. A bucket with fewer
-        than two widths measured prices each width as the nearest bucket that has two does
-        (:meth:`_lender`), scaled to agree with its own cost where it has one: what a width costs
-        against another carries over between neighbouring batch sizes better than not knowing at
-        all."""
+        yet, between two that are, is interpolated linearly in the width (a verify step's cost grows
+        with the nodes it verifies), and measured once it is chosen. A width beyond the bucket's
+        measured ones (plain decoding in a bucket that only verified), and every width of a bucket
+        with fewer than two measured, is priced as the nearest bucket that has two does
+        (:meth:`_lender`), scaled to agree with its own cost at the nearest width it measured:
+        what a width costs against another carries over between neighbouring batch sizes better
+        than holding the nearest measured cost flat, or not knowing at all."""
         b = bucket(batch)
         if self.known(batch, width):
             return self.price(batch, width)
         per = self._by_bucket()
         own = [(w, self.price(batch, w)) for w in per.get(b, [])]
-        if len(own) > 1:
+        if len(own) > 1 and own[0][0] <= width <= own[-1][0]:
             return interpolate(own, width)
         lender = self._lender(b, per)
         if lender is None:
+            if len(own) > 1:  # nothing to borrow the shape from: the nearest measured cost
+                return interpolate(own, width)
             raise KeyError((width, b))
         theirs = [(w, self.price(lender, w)) for w in per[lender]]
-        scale = own[0][1] / interpolate(theirs, own[0][0]) if own else 1.0
-        return interpolate(theirs, width) * scale
+        if not own:
+            return interpolate(theirs, width)
+        near, cost = min(own, key=lambda wc: abs(wc[0] - width))
+        return interpolate(theirs, width) * cost / interpolate(theirs, near)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -198,12 +215,18 @@ def _median(xs: Sequence[float]) -> float:
 
 
 def _fixed_part(points: Sequence[tuple[float, float]]) -> float | None:
-    """The intercept of the Theil-Sen line through ``points`` (batch, seconds): the median of the
-    slopes between points at different batch sizes, then the median intercept, held between 0 and
-    the smallest cost (a step costs at least its fixed part). None without two batch sizes."""
+    """The intercept of the Theil-Sen line through ``points`` (batch, seconds) (:func:`_line`)."""
+    line = _line(points)
+    return None if line is None else line[0]
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """The Theil-Sen line through ``points`` (size, seconds) as (intercept, slope): the median of the
+    slopes between points of different sizes (at least 0), then the median intercept, held between 0
+    and the smallest cost (a step costs at least its fixed part). None without two sizes."""
     slopes = [(s1 - s0) / (b1 - b0) for i, (b0, s0) in enumerate(points) for b1, s1 in points[i + 1:] if b1 != b0]
     if not slopes:
         return None
-    slope = sorted(slopes)[len(slopes) // 2]
+    slope = max(sorted(slopes)[len(slopes) // 2], 0.0)
     f = sorted(s - slope * b for b, s in points)[len(points) // 2]
-    return min(max(f, 0.0), min(s for _, s in points))
+    return min(max(f, 0.0), min(s for _, s in points)), slope

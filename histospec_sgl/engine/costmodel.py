@@ -21,7 +21,7 @@ from typing import Any
 
 from histospec_sgl.engine.clock import StepClock, bucket
 from histospec_sgl.engine.draft import walk
-from histospec_sgl.engine.policy import Profile
+from histospec_sgl.engine.policy import PrefillCost, Profile
 
 
 @dataclass
@@ -147,7 +147,7 @@ class CostModel:
     def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
 
-    def prefill_cost(self) -> float | None:
+    def prefill_cost(self) -> PrefillCost | None:
         return None
 
     def summary(self) -> str:
@@ -319,9 +319,9 @@ class EngineControl:
         by (``mean``: the means of the same timings)."""
         return dict(self.clock.means if mean else self.clock.table)
 
-    def prefill_cost(self) -> float | None:
-        """Seconds per prompt token of the prefill forward passes its clock timed."""
-        return self.clock.prefill_s_per_token()
+    def prefill_cost(self) -> PrefillCost | None:
+        """What a prefill forward pass costs, as its clock timed them (:meth:`StepClock.prefill`)."""
+        return self.clock.prefill()
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

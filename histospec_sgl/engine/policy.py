@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -28,6 +28,19 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
         return points[-1][1]
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class PrefillCost(NamedTuple):
+    """What a prefill forward pass costs: ``fixed_s`` a pass, whatever it prefills (a decode step's
+    overhead: a pass of one token, a prompt the radix cache holds, costs it), plus ``per_token_s``
+    for each prompt token it computes (the tokens no cached prefix covers)."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def seconds(self, tokens: int) -> float:
+        """A pass of ``tokens`` prompt tokens (none: no pass)."""
+        return self.fixed_s + self.per_token_s * tokens if tokens > 0 else 0.0
 
 
 class Profile(Protocol):
@@ -102,9 +115,10 @@ class StepPolicy(Protocol):
         times none."""
         ...
 
-    def prefill_cost(self) -> float | None:
-        """What its prefill forward passes took per prompt token, as it timed them (None: it times
-        none). The engine spends this outside decode steps; the simulator charges it."""
+    def prefill_cost(self) -> PrefillCost | None:
+        """What its prefill forward passes cost, a fixed part and a part per prompt token, as it
+        timed them (None: it times none). The engine spends this outside decode steps; the simulator
+        charges it."""
         ...
 
     def summary(self) -> str:
@@ -149,7 +163,7 @@ class Fixed:
     def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
         return {}
 
-    def prefill_cost(self) -> float | None:
+    def prefill_cost(self) -> PrefillCost | None:
         return None
 
     def summary(self) -> str:

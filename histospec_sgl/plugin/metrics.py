@@ -43,8 +43,10 @@ decode step's cost as the policy measured it (the median of its last timings), p
 (label ``width``; 1 is plain decoding) and batch-size bucket (label ``batch``: the bucket's largest
 batch, 1, 2, 4, 8, ...), the costs it chooses the width by; ``histospec:step_seconds_mean``, the
 means of the same timings (a few slow steps lift a mean, not a median: what a run of steps pays);
-``histospec:prefill_seconds_per_token``, what a prefill forward pass took per prompt token (the
-median of the last ones timed): time the engine spends outside decode steps.
+``histospec:prefill_seconds_fixed`` and ``histospec:prefill_seconds_per_token``, what a prefill
+forward pass costs, a fixed part a pass and a part per prompt token it computes (a line through
+the passes timed, :meth:`~histospec_sgl.engine.clock.StepClock.prefill`): time the engine spends
+outside decode steps.
 """
 
 from __future__ import annotations
@@ -79,8 +81,13 @@ _GAUGES = {
     "histospec:index_tokens": "Response tokens held (history and in flight).",
     "histospec:index_bytes": "Bytes used by the history index.",
     "histospec:inflight_requests": "Requests drafting from the index right now.",
-    "histospec:prefill_seconds_per_token": "A prefill forward pass's measured time per prompt token (default policy).",
+    "histospec:prefill_seconds_per_token": "A prefill forward pass's measured time per prompt token computed "
+                                           "(default policy).",
+    "histospec:prefill_seconds_fixed": "A prefill forward pass's measured time whatever it computes (default policy).",
 }
+
+#: The prefill gauges, labelled once a policy has timed a prefill: (fixed part, part per token).
+_PREFILL = ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token")
 
 _families: dict[int, dict[str, Any]] = {}
 _families_lock = threading.Lock()
@@ -138,14 +145,14 @@ class HistoryMetrics:
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
                    if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds",
-                                   "histospec:step_seconds_mean", "histospec:prefill_seconds_per_token")}
+                                   "histospec:step_seconds_mean", *_PREFILL)}
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._widths_family = fam["histospec:width_steps"]
         self._costs_family = fam["histospec:step_seconds"]
         self._means_family = fam["histospec:step_seconds_mean"]
         # Labelled once a policy has timed a prefill (none at a fixed width).
-        self._prefill_family = fam["histospec:prefill_seconds_per_token"]
+        self._prefill_families = [fam[name] for name in _PREFILL]
         self._widths: dict[int, Any] = {}
         self._seen: dict[str, float] = {}
         self._counts = dict.fromkeys(_WORKER_COUNTERS, 0)
@@ -211,7 +218,8 @@ class HistoryMetrics:
         self._m["histospec:inflight_requests"].set(st["requests"])
         prefill = drafter.policy.prefill_cost()
         if prefill is not None:
-            self._prefill_family.labels(**self._labels).set(prefill)
+            for family, seconds in zip(self._prefill_families, (prefill.fixed_s, prefill.per_token_s)):
+                family.labels(**self._labels).set(seconds)
         for family, mean in ((self._costs_family, False), (self._means_family, True)):
             for (width, bucket), seconds in drafter.policy.step_costs(mean).items():
                 family.labels(**self._labels, width=str(width), batch=str(bucket)).set(seconds)

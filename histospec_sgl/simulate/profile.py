@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from histospec_sgl.engine.policy import Profile, interpolate
+from histospec_sgl.engine.policy import PrefillCost, Profile, interpolate
 
 __all__ = ["ANALYTIC", "H100_8B", "Analytic", "Measured", "Profile", "from_engine_bench", "resolve"]
 
@@ -71,8 +71,9 @@ ANALYTIC = {H100_8B.name: H100_8B}
 class Measured:
     """Step times timed on a real engine: ``points[(width)]`` is a sorted list of
     ``(batch, seconds)``, interpolated linearly in the batch size (held flat beyond the ends);
-    ``context_s_per_token`` adds the KV read per running request and context token, and
-    ``prefill_s_per_token`` the prefill. A width that was not timed is interpolated linearly between
+    ``context_s_per_token`` adds the KV read per running request and context token, and a step
+    with prompt tokens to prefill adds their prefill forward pass: ``prefill_s_fixed`` a pass and
+    ``prefill_s_per_token`` a token. A width that was not timed is interpolated linearly between
     the nearest timed widths (a verify step's cost grows with the nodes it verifies; the engine's
     own clock, :class:`~histospec_sgl.engine.clock.StepClock`, prices an untimed width the same
     way), and beyond the widest takes the widest."""
@@ -82,6 +83,7 @@ class Measured:
     points: dict[int, list[tuple[int, float]]]
     context_s_per_token: float = 0.0
     prefill_s_per_token: float = 0.0
+    prefill_s_fixed: float = 0.0
     analytic: bool = False
 
     def step_s(self, batch: int, width: int, context: float, prefill: int = 0) -> float:
@@ -91,12 +93,13 @@ class Measured:
             base = interpolate(self.points[width], batch)
         else:
             base = interpolate([(w, interpolate(pts, batch)) for w, pts in sorted(self.points.items())], width)
-        return base + batch * context * self.context_s_per_token + prefill * self.prefill_s_per_token
+        return (base + batch * context * self.context_s_per_token
+                + PrefillCost(self.prefill_s_fixed, self.prefill_s_per_token).seconds(prefill))
 
     @classmethod
     def load(cls, path: Path) -> Measured:
         """Reads a profile JSON: ``{"name", "description", "points": [{"batch", "width", "step_s"}],
-        "context_s_per_token"?, "prefill_s_per_token"?}``."""
+        "context_s_per_token"?, "prefill_s_per_token"?, "prefill_s_fixed"?}``."""
         return cls.from_json(json.loads(Path(path).read_text()), str(path))
 
     @classmethod
@@ -112,7 +115,8 @@ class Measured:
             raise ValueError(f"{where}: a profile needs plain decode steps (width 1)")
         return cls(raw.get("name", Path(where).stem), raw.get("description", where),
                    {w: sorted(v) for w, v in points.items()},
-                   float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)))
+                   float(raw.get("context_s_per_token", 0.0)), float(raw.get("prefill_s_per_token", 0.0)),
+                   float(raw.get("prefill_s_fixed", 0.0)))
 
 
 def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
@@ -150,9 +154,9 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     pays every step, the slow ones too, where the clock's median, which the policy chooses by, leaves
     them out. A batch-size bucket whose plain step the clock never timed (the policy verified every
     step there) is priced by the plain row's own average at that batch, not extrapolated from the
-    smaller buckets. The prefill forward passes' time per prompt token as the same clock timed them
-    (``prefill_s_per_token``: the engine spends it outside decode steps; the latest row's) is charged
-    for each prompt joining a step. None when no row carries step costs (a result of fixed widths
+    smaller buckets. The prefill forward passes as the same clock timed them, a fixed part a pass
+    and a part per prompt token (``prefill_s_fixed``, ``prefill_s_per_token``: the engine spends
+    them outside decode steps; the latest row's), are charged for the prompts joining a step. None when no row carries step costs (a result of fixed widths
     only, or from before they were recorded)."""
     from histospec_sgl.engine.costmodel import bucket
 
@@ -175,10 +179,11 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     out = _measured_json(result, times, None, "engine-clock",
                          "the engine's own step clock during histospec-sgl bench engine",
                          f", per batch-size bucket{note}", result.get("command"))
-    prefill = [r["prefill_s_per_token"] for r in rows if r.get("prefill_s_per_token")]
+    prefill = [r for r in rows if r.get("prefill_s_per_token")]
     if prefill:
-        out["prefill_s_per_token"] = float(prefill[-1])
-        out["description"] += ", prefill timed per prompt token"
+        out["prefill_s_per_token"] = float(prefill[-1]["prefill_s_per_token"])
+        out["prefill_s_fixed"] = float(prefill[-1].get("prefill_s_fixed") or 0.0)
+        out["description"] += ", prefill timed per pass and prompt token"
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from histospec_sgl.replay.data import (
     FieldMap,
@@ -181,25 +181,28 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             or (r["method"], r["batch_size"], r["temperature"]) == ("history_cost", batch, temp)]})
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         plain_row = measured[("plain", batch, temp)]
-        base_s, base_steps, tokens, _ = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None,
-                                                   overlap(plain_row))
+        base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row))
         if method == "history_cost":
             # The row's runs one after the other on the server's policy (the first run of the first
             # row explores and calibrates, later ones use what it learned), their median as the
             # bench reports it.
-            runs = sorted(((s, steps, used) for s, steps, _, used in
-                           (_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row))
-                            for _ in range(max(1, int(settings.get("repeats", 1)))))),
+            runs = sorted((_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row))
+                           for _ in range(max(1, int(settings.get("repeats", 1))))),
                           key=lambda run: run[:2])  # by time and steps (the width counts do not order)
-            s, steps, used = runs[len(runs) // 2]
+            sim = runs[len(runs) // 2]
         else:
-            s, steps, _, used = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row))
+            sim = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row))
+        s, steps, used = sim.seconds, sim.steps, sim.used
         out.append({"method": method, "batch_size": batch, "temperature": temp,
-                    "predicted_speedup": round(base_s / s, 3) if s else None,
+                    "predicted_speedup": round(base.seconds / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
                     "measured_tokens_per_step": row.get("tokens_per_step"),
                     "predicted_passes": steps, "measured_passes": round(1000 * row["wall_s"] / row["step_ms"]),
-                    "predicted_plain_passes": base_steps,
+                    "predicted_plain_passes": base.steps,
+                    # Prompt tokens the prefill passes computed (no cached prefix covered them), a
+                    # run's, simulated and as SGLang reported them (None in results from before).
+                    "predicted_prefill_tokens": sim.prefill_tokens,
+                    "measured_prefill_tokens": _prefilled(row),
                     # Steps per verify width, simulated and as the engine ran them (all of its runs).
                     "predicted_width_steps": {str(w): n for w, n in sorted(used.items())},
                     "measured_width_steps": row.get("width_steps", {})})
@@ -209,6 +212,14 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
             "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
             "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
+
+
+def _prefilled(row: dict[str, Any]) -> int | None:
+    """The prompt tokens a measured row's prefill passes computed: its prompt tokens less those a
+    cached prefix covered (SGLang's ``meta_info``), a run's median; None where not recorded."""
+    if row.get("prompt_tokens") is None or row.get("cached_tokens") is None:
+        return None
+    return int(row["prompt_tokens"]) - int(row["cached_tokens"])
 
 
 def overlap(row: dict[str, Any]) -> bool:
@@ -239,20 +250,32 @@ class AtBatch:
         return float(self.profile.step_s(self.batch, width, context, prefill))
 
 
+class RowRun(NamedTuple):
+    """A simulated trace row (:func:`_trace_row`): its seconds, decode steps, tokens, steps per verify
+    width, and the prompt tokens its prefill passes computed."""
+
+    seconds: float
+    steps: int
+    tokens: int
+    used: dict[int, int]
+    prefill_tokens: int
+
+
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
-               width: int | None, control: Any, overlap: bool = False) -> tuple[float, int, int, dict[int, int]]:
-    """Simulated seconds of a trace row under one policy (a fixed ``width``, the engine's default
-    policy ``control`` at widths up to ``d``, or plain decoding): its requests in batches of
-    ``batch`` one after the other, each group's samples of earlier batches in the row added to its
-    history, as the engine keeps them (``control`` keeps its clock and calibration over the row's
-    batches, as the server does); ``overlap``: under SGLang's overlap scheduler, a request's batch
-    runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`). Returns its seconds,
-    steps, tokens and steps per width."""
+               width: int | None, control: Any, overlap_scheduler: bool = False) -> RowRun:
+    """A trace row simulated under one policy (a fixed ``width``, the engine's default policy
+    ``control`` at widths up to ``d``, or plain decoding): its requests in batches of ``batch`` one
+    after the other, each group's samples of earlier batches in the row added to its history, as
+    the engine keeps them (``control`` keeps its clock and calibration over the row's batches, as
+    the server does), on one radix cache (flushed before the row, as the bench does; a group's
+    prompt, once prefilled, is cached for its later batches); ``overlap_scheduler``: under SGLang's
+    overlap scheduler, a request's batch runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`)."""
     from histospec_sgl.engine.policy import Fixed
 
-    seconds, steps, tokens = 0.0, 0, 0
+    seconds, steps, tokens, prefilled = 0.0, 0, 0, 0
     used: dict[int, int] = {}
     done: dict[int, list[list[int]]] = {}
+    cached: set[Any] = set()
     widths = list(control.widths) if control is not None else [d]
     for k in range(0, len(reqs), batch):
         chunk = reqs[k:k + batch]
@@ -263,13 +286,14 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
             sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths)
             done.setdefault(gi, []).extend(mine)
         o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1),
-                              overlap=overlap)
+                              overlap=overlap_scheduler, cached=cached)
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)
+        prefilled += o.prefill_tokens
         for w, n in o.widths.items():
             used[w] = used.get(w, 0) + n
-    return seconds, steps, tokens, used
+    return RowRun(seconds, steps, tokens, used, prefilled)
 
 
 def print_check(result: dict[str, Any]) -> None:

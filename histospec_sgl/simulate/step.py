@@ -125,6 +125,9 @@ class Outcome:
     finish_s: list[float]
     timeline: list[tuple[float, int, int, float]]  # (time, running batch, width, tokens per request-step)
     widths: dict[int, int]
+    #: Prompt tokens prefilled (those no cached prefix covered), and the prefill passes.
+    prefill_tokens: int = 0
+    prefill_passes: int = 0
 
     def summary(self, baseline_tps: float) -> dict[str, Any]:
         return {
@@ -138,7 +141,8 @@ class Outcome:
 
 
 def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, length_first: bool,
-             policy: StepPolicy | None = None, siblings: bool = True, overlap: bool = False) -> Outcome:
+             policy: StepPolicy | None = None, siblings: bool = True, overlap: bool = False,
+             cached: set[Hashable] | None = None) -> Outcome:
     """Simulates one rollout step. ``policy`` chooses each step's verify width, as it does in the
     engine (:mod:`histospec_sgl.engine.policy`; None: plain decoding). New requests join when slots free up, in
     submission order or, with ``length_first``, longest predicted first (ties: submission order).
@@ -147,7 +151,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     known lengths: its history and its siblings that finished in this step
     (:func:`~histospec_sgl.length.expected_longest`); ``predicted`` for a group with none.
     Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
-    the step it joins. ``overlap``: as SGLang's overlap scheduler runs it, the step after a
+    the step it joins: one prefill forward pass for the requests joining a step, which computes a
+    whole prompt for a group whose prompt the radix cache does not hold yet (every such request of
+    the pass: SGLang's first-come-first-served scheduling shares no prefix within a pass) and one
+    token for a prompt it holds (``cached``: the groups whose prompt it holds, updated as passes
+    prefill them; a fresh cache, as after a weight update, if None). ``overlap``: as SGLang's overlap scheduler runs it, the step after a
     request's last one was launched before its end was known, so the request stays in that step's
     batch (its slot taken, its cost paid, nothing emitted) and its answer is out when that step ends."""
     if max_running < 1:
@@ -182,8 +190,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     finish: list[float] = []
     timeline: list[tuple[float, int, int, float]] = []
     counts = StepCounts()
+    cached = set() if cached is None else cached
+    prefill_tokens = prefill_passes = 0
     while queue or running or lingering:
         prefill = 0
+        joining: set[Hashable] = set()
         if length_first and queue and len(running) + len(lingering) < max_running:
             # Longest predicted last (popped first); the sort is stable, so ties keep submission order.
             pred = predictions()
@@ -191,7 +202,12 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         while queue and len(running) + len(lingering) < max_running:
             i = queue.pop()
             running.append([i, 0])
-            prefill += reqs[i].prompt_len
+            # SGLang extends at least a prompt's last token, to sample from its logits.
+            prefill += 1 if reqs[i].group in cached else reqs[i].prompt_len
+            joining.add(reqs[i].group)
+        cached |= joining
+        prefill_tokens += prefill
+        prefill_passes += prefill > 0
         bs = len(running) + len(lingering)
         context = (sum(reqs[i].prompt_len + pos for i, pos in running)
                    + sum(reqs[i].prompt_len + reqs[i].length for i in lingering)) / bs
@@ -251,7 +267,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     tokens = sum(r.length for r in reqs)
     makespan = finish[-1] if finish else 0.0
     return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, counts.steps, finish, timeline,
-                   counts.width_steps)
+                   counts.width_steps, prefill_tokens, prefill_passes)
 
 
 def engine_of(group: Hashable, engines: int) -> int:
@@ -273,7 +289,8 @@ def combine(parts: Sequence[Outcome]) -> Outcome:
             widths[w] = widths.get(w, 0) + k
     last = max(parts, key=lambda o: o.makespan_s)
     return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, sum(o.steps for o in parts),
-                   finish, last.timeline, widths)
+                   finish, last.timeline, widths, sum(o.prefill_tokens for o in parts),
+                   sum(o.prefill_passes for o in parts))
 
 
 def _tail(finish: Sequence[float]) -> float:

@@ -377,7 +377,7 @@ def test_sglang_verify_path_with_two_tp_ranks_runs_in_step(sglang_py, tiny_model
 def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     """``histospec:step_seconds{width,batch}``: the costs the default policy times per verify width and
     batch bucket (and ``histospec:step_seconds_mean``, the means of the same timings), and
-    ``histospec:prefill_seconds_per_token``, read from a real drafter into a real prometheus_client
+    ``histospec:prefill_seconds_fixed`` and ``_per_token``, read from a real drafter into a real prometheus_client
     registry; none at a fixed width."""
     r = run_sglang(sglang_py, """
         import json
@@ -393,12 +393,13 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
                 for k in range(4):  # the default policy times them; a fixed width times nothing
                     dr.policy.decode_step(6, w, 0.0)
                     dr.policy.begin(s * (3 if k == 3 else 1))  # the last one slow
-            for seconds in (0.5, 0.2, 0.3):  # prefill passes of 100 prompt tokens, the first a warm-up
-                dr.policy.prefill_step(100, 0.0)
+            # Prefill passes of 100 prompt tokens (the first a warm-up) and of 10 (a cached prompt's few).
+            for tokens, seconds in ((100, 0.5), (100, 0.3), (10, 0.12), (100, 0.3)):
+                dr.policy.prefill_step(tokens, 0.0)
                 dr.policy.begin(seconds)
             HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg).refresh_index(dr)
-            out[control + "-prefill"] = [round(s.value, 6) for m in reg.collect() for s in m.samples
-                                         if s.name == "histospec:prefill_seconds_per_token"]
+            for name in ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token"):
+                out[control + name[-6:]] = [round(s.value, 6) for m in reg.collect() for s in m.samples if s.name == name]
             for name in ("histospec:step_seconds", "histospec:step_seconds_mean"):
                 out[control + ("-mean" if name.endswith("_mean") else "")] = sorted((s.labels["width"], s.labels["batch"], round(s.value, 6))
                                                   for m in reg.collect() for s in m.samples if s.name == name)
@@ -406,8 +407,9 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     """)
     got = result(r)
     assert got["fixed"] == got["fixed-mean"] == []
-    # The prefill passes' time per prompt token: the lower median of the two kept (0.002, 0.003).
-    assert got["cost-prefill"] == [0.002] and got["fixed-prefill"] == [], got
+    # The line through the passes (100 tokens, 0.3 s) and (10, 0.12): 0.1 s a pass, 2 ms a token.
+    assert got["cost_fixed"] == [0.1] and got["cost_token"] == [0.002], got
+    assert got["fixed_fixed"] == got["fixed_token"] == [], got
     # The first timing of each width in a bucket is left out (warm-up): three of four kept, bucket
     # 5-8, the last three times the others: the median leaves it out, the mean has it.
     assert got["cost"] == [["1", "8", 0.01], ["4", "8", 0.015], ["8", "8", 0.02]], got

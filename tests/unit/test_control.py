@@ -494,7 +494,8 @@ def test_simulator_runs_the_engines_policy_on_its_own_clock():
 
 def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     """A bucket with fewer than two widths timed prices each width as the nearest bucket with two
-    does, scaled to its own timing where it has one; until then nothing can price it."""
+    does, scaled to its own timing where it has one, and so does a bucket with two for a width
+    beyond them; until then nothing can price it."""
     ec = EngineControl(d=8, widths=(4, 8))
     with pytest.raises(KeyError):
         ec.clock.step_s(1, 8)
@@ -517,6 +518,15 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     assert ec.clock.step_s(8, 1) == 2.0 and ec.clock.step_s(8, 4) == pytest.approx(2 + 4 * 3 / 7)
     # 9-16 now borrows from 5-8, the nearer.
     assert ec.clock.step_s(16, 8) == 6.0
+    # A bucket that verified at 4 and 8 only (never plain) prices plain decoding as its neighbour
+    # does against its nearest width: at 5-8 plain is 2 s against width 4's 2 + 12/7 s, so 9-16's
+    # plain is that share of its own width 4, not width 4's cost held flat below it.
+    for w, took in ((4, 5.0), (8, 7.0)):
+        for _ in range(ec.clock.warmup + 1):
+            ec.clock.record(16, w, took)
+    assert ec.clock.step_s(16, 6) == pytest.approx(6.0)
+    assert ec.clock.step_s(16, 1) == pytest.approx(5.0 * 2 / (2 + 12 / 7))
+    assert ec.clock.step_s(16, 2) == pytest.approx(5.0 * (2 + 4 / 7) / (2 + 12 / 7))
 
 
 def test_a_timing_is_priced_at_the_batch_asked_about():
@@ -696,33 +706,75 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     points = {(x["width"], x["batch"]): x["step_s"] for x in prof["points"]}
     assert points[(1, 64)] == 0.120 and points[(1, 4)] == 0.030 and "plain steps at batch 64" in prof["description"]
     assert "prefill_s_per_token" not in prof
-    # The prefill passes the clock timed (the latest row's) are charged per prompt token joining a step.
-    timed = [*rows[:2], {**rows[2], "prefill_s_per_token": 0.0005}]
+    # The prefill passes the clock timed (the latest row's) are charged for the prompt tokens joining
+    # a step: a fixed part a pass and a part a token.
+    timed = [*rows[:2], {**rows[2], "prefill_s_per_token": 0.0005, "prefill_s_fixed": 0.02}]
     prof = from_engine_clock({**engine, "rows": timed})
-    assert prof is not None and prof["prefill_s_per_token"] == 0.0005 and "prefill timed" in prof["description"]
+    assert prof is not None and prof["prefill_s_per_token"] == 0.0005 and prof["prefill_s_fixed"] == 0.02
+    assert "prefill timed" in prof["description"]
     path.write_text(json.dumps(prof))
-    assert resolve(str(path)).step_s(1, 1, 0, prefill=200) == pytest.approx(0.011 + 200 * 0.0005)
+    assert resolve(str(path)).step_s(1, 1, 0, prefill=200) == pytest.approx(0.011 + 0.02 + 200 * 0.0005)
+    assert resolve(str(path)).step_s(1, 1, 0) == pytest.approx(0.011)
 
 
 def test_the_clock_times_prefill_passes_apart_from_decode_steps():
-    """A prefill forward pass is timed from its start to the next forward's, per prompt token, apart
-    from the decode steps the policy prices (the first, a fresh server's warm-up, left out; one far
-    slower than the rest, an idle engine, too); the policies that time nothing report none."""
-    from histospec_sgl.engine.policy import Fixed
+    """A prefill forward pass is timed from its start to the next forward's, apart from the decode
+    steps the policy prices, and priced as a fixed part a pass plus a part per prompt token it
+    computes: the line through the passes of each size (the first, a fresh server's warm-up, left
+    out; one far slower than the others of its size, an idle engine, too). A pass of a prompt the
+    radix cache holds (one token) is a cost, not an outlier of the whole prompts' cost per token.
+    The policies that time nothing report none."""
+    from histospec_sgl.engine.policy import Fixed, PrefillCost
 
     ec = EngineControl(d=8)
     assert ec.prefill_cost() is None
     t = 0.0
-    for tokens, seconds in ((100, 9.0), (100, 0.2), (200, 0.6), (50, 50.0), (100, 0.25)):
+
+    def prefill(tokens: int, seconds: float) -> None:
+        nonlocal t
         ec.prefill_step(tokens, t)
         t += seconds
         ec.begin(t)
-    assert ec.prefill_cost() == pytest.approx(0.0025) and ec.clock.prefills == pytest.approx([0.002, 0.003, 0.0025])
+
+    # 50 ms a pass and 2 ms a token.
+    prefill(100, 9.0)
+    prefill(100, 0.25)
+    # Passes of one size alone: their time per token, no fixed part known.
+    assert ec.prefill_cost() == pytest.approx(PrefillCost(0.0, 0.0025))
+    for tokens, seconds in ((1, 0.052), (200, 0.45), (100, 50.0), (2, 0.054), (100, 0.25)):
+        prefill(tokens, seconds)
+    cost = ec.prefill_cost()
+    assert cost is not None and cost.fixed_s == pytest.approx(0.05) and cost.per_token_s == pytest.approx(0.002)
+    assert cost.seconds(0) == 0.0 and cost.seconds(300) == pytest.approx(0.65)
+    assert sum(len(v) for v in ec.clock.prefills.values()) == 5  # the warm-up and the idle one left out
     # A decode step after it is timed as a decode step, not as a prefill.
     ec.decode_step(1, 8, t)
     ec.begin(t + 0.1)
-    assert len(ec.clock.prefills) == 3 and ec.clock.warmed[(8, 1)] == 1
+    assert sum(len(v) for v in ec.clock.prefills.values()) == 5 and ec.clock.warmed[(8, 1)] == 1
     assert Fixed(8).prefill_cost() is None and CostModel(ec.clock, [8]).prefill_cost() is None
+
+
+def test_a_prompt_the_radix_cache_holds_prefills_one_token():
+    """The simulator charges a prefill pass for the requests joining a step: a whole prompt for each
+    request of a group whose prompt is not cached yet (requests of one pass share nothing, as under
+    SGLang's first-come-first-served scheduling), one token for a group's prompt prefilled in an
+    earlier pass, on a cache the caller may carry over several runs (a row's batches)."""
+    prof = Measured("p", "test: 1 s a step, a prefill pass 0.5 s and 0.01 s a token",
+                    {1: [(1, 1.0), (64, 1.0)]}, prefill_s_per_token=0.01, prefill_s_fixed=0.5)
+    a1, a2, a3 = (_req(2, group="a") for _ in range(3))
+    b = _req(2, group="b")
+    # Two slots: a1 and a2 join together (3 + 3 tokens: 0.56 s besides the step's 1 s), then one
+    # step; a3 and b join next (1 + 3 tokens: 0.54 s), then one step.
+    out = run_step([a1, a2, a3, b], prof, max_running=2, length_first=False)
+    assert (out.prefill_tokens, out.prefill_passes) == (10, 2)
+    assert out.makespan_s == pytest.approx(1.56 + 1 + 1.54 + 1)
+    # A cache that holds both prompts already: one token each.
+    cached = {"a", "b"}
+    again = run_step([a1, b], prof, max_running=2, length_first=False, cached=cached)
+    assert (again.prefill_tokens, again.prefill_passes) == (2, 1) and cached == {"a", "b"}
+    fresh: set[object] = set()
+    run_step([b], prof, max_running=2, length_first=False, cached=fresh)
+    assert fresh == {"b"}
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
