@@ -320,6 +320,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     # did); two side by side do not.
     with running(*servers.values(), one_at_a_time=large and len(servers) > 2):
         overlap = {m: srv.overlap() for m, srv in servers.items()}
+        chunk = {m: srv.prefill_chunk() for m, srv in servers.items()}
         for srv in servers.values():
             srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
                          {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
@@ -332,7 +333,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                                repeats, sampled_requests, log)
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
-             "overlap": overlap[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
+             "overlap": overlap[m], "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
     _identical(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}

@@ -261,11 +261,20 @@ class EngineServer:
         """SGLang's ``/flush_cache`` (what trainers call after a weight update); :func:`flush_cache`."""
         flush_cache(self.url, timeout)
 
+    def server_info(self) -> dict[str, Any]:
+        """SGLang's ``/server_info``: the server's arguments as it resolved them, and its state."""
+        with urllib.request.urlopen(self.url + "/server_info", timeout=30) as r:
+            return dict(json.loads(r.read()))
+
     def overlap(self) -> bool:
         """Whether the server runs SGLang's overlap scheduler (its ``/server_info``)."""
-        with urllib.request.urlopen(self.url + "/server_info", timeout=30) as r:
-            info = json.loads(r.read())
-        return not info.get("disable_overlap_schedule", False)
+        return not self.server_info().get("disable_overlap_schedule", False)
+
+    def prefill_chunk(self) -> int | None:
+        """The most prompt tokens one prefill forward pass computes (SGLang's ``chunked_prefill_size``
+        as the server resolved it); None: no limit."""
+        size = self.server_info().get("chunked_prefill_size")
+        return int(size) if size and int(size) > 0 else None
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:

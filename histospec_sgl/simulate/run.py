@@ -16,6 +16,7 @@ from histospec_sgl.replay.data import (
     preset_rows,
 )
 from histospec_sgl.simulate import step as simulate
+from histospec_sgl.simulate.prefill import PrefixCache
 from histospec_sgl.simulate.profile import resolve
 
 
@@ -181,17 +182,19 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             or (r["method"], r["batch_size"], r["temperature"]) == ("history_cost", batch, temp)]})
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         plain_row = measured[("plain", batch, temp)]
-        base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row))
+        base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row),
+                          plain_row.get("prefill_chunk"))
         if method == "history_cost":
             # The row's runs one after the other on the server's policy (the first run of the first
             # row explores and calibrates, later ones use what it learned), their median as the
             # bench reports it.
-            runs = sorted((_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row))
+            runs = sorted((_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row),
+                                      row.get("prefill_chunk"))
                            for _ in range(max(1, int(settings.get("repeats", 1))))),
                           key=lambda run: run[:2])  # by time and steps (the width counts do not order)
             sim = runs[len(runs) // 2]
         else:
-            sim = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row))
+            sim = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row), row.get("prefill_chunk"))
         s, steps, used = sim.seconds, sim.steps, sim.used
         out.append({"method": method, "batch_size": batch, "temperature": temp,
                     "predicted_speedup": round(base.seconds / s, 3) if s else None,
@@ -262,20 +265,21 @@ class RowRun(NamedTuple):
 
 
 def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: int, d: int, profile: Any,
-               width: int | None, control: Any, overlap_scheduler: bool = False) -> RowRun:
+               width: int | None, control: Any, overlap_scheduler: bool = False,
+               prefill_chunk: int | None = None) -> RowRun:
     """A trace row simulated under one policy (a fixed ``width``, the engine's default policy
     ``control`` at widths up to ``d``, or plain decoding): its requests in batches of ``batch`` one
     after the other, each group's samples of earlier batches in the row added to its history, as
     the engine keeps them (``control`` keeps its clock and calibration over the row's batches, as
-    the server does), on one radix cache (flushed before the row, as the bench does; a group's
-    prompt, once prefilled, is cached for its later batches); ``overlap_scheduler``: under SGLang's
-    overlap scheduler, a request's batch runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`)."""
+    the server does), on one radix cache (flushed before the row, as the bench does; what a batch
+    prefilled is cached for the later ones), ``prefill_chunk`` prompt tokens at most a prefill pass
+    (the server's ``chunked_prefill_size``); ``overlap_scheduler``: under SGLang's overlap scheduler, a request's batch runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`)."""
     from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens, prefilled = 0.0, 0, 0, 0
     used: dict[int, int] = {}
     done: dict[int, list[list[int]]] = {}
-    cached: set[Any] = set()
+    cache = PrefixCache()
     widths = list(control.widths) if control is not None else [d]
     for k in range(0, len(reqs), batch):
         chunk = reqs[k:k + batch]
@@ -286,7 +290,7 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
             sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths)
             done.setdefault(gi, []).extend(mine)
         o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1),
-                              overlap=overlap_scheduler, cached=cached)
+                              overlap=overlap_scheduler, cache=cache, prefill_chunk=prefill_chunk)
         seconds += o.makespan_s
         steps += o.steps
         tokens += sum(r.length for r in sims)

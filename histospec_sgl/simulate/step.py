@@ -41,6 +41,7 @@ from histospec_sgl.length import expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Ours
 from histospec_sgl.replay.scenarios import HISTORY_SOURCES, StepSpec, choose_groups, history_source
+from histospec_sgl.simulate.prefill import PrefixCache, prefill_passes
 
 POLICIES = ("baseline", "history_fixed", "history_cost_model", "length_first", "full")
 #: Not a policy but its ceiling: length first with every request's true length known.
@@ -64,6 +65,9 @@ class SimRequest:
     history: tuple[int, ...] = ()
     accepted: dict[int, np.ndarray] = field(default_factory=dict)
     promised: dict[int, np.ndarray] = field(default_factory=dict)
+    #: The prompt's token ids, for the radix cache's prefix matches (:class:`PrefixCache`; empty: the
+    #: prompt is known by its group alone).
+    prompt: tuple[int, ...] = ()
 
 
 Traces = tuple[dict[int, np.ndarray], dict[int, np.ndarray]]
@@ -142,7 +146,7 @@ class Outcome:
 
 def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, length_first: bool,
              policy: StepPolicy | None = None, siblings: bool = True, overlap: bool = False,
-             cached: set[Hashable] | None = None) -> Outcome:
+             cache: PrefixCache | None = None, prefill_chunk: int | None = None) -> Outcome:
     """Simulates one rollout step. ``policy`` chooses each step's verify width, as it does in the
     engine (:mod:`histospec_sgl.engine.policy`; None: plain decoding). New requests join when slots free up, in
     submission order or, with ``length_first``, longest predicted first (ties: submission order).
@@ -151,11 +155,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     known lengths: its history and its siblings that finished in this step
     (:func:`~histospec_sgl.length.expected_longest`); ``predicted`` for a group with none.
     Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
-    the step it joins: one prefill forward pass for the requests joining a step, which computes a
-    whole prompt for a group whose prompt the radix cache does not hold yet (every such request of
-    the pass: SGLang's first-come-first-served scheduling shares no prefix within a pass) and one
-    token for a prompt it holds (``cached``: the groups whose prompt it holds, updated as passes
-    prefill them; a fresh cache, as after a weight update, if None). ``overlap``: as SGLang's overlap scheduler runs it, the step after a
+    the step it joins, before that step's decode forward: the prefill passes of the requests
+    joining (:func:`prefill_passes`, at most ``prefill_chunk`` tokens a pass), each computing the
+    prompt tokens no prefix in the radix cache covers (``cache``, updated as passes prefill; a fresh
+    one, as after a weight update, if None), each pass priced by the profile as the step's
+    ``prefill`` tokens. ``overlap``: as SGLang's overlap scheduler runs it, the step after a
     request's last one was launched before its end was known, so the request stays in that step's
     batch (its slot taken, its cost paid, nothing emitted) and its answer is out when that step ends."""
     if max_running < 1:
@@ -190,11 +194,10 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     finish: list[float] = []
     timeline: list[tuple[float, int, int, float]] = []
     counts = StepCounts()
-    cached = set() if cached is None else cached
-    prefill_tokens = prefill_passes = 0
+    cache = PrefixCache() if cache is None else cache
+    prefill_tokens = prefilled_passes = 0
     while queue or running or lingering:
-        prefill = 0
-        joining: set[Hashable] = set()
+        joining: list[SimRequest] = []
         if length_first and queue and len(running) + len(lingering) < max_running:
             # Longest predicted last (popped first); the sort is stable, so ties keep submission order.
             pred = predictions()
@@ -202,12 +205,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         while queue and len(running) + len(lingering) < max_running:
             i = queue.pop()
             running.append([i, 0])
-            # SGLang extends at least a prompt's last token, to sample from its logits.
-            prefill += 1 if reqs[i].group in cached else reqs[i].prompt_len
-            joining.add(reqs[i].group)
-        cached |= joining
+            joining.append(reqs[i])
+        passes = prefill_passes(joining, cache, prefill_chunk, overlap) if joining else []
+        prefill = sum(passes)
         prefill_tokens += prefill
-        prefill_passes += prefill > 0
+        prefilled_passes += len(passes)
         bs = len(running) + len(lingering)
         context = (sum(reqs[i].prompt_len + pos for i, pos in running)
                    + sum(reqs[i].prompt_len + reqs[i].length for i in lingering)) / bs
@@ -222,9 +224,10 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         w = plan.width
         # The step before this one ends now; this one's decode forward starts after the prompts
         # joining it are prefilled.
-        cost = profile.step_s(bs, w, context, prefill)
+        decode_s = profile.step_s(bs, w, context)
+        cost = decode_s + sum(profile.step_s(bs, w, context, p) - decode_s for p in passes)
         policy.begin(t)
-        policy.decode_step(bs, w, t + cost - profile.step_s(bs, w, context))
+        policy.decode_step(bs, w, t + cost - decode_s)
         t += cost
         counts.step(w, bs)
         if decoding:
@@ -267,7 +270,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     tokens = sum(r.length for r in reqs)
     makespan = finish[-1] if finish else 0.0
     return Outcome(makespan, _tail(finish), tokens / makespan if makespan else 0.0, counts.steps, finish, timeline,
-                   counts.width_steps, prefill_tokens, prefill_passes)
+                   counts.width_steps, prefill_tokens, prefilled_passes)
 
 
 def engine_of(group: Hashable, engines: int) -> int:
@@ -415,7 +418,8 @@ def group_requests(key: Hashable, prompt: Sequence[int], history: Sequence[Seque
     """A group's requests with their draft traces (:func:`group_traces`)."""
     lengths = tuple(len(h) for h in history)
     traces = group_traces(history, prompt, samples, widths, siblings=siblings)
-    return [SimRequest(key, len(s), len(prompt), float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom)
+    return [SimRequest(key, len(s), len(prompt), float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom,
+                       tuple(prompt))
             for s, (acc, prom) in zip(samples, traces)]
 
 

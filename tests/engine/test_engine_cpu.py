@@ -616,6 +616,13 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
         # Every server runs SGLang's overlap scheduler (on a CPU as on a GPU); greedy rows are plain
         # decoding's tokens, and HISTORY's contexts never disagreed with SGLang's.
         assert x["overlap"] is True, x
+        # The prompt tokens, and those SGLang's radix cache covered: none shared on the first pass
+        # (bar the chat template's), all but the one token each of the 4 requests computes on the
+        # second, which repeats the first's prompts; the server's prefill chunk as it resolved it.
+        assert x["prompt_tokens"] > 4 and 0 <= x["cached_tokens"] < x["prompt_tokens"], x
+        if x["pass"] == 2:
+            assert x["prompt_tokens"] - x["cached_tokens"] == 4, x
+        assert x["prefill_chunk"] is None or x["prefill_chunk"] >= 1024, x
         assert x["identical_to_plain"] is (True if x["temperature"] == 0.0 else None), x
         assert x["context_mismatches"] == (0 if x["method"] == "history" else None), x
         # Every request runs to 16 tokens: greedy rows run one batch (at batch 1, four requests one

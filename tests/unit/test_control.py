@@ -17,6 +17,7 @@ from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout
 from histospec_sgl.replay.scenarios import StepSpec
+from histospec_sgl.simulate.prefill import PrefixCache, prefill_passes
 from histospec_sgl.simulate.profile import H100_8B, Measured, resolve
 from histospec_sgl.simulate.step import (
     GROUP_ORACLE,
@@ -755,7 +756,7 @@ def test_the_clock_times_prefill_passes_apart_from_decode_steps():
 
 
 def test_a_prompt_the_radix_cache_holds_prefills_one_token():
-    """The simulator charges a prefill pass for the requests joining a step: a whole prompt for each
+    """The simulator charges prefill passes for the requests joining a step: a whole prompt for each
     request of a group whose prompt is not cached yet (requests of one pass share nothing, as under
     SGLang's first-come-first-served scheduling), one token for a group's prompt prefilled in an
     earlier pass, on a cache the caller may carry over several runs (a row's batches)."""
@@ -769,12 +770,49 @@ def test_a_prompt_the_radix_cache_holds_prefills_one_token():
     assert (out.prefill_tokens, out.prefill_passes) == (10, 2)
     assert out.makespan_s == pytest.approx(1.56 + 1 + 1.54 + 1)
     # A cache that holds both prompts already: one token each.
-    cached = {"a", "b"}
-    again = run_step([a1, b], prof, max_running=2, length_first=False, cached=cached)
-    assert (again.prefill_tokens, again.prefill_passes) == (2, 1) and cached == {"a", "b"}
-    fresh: set[object] = set()
-    run_step([b], prof, max_running=2, length_first=False, cached=fresh)
-    assert fresh == {"b"}
+    cache = PrefixCache()
+    run_step([a1, b], prof, max_running=2, length_first=False, cache=cache)
+    assert cache.groups == {"a", "b"}
+    again = run_step([a1, b], prof, max_running=2, length_first=False, cache=cache)
+    assert (again.prefill_tokens, again.prefill_passes) == (2, 1)
+    # Two passes of at most 4 tokens: a1 and a2 take 3 + 1 (a2 cut), then a2's last token (a1's
+    # prompt, cached, covers the rest).
+    cut = run_step([a1, a2], prof, max_running=2, length_first=False, prefill_chunk=4)
+    assert (cut.prefill_tokens, cut.prefill_passes) == (5, 2)
+    assert cut.makespan_s == pytest.approx(1.0 + 0.54 + 0.51 + 1)
+
+
+def test_prefill_passes_match_prefixes_and_cut_at_the_chunk_as_sglang_schedules_them():
+    """Requests joining at once, with their prompts' token ids: a prompt shares its chat template
+    with another prompt prefilled before, so only the rest is computed; passes are cut at the
+    chunk; under the overlap scheduler what a pass prefilled is cached only for the pass after the
+    next (its results are processed after the next pass is formed), a cut request's prefix at once.
+    SGLang counted 2880 and 10185 prompt tokens prefilled for rows of this shape (batch 8 and 64 of
+    a trace step, 2048-token chunks), which the overlap rule gives (2880, 10241) and the other does
+    not (2609, 8195)."""
+    template = tuple(range(100, 110))
+
+    def req(group: str, body: tuple[int, ...]) -> SimRequest:
+        prompt = template + body
+        return SimRequest(group, 4, prompt_len=len(prompt), prompt=prompt)
+
+    a = [req("a", (1, 2, 3, 4, 5)) for _ in range(3)]  # 15 tokens each
+    b = [req("b", (7, 8, 9)) for _ in range(2)]  # 13 each
+    cache = PrefixCache()
+    # No chunk: one pass, every request computing its whole prompt (they share nothing in a pass).
+    assert prefill_passes(a, cache) == [45]
+    # Group b then shares the template: 3 tokens each; a group-a request now computes one.
+    assert prefill_passes([*b, a[0]], cache) == [3 + 3 + 1]
+    # 20-token chunks on a fresh cache: a[0] and 5 of a[1] (cut); a[1]'s other 10 (its prefix so far
+    # cached, a[0]'s prompt too without the overlap scheduler: then 1), then a[2] and b.
+    assert prefill_passes([*a, *b], PrefixCache(), chunk=20) == [20, 1 + 1 + 3 + 3]
+    # Under the overlap scheduler a[0]'s prompt is not cached yet when the second pass is formed:
+    # a[1]'s other 10 and a[2]'s 10 past a[1]'s cut prefix fill it; b then finds the template.
+    assert prefill_passes([*a, *b], PrefixCache(), chunk=20, overlap=True) == [20, 10 + 10, 3 + 3]
+    # Known by group alone (no token ids): a whole prompt, then one token once the group's is cached.
+    c = SimRequest("c", 4, prompt_len=6)
+    cache = PrefixCache()
+    assert prefill_passes([c, c], cache) == [12] and prefill_passes([c], cache) == [1]
 
 
 def test_shadow_draft_measures_what_verifying_would_have_accepted():
