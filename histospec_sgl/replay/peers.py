@@ -4,6 +4,7 @@ corpus, prompt lookup, and the copy bounds."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from collections.abc import Callable, Sequence
@@ -281,13 +282,16 @@ class PerPrompt:
         out: list[Any] = [None] * len(rids)
         for idx in by.values():
             m = self.of[rids[idx[0]]]
-            mine = [rids[i] for i in idx]
-            batch = getattr(m, "draft_batch", None)
-            drafts = self._call(m, 0, lambda: batch(mine, num_nodes) if batch else  # noqa: B023
-                                [m.draft(r, num_nodes) for r in mine])  # noqa: B023
+            drafts = self._call(m, 0, functools.partial(self._draft, m, [rids[i] for i in idx], num_nodes))
             for i, d in zip(idx, drafts):
                 out[i] = d
         return out
+
+    @staticmethod
+    def _draft(m: Any, rids: list[int], num_nodes: int) -> list[Any]:
+        """``m``'s drafts for ``rids``: in one call where it has ``draft_batch``."""
+        batch = getattr(m, "draft_batch", None)
+        return list(batch(rids, num_nodes)) if batch else [m.draft(r, num_nodes) for r in rids]
 
     def draft(self, rid: int, num_nodes: int) -> tuple[Sequence[int], ...]:
         return self.draft_batch([rid], num_nodes)[0]
