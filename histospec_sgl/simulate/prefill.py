@@ -5,7 +5,7 @@ once are cut into prefill forward passes (:func:`prefill_passes`)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from histospec_sgl.simulate.step import SimRequest
@@ -13,35 +13,35 @@ if TYPE_CHECKING:
 
 class PrefixCache:
     """The engine's radix cache as the simulator prices prefills: the prompts (or the prompt prefixes
-    a chunked prefill stopped at) prefilled so far, and how much of a new request's prompt they
-    cover: the longest prefix it shares with one of them (another prompt's chat template too), at
-    most all but its last token (SGLang extends at least one, to sample from). A request without
-    token ids is matched by its group: its whole prompt once the group's prompt was prefilled."""
+    a chunked prefill stopped at) prefilled so far, as a token trie, and how much of a new request's
+    prompt they cover: the longest prefix it shares with one of them (another prompt's chat
+    template too), at most all but its last token (SGLang extends at least one, to sample from). A
+    request without token ids is matched by its group: its whole prompt once the group's prompt was
+    prefilled."""
 
     def __init__(self) -> None:
-        self.prompts: set[tuple[int, ...]] = set()
+        self.trie: dict[int, Any] = {}
         self.groups: set[Hashable] = set()
 
     def cached(self, r: SimRequest) -> int:
         if not r.prompt:
             return max(r.prompt_len - 1, 0) if r.group in self.groups else 0
-        return min(max((_shared(r.prompt, p) for p in self.prompts), default=0), max(r.prompt_len - 1, 0))
+        node, n = self.trie, 0
+        for t in r.prompt:
+            node = node.get(t)
+            if node is None:
+                break
+            n += 1
+        return min(n, max(r.prompt_len - 1, 0))
 
     def insert(self, r: SimRequest, upto: int) -> None:
         """``r``'s first ``upto`` prompt tokens are prefilled."""
         if r.prompt:
-            self.prompts.add(r.prompt[:upto])
+            node = self.trie
+            for t in r.prompt[:upto]:
+                node = node.setdefault(t, {})
         elif upto >= r.prompt_len:
             self.groups.add(r.group)
-
-
-def _shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """The length of the prefix ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def prefill_passes(joining: Sequence[SimRequest], cache: PrefixCache, chunk: int | None = None,
