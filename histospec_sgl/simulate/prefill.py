@@ -28,10 +28,10 @@ class PrefixCache:
             return max(r.prompt_len - 1, 0) if r.group in self.groups else 0
         node, n = self.trie, 0
         for t in r.prompt:
-            node = node.get(t)
-            if node is None:
+            deeper = node.get(t)
+            if deeper is None:
                 break
-            n += 1
+            node, n = deeper, n + 1
         return min(n, max(r.prompt_len - 1, 0))
 
     def insert(self, r: SimRequest, upto: int) -> None:
