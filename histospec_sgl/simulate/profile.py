@@ -156,8 +156,9 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     step there) is priced by the plain row's own average at that batch, not extrapolated from the
     smaller buckets. The prefill forward passes as the same clock timed them, a fixed part a pass
     and a part per prompt token (``prefill_s_fixed``, ``prefill_s_per_token``: the engine spends
-    them outside decode steps; the latest row's), are charged for the prompts joining a step. None when no row carries step costs (a result of fixed widths
-    only, or from before they were recorded)."""
+    them outside decode steps; the latest row's), are charged for the prompts joining a step. None
+    when no row carries step costs (a result of fixed widths only, or from before they were
+    recorded)."""
     from histospec_sgl.engine.costmodel import bucket
 
     times: dict[tuple[int, int], float] = {}

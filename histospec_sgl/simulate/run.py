@@ -273,7 +273,9 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
     the engine keeps them (``control`` keeps its clock and calibration over the row's batches, as
     the server does), on one radix cache (flushed before the row, as the bench does; what a batch
     prefilled is cached for the later ones), ``prefill_chunk`` prompt tokens at most a prefill pass
-    (the server's ``chunked_prefill_size``); ``overlap_scheduler``: under SGLang's overlap scheduler, a request's batch runs one step past its end (:func:`~histospec_sgl.simulate.step.run_step`)."""
+    (the server's ``chunked_prefill_size``); ``overlap_scheduler``: under SGLang's overlap
+    scheduler, a request's batch runs one step past its end
+    (:func:`~histospec_sgl.simulate.step.run_step`)."""
     from histospec_sgl.engine.policy import Fixed
 
     seconds, steps, tokens, prefilled = 0.0, 0, 0, 0

@@ -206,7 +206,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             i = queue.pop()
             running.append([i, 0])
             joining.append(reqs[i])
-        passes = prefill_passes(joining, cache, prefill_chunk, overlap) if joining else []
+        passes = prefill_passes(joining, cache, prefill_chunk, overlap)  # none if none join
         prefill = sum(passes)
         prefill_tokens += prefill
         prefilled_passes += len(passes)
