@@ -427,6 +427,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 for w, n in r[k].items():
                     total[w] = total.get(w, 0) + n
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
+            # And each run's: a policy explores in its first run of a batch size and runs on what it
+            # measured in the later ones.
+            out["width_steps_runs"] = [r[k] for r in runs]
             continue
         if k in ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token"):  # by the last run
             out[k] = runs[-1][k]

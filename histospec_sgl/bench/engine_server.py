@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import procs
+from histospec_sgl.engine.policy import PrefillCost
 
 METHODS = ("plain", "ngram", "history")
 #: Where a checkout keeps the CPU engine's stand-ins (a development tool beside the benchmarks, never
@@ -351,9 +352,9 @@ def context_mismatches(srv: EngineServer) -> int | None:
     return total
 
 
-def prefill_cost(srv: EngineServer) -> tuple[float, float] | None:
-    """A HISTORY server's prefill forward pass cost as its step policy timed it, (seconds a pass,
-    seconds a prompt token) (``histospec:prefill_seconds_fixed`` and
+def prefill_cost(srv: EngineServer) -> PrefillCost | None:
+    """A HISTORY server's prefill forward pass cost as its step policy timed it, seconds a pass and
+    seconds a prompt token (``histospec:prefill_seconds_fixed`` and
     ``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
     if srv.method != "history":
         return None
@@ -364,7 +365,7 @@ def prefill_cost(srv: EngineServer) -> tuple[float, float] | None:
                 found[name] = float(line.rsplit(" ", 1)[1])
     if "histospec:prefill_seconds_per_token" not in found:
         return None
-    return found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"]
+    return PrefillCost(found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"])
 
 
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:

@@ -75,6 +75,9 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
             assert x["tokens_per_step"] == 1.0
         if m == "history":
             assert x["tokens_per_step"] > 2.0, x
+            # Steps per width, each run's and summed over the runs.
+            assert len(x["width_steps_runs"]) == len(x["tokens_per_s_runs"])
+            assert {w: sum(r.get(w, 0) for r in x["width_steps_runs"]) for w in x["width_steps"]} == x["width_steps"]
     # The model's own choice differs from the log's: without the forcing the outputs would not match.
     code = ("import json, sys; from pathlib import Path; from histospec_sgl.bench import engine_trace as et; "
             "g = et.workload(et.TraceSpec('grpo', 1), Path(sys.argv[1]), Path(sys.argv[2]))[0]; "
