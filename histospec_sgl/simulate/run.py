@@ -196,7 +196,15 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         else:
             sim = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row), row.get("prefill_chunk"))
         s, steps, used = sim.seconds, sim.steps, sim.used
-        out.append({"method": method, "batch_size": batch, "temperature": temp,
+        extra: dict[str, Any] = {}
+        if method == "history_cost":
+            # Every fixed width the default chooses among, on the same clock and step: what it
+            # chose against what it could have fixed, free of the host's drift between servers.
+            extra["predicted_fixed_speedups"] = {
+                str(w): round(base.seconds / _trace_row(groups, reqs, batch, cap, w, row_profile, w, None,
+                                                        overlap(row), row.get("prefill_chunk")).seconds, 3)
+                for w in control.widths}
+        out.append({"method": method, "batch_size": batch, "temperature": temp, **extra,
                     "predicted_speedup": round(base.seconds / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
                     "measured_tokens_per_step": row.get("tokens_per_step"),
@@ -309,11 +317,13 @@ def print_check(result: dict[str, Any]) -> None:
 
     t = Table(title=f"simulate --check: predicted against measured speedup over plain decoding (trace mode, "
                     f"d={result['draft_tokens']}, profile {result['profile']['name']})")
-    for c in ("method", "batch", "T", "predicted", "measured", "error"):
-        t.add_column(c, justify="left" if c == "method" else "right")
+    for c in ("method", "batch", "T", "predicted", "measured", "error", "predicted fixed"):
+        t.add_column(c, justify="left" if c in ("method", "predicted fixed") else "right")
     for c in result["check"]:
+        fixed = ", ".join(f"{w}: {x:.2f}x" for w, x in c.get("predicted_fixed_speedups", {}).items())
         t.add_row(c["method"], str(c["batch_size"]), str(c["temperature"]), f"{c['predicted_speedup']:.2f}x",
-                  f"{c['measured_speedup']:.2f}x", f"{100 * c['error']:+.0f}%" if c["error"] is not None else "")
+                  f"{c['measured_speedup']:.2f}x", f"{100 * c['error']:+.0f}%" if c["error"] is not None else "",
+                  fixed)
     console().print(t)
     if not result.get("log_verified", True):
         console().print("[yellow]warning:[/] this result records no digest of its traced step (a bench engine "

@@ -16,6 +16,7 @@ from _engine_checks import FIXED, greedy_passes, same_distribution, sample, serv
 
 from conftest import ROOT
 from histospec_sgl.bench.engine_server import EngineServer, running
+from histospec_sgl.engine.costmodel import verify_widths
 
 D = 8
 # Every test here reads the GRPO log (data_root first: without it they skip before a model is built).
@@ -104,6 +105,21 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
         # Steps per verify width, simulated and measured: HISTORY at a fixed width verifies at d.
         assert c["predicted_width_steps"] == {str(D): c["predicted_passes"]}
         assert set(c["measured_width_steps"]) == {str(D)}
+    # The default's rows are also simulated at each fixed width it chooses among, on the same clock:
+    # at d that is the fixed-width row's own prediction. (The history rows stand in for the
+    # default's here, with their widths: what is checked is the simulation of the fixed widths.)
+    both = dict(res, rows=res["rows"] + [dict(x, method="history_cost") for x in res["rows"] if x["method"] == "history"])
+    both_path, both_chk = tmp_path / "both.json", tmp_path / "both-check.json"
+    both_path.write_text(json.dumps(both))
+    r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(both_path), "--data-root",
+                        str(data_root), "--json", str(both_chk)], capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    assert r.returncode == 0, r.stderr[-3000:]
+    by = {(c["method"], c["batch_size"]): c for c in json.loads(both_chk.read_text())["check"]}
+    for b in (1, 4):
+        fixed = by[("history_cost", b)]["predicted_fixed_speedups"]
+        assert set(fixed) == {str(w) for w in verify_widths(D)}
+        assert fixed[str(D)] == by[("history", b)]["predicted_speedup"]
+        assert "predicted_fixed_speedups" not in by[("history", b)]
     # A log that does not rebuild the traced step is refused, not checked against another step.
     res["settings"]["trace"]["digest"] = "0" * 16
     other = tmp_path / "other.json"
