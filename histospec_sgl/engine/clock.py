@@ -175,15 +175,11 @@ class StepClock:
         full = [bb for bb, ws in by_bucket.items() if bb != b and len(ws) > 1]
         return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
 
-    def priced(self, batch: int, reach: int | None = None) -> bool:
+    def priced(self, batch: int) -> bool:
         """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
-        measured, or another bucket has, to borrow from (``reach``: one at most that many powers of
-        two of batch size away)."""
+        measured, or another bucket has, to borrow from."""
         b, per = bucket(batch), self._by_bucket()
-        if len(per.get(b, ())) > 1:
-            return True
-        lender = self._lender(b, per)
-        return lender is not None and (reach is None or abs(lender.bit_length() - b.bit_length()) <= reach)
+        return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width`` priced at ``batch``; a width not measured there

@@ -218,12 +218,6 @@ class EngineControl:
     #: Timed steps after which a bucket that began on borrowed prices measures d and plain decoding
     #: itself.
     settle: int = 32
-    #: A bucket borrows prices from one at most this many powers of two of batch size away; a bucket
-    #: farther from every measured one measures d and plain decoding in its first steps, as the first
-    #: bucket does. What a width costs against another carries over between neighbouring batch
-    #: sizes, not across several: on a 2-core CPU a width-8 step cost 1.6 plain steps at batch 8 and
-    #: 4.2 at batch 64, where plain decoding priced at batch 8's share of width 8 was never chosen.
-    reach: int = 1
     #: A width priced within this fraction of the best expected rate, whose price in the bucket is
     #: not yet its own measurement, is run to measure it (a few steps, each at most this much
     #: slower by the estimate).
@@ -254,11 +248,10 @@ class EngineControl:
                decoding: int | None = None) -> int:
         """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
         accepted tokens in all at width ``w`` (already calibrated per request class)."""
-        # A bucket that can borrow its prices from a measured neighbour (:meth:`StepClock.step_s`)
-        # runs what they say and measures its own widths only once it has run ``settle`` timed steps
-        # (a batch size that lasts); the first bucket the engine runs, and one farther than ``reach``
-        # from every measured bucket, measures them from its first steps.
-        explore = not self.clock.priced(batch, self.reach) or self.clock.steps_in(batch) >= self.settle
+        # A bucket that can borrow its prices from a measured one (:meth:`StepClock.step_s`) runs
+        # what they say and measures its own widths only once it has run ``settle`` timed steps (a
+        # batch size that lasts); the first bucket the engine runs measures them from its first steps.
+        explore = not self.clock.priced(batch) or self.clock.steps_in(batch) >= self.settle
         for w in self.explore if explore else ():
             # Until it has run often enough here: a step chosen at a width but run at another (no
             # request had a draft, so it ran plainly) times the width it ran at, and this one is
