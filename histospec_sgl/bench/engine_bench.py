@@ -51,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -421,14 +422,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from ``repeats`` timings of it: the median of each number, and every run's tokens/s."""
     out: dict[str, Any] = {}
     for k in runs[0]:
-        if k == "width_steps":  # summed over the runs
-            total: dict[str, int] = {}
-            for r in runs:
-                for w, n in r[k].items():
-                    total[w] = total.get(w, 0) + n
+        if k == "width_steps":  # summed over the runs, and each run's (a policy explores in its first run)
+            total: Counter[str] = sum((Counter(r[k]) for r in runs), Counter())
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
-            # And each run's: a policy explores in its first run of a batch size and runs on what it
-            # measured in the later ones.
             out["width_steps_runs"] = [r[k] for r in runs]
             continue
         if k in ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token"):  # by the last run
