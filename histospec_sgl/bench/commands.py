@@ -343,8 +343,10 @@ def add_bench(sub: Any) -> None:
                     help="comma list of plain, ngram, ngram_corpus (SGLang 0.5.23's NGRAM with an external corpus: the "
                     "row's history in trace mode), history (HISTORY at the fixed width --draft-tokens, "
                     "HISTOSPEC_CONTROL=fixed), history_cost (HISTORY under the engine's default policy, the cost model, "
-                    "its widest width --draft-tokens); every server runs SGLang's overlap scheduler, as on a GPU, and "
-                    "plain_sync, ngram_sync, history_sync and history_cost_sync run the synchronous loop instead")
+                    "its widest width --draft-tokens); history_dN and history_cost_dN draft at most N tokens whatever "
+                    "--draft-tokens says (history_d4: a second fixed width timed in the same run); every server runs "
+                    "SGLang's overlap scheduler, as on a GPU, and a method ending in _sync (plain_sync, ngram_sync, "
+                    "history_sync, history_cost_sync, history_d4_sync) runs the synchronous loop instead")
     be.add_argument("--trace", choices=["grpo"],
                     help="TRACE MODE (a benchmark): decode a logged RL step's responses with every token forced to "
                     "the log's, so that acceptance is the logging policy's; HISTORY holds the prompts' history, "

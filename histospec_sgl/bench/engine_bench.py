@@ -24,11 +24,14 @@ for plain decoding); ``step_ms`` the row's wall time over the longest request's 
 of one verify step relative to one decode step at that batch size: the profile a rollout simulator
 needs. ``history`` is HISTORY at a fixed width (``HISTOSPEC_CONTROL=fixed``: every decode step
 verified at width d); ``history_cost`` is HISTORY with the cost model choosing each step's width
-(``HISTOSPEC_CONTROL=cost``); :data:`SETTINGS` holds each method's ``HISTOSPEC_*`` settings.
+(``HISTOSPEC_CONTROL=cost``); :mod:`~histospec_sgl.bench.engine_methods` holds each method's
+``HISTOSPEC_*`` settings, and a HISTORY method named with ``_d<N>`` (``history_d4``) drafts at most N
+tokens where the run's others draft ``--draft-tokens``, so that two widths are timed in one run (every
+row records its server's ``draft_tokens``, and a HISTORY row its ``control``: ``fixed`` or ``cost``).
 Every server runs SGLang's overlap scheduler, as on a GPU (on a CPU SGLang itself turns it off for
 speculative decoding; the CPU engine's stand-ins keep it on); a method named with ``_sync``
 (``plain_sync``, ``history_sync``, ``history_cost_sync``, ``ngram_sync``) runs the synchronous loop
-instead (:data:`SYNC_ARGS`), and ``vs_plain_sync`` compares a row with ``plain_sync``. Each row says
+instead, and ``vs_plain_sync`` compares a row with ``plain_sync``. Each row says
 which scheduler ran it (``overlap``), whether a greedy row's outputs equal plain decoding's for the
 same requests (``identical_to_plain``; None where there is no plain row or the row samples), and how
 many requests' relayed tokens did not add up with SGLang's ``seq_lens`` on a HISTORY server
@@ -58,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import settings
+from histospec_sgl.bench.engine_methods import METHODS, SETTINGS, parse, server_spec
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
@@ -69,13 +73,6 @@ from histospec_sgl.bench.engine_server import (
 )
 from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
 
-METHODS = ("plain", "plain_sync", "ngram", "ngram_sync", "ngram_corpus", "history", "history_sync", "history_cost",
-           "history_cost_sync")
-#: A method named with ``_sync`` runs SGLang's synchronous loop instead of its overlap scheduler.
-SYNC_ARGS = ["--disable-overlap-schedule"]
-#: Each HISTORY method's settings: ``history`` at a fixed width, ``history_cost`` with the cost model
-#: picking each step's width (:mod:`histospec_sgl.engine.costmodel`).
-SETTINGS = {"history": {"HISTOSPEC_CONTROL": "fixed"}, "history_cost": {"HISTOSPEC_CONTROL": "cost"}}
 #: Row keys that are per-request outputs, compared across methods and then dropped from the rows.
 _OUTPUTS = "_outputs"
 
@@ -230,19 +227,6 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     return row
 
 
-def server_spec(method: str) -> tuple[str, dict[str, str], list[str]]:
-    """A method's server: the algorithm it runs, its ``HISTOSPEC_*`` settings and its extra arguments."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
-    sync = method.endswith("_sync")
-    env = SETTINGS.get(method.removesuffix("_sync"), {})
-    algo = "history" if method.startswith("history") else "plain" if method.startswith("plain") else "ngram"
-    # HISTORY servers export their steps per verify width (each row's ``width_steps``) and their
-    # context mismatches.
-    metrics = ["--enable-metrics"] if algo == "history" else []
-    return algo, dict(env), ["--sleep-on-idle", *metrics, *(SYNC_ARGS if sync else [])]
-
-
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
@@ -250,9 +234,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         fixed_length: bool = False, log: Callable[[str], None] = print,
         log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8, trace_seed: int = 0,
         data_root: Path | None = None) -> dict[str, Any]:
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ValueError(f"unknown methods {sorted(unknown)}: expected some of {', '.join(METHODS)}")
+    parsed = {m: parse(m) for m in methods}
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     python = python or sys.executable
@@ -310,7 +292,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                 env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
         if paths:
             env["PYTHONPATH"] = os.pathsep.join(paths)
-        servers[method] = EngineServer(server_model, algo, python=python, device=device, draft_tokens=draft_tokens,
+        servers[method] = EngineServer(server_model, algo, python=python, device=device,
+                                       draft_tokens=parsed[method].width(draft_tokens),
                                        dtype="float32" if device == "cpu" else "bfloat16",
                                        max_running=max(batch_sizes), env=env, extra_args=extra,
                                        max_total_tokens=kv_tokens,
@@ -334,7 +317,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                                repeats, sampled_requests, log)
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
-             "overlap": overlap[m], "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
+             "draft_tokens": parsed[m].width(draft_tokens), "control": SETTINGS.get(parsed[m].base, {}).get(
+                 "HISTOSPEC_CONTROL"), "overlap": overlap[m], "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
     _identical(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
@@ -491,7 +475,7 @@ def print_table(result: dict[str, Any]) -> None:
             "step_ms", "vs_plain", "vs_plain_sync", "verify_cost", "overlap", "identical_to_plain",
             "context_mismatches"]
     rows = sorted(result["rows"], key=lambda r: (r["temperature"], r["siblings"], r["batch_size"], r["pass"],
-                                                 METHODS.index(r["method"])))
+                                                 parse(r["method"]).order()))
     cells = [[str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(x[i]) for x in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))

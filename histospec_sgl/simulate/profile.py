@@ -119,6 +119,15 @@ class Measured:
                    float(raw.get("prefill_s_fixed", 0.0)))
 
 
+def row_control(row: dict[str, Any]) -> str | None:
+    """How a ``bench engine`` row's HISTORY server chose its verify widths under the overlap
+    scheduler: ``fixed`` or ``cost`` (the row's ``control``; in results from before rows recorded it,
+    by the method's name); None for other methods and for the synchronous loop (``_sync``)."""
+    if row["method"].endswith("_sync"):
+        return None
+    return row.get("control") or {"history": "fixed", "history_cost": "cost"}.get(row["method"])
+
+
 def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
     """A measured profile (the JSON :meth:`Measured.load` reads) from ``histospec-sgl bench engine``
     results: plain decoding's step time per batch size is width 1, a fixed-width HISTORY row's verify
@@ -133,7 +142,8 @@ def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str |
     for res in results:
         d = int(res["settings"]["draft_tokens"])
         for r in res["rows"]:
-            width = {"plain": 1, "history": d}.get(r["method"])
+            fixed = row_control(r) == "fixed"
+            width = 1 if r["method"] == "plain" else int(r.get("draft_tokens") or d) if fixed else None
             if width is not None and r.get("step_ms"):
                 times.setdefault((width, int(r["batch_size"])), []).append(float(r["step_ms"]) / 1e3)
     if not any(w == 1 for w, _ in times) or not any(w > 1 for w, _ in times):
@@ -164,7 +174,11 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     times: dict[tuple[int, int], float] = {}
     rows = result.get("rows", [])
     key = "step_seconds_mean" if any(r.get("step_seconds_mean") for r in rows) else "step_seconds"
+    # The servers at the run's draft-token count (a ``history_d4`` server's clock is its own).
+    d = result.get("settings", {}).get("draft_tokens")
     for r in rows:
+        if r.get("draft_tokens") not in (None, d):
+            continue
         for w, by_bucket in (r.get(key) or {}).items():
             for b, seconds in by_bucket.items():
                 times[(int(w), int(b))] = float(seconds)

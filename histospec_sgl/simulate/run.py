@@ -121,8 +121,10 @@ def print_simulation(result: dict[str, Any]) -> None:
         console().print(t)
 
 
-#: ``bench engine`` methods the simulator predicts, and how: a fixed verify width, or the cost model.
-CHECKED = ("history", "history_cost")
+#: ``bench engine`` methods the simulator predicts, and how: a fixed verify width, or the cost model
+#: (each also with a draft-token count of its own, ``history_d4``; overlap scheduler only): the
+#: rows whose :func:`~histospec_sgl.simulate.profile.row_control` is one of these.
+CHECKED = ("fixed", "cost")
 
 
 def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, Any]:
@@ -136,7 +138,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.simulate import trace as et
-    from histospec_sgl.simulate.profile import Measured, from_engine_bench, from_engine_clock
+    from histospec_sgl.simulate.profile import Measured, from_engine_bench, from_engine_clock, row_control
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
@@ -164,10 +166,14 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     # calibration of its promises), so the simulated one does too.
     from histospec_sgl.engine.costmodel import EngineControl
 
-    control = EngineControl(d)
+    # One policy per server: a method with its own draft-token count (``history_cost_d4``) has its own.
+    controls: dict[str, EngineControl] = {}
     for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
-        if method not in CHECKED or ("plain", batch, temp) not in measured:
+        if row_control(row) not in CHECKED or ("plain", batch, temp) not in measured:
             continue
+        cost = row_control(row) == "cost"
+        rd = int(row.get("draft_tokens") or d)  # the row's server's draft-token count
+        control = controls.setdefault(method, EngineControl(rd)) if cost else None
         reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"])))
 
         # The engine's clock prices each step at the batch then running. A row's average instead
@@ -176,28 +182,31 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         # running (the interpolation to the running batch would count the tail's smaller batches
         # twice: the average already holds them).
         # The clock as it stood at the end of the default policy's row of this batch size (each
-        # bucket's last timings then): a later row's tail would reprice this row's steps.
+        # bucket's last timings then): a later row's tail would reprice this row's steps. A default
+        # with a draft-token count of its own is priced by its own clock.
+        mine = method if cost else "history_cost"
         at_row = clock and from_engine_clock({**engine, "rows": [
             r for r in engine["rows"] if r["method"] == "plain"
-            or (r["method"], r["batch_size"], r["temperature"]) == ("history_cost", batch, temp)]})
+            or (r["method"], r["batch_size"], r["temperature"]) == (mine, batch, temp)]})
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         plain_row = measured[("plain", batch, temp)]
         base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row),
                           plain_row.get("prefill_chunk"))
-        if method == "history_cost":
+        if control is not None:
             # The row's runs one after the other on the server's policy (the first run of the first
             # row explores and calibrates, later ones use what it learned), their median as the
             # bench reports it.
-            runs = sorted((_trace_row(groups, reqs, batch, cap, d, row_profile, None, control, overlap(row),
+            runs = sorted((_trace_row(groups, reqs, batch, cap, rd, row_profile, None, control, overlap(row),
                                       row.get("prefill_chunk"))
                            for _ in range(max(1, int(settings.get("repeats", 1))))),
                           key=lambda run: run[:2])  # by time and steps (the width counts do not order)
             sim = runs[len(runs) // 2]
         else:
-            sim = _trace_row(groups, reqs, batch, cap, d, row_profile, d, None, overlap(row), row.get("prefill_chunk"))
+            sim = _trace_row(groups, reqs, batch, cap, rd, row_profile, rd, None, overlap(row),
+                             row.get("prefill_chunk"))
         s, steps, used = sim.seconds, sim.steps, sim.used
-        extra: dict[str, Any] = {}
-        if method == "history_cost":
+        extra: dict[str, Any] = {"draft_tokens": rd} if rd != d else {}
+        if control is not None:
             # Every fixed width the default chooses among, on the same clock and step: what it
             # chose against what it could have fixed, free of the host's drift between servers.
             extra["predicted_fixed_speedups"] = {
@@ -222,7 +231,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         c["error"] = round(p / m - 1, 3) if p and m else None
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
             "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
-            "not_predicted": sorted({r["method"] for r in engine["rows"]} - set(CHECKED) - {"plain", "plain_sync"})}
+            "not_predicted": sorted({r["method"] for r in engine["rows"]
+                                     if row_control(r) not in CHECKED} - {"plain", "plain_sync"})}
 
 
 def _prefilled(row: dict[str, Any]) -> int | None:

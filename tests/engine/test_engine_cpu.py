@@ -572,6 +572,17 @@ def test_bench_engine_methods_and_their_ratios():
     assert eb.server_spec("history")[:2] == ("history", {"HISTOSPEC_CONTROL": "fixed"})
     with pytest.raises(ValueError, match="unknown method"):
         eb.server_spec("eagle")
+    # A HISTORY method may name its own draft-token count; no other method can, nor a count below 1.
+    from histospec_sgl.bench.engine_methods import parse
+
+    assert eb.server_spec("history_d4_sync") == eb.server_spec("history_sync")
+    assert (parse("history_cost_d4").base, parse("history_cost_d4").width(8), parse("history").width(8)) == (
+        "history_cost", 4, 8)
+    for bad in ("plain_d4", "ngram_d2", "history_d0", "ngram_corpus_sync", "history_d4x", "history_sync_d4"):
+        with pytest.raises(ValueError, match="unknown method"):
+            parse(bad)
+    assert sorted(["history_d4", "history_cost", "history", "plain"], key=lambda m: parse(m).order()) == [
+        "plain", "history", "history_d4", "history_cost"]
     point = {"pass": 1, "batch_size": 4, "temperature": 1.0, "siblings": 1}
     rows = [{"method": "plain", **point, "tokens_per_s": 100.0, "step_ms": 10.0},
             {"method": "plain_sync", **point, "tokens_per_s": 105.0, "step_ms": 9.5},

@@ -19,6 +19,9 @@ from histospec_sgl.bench.engine_server import EngineServer, running
 from histospec_sgl.engine.costmodel import verify_widths
 
 D = 8
+# The bench's HISTORY server at a draft-token count of its own (D, where the run's is 4): the rows
+# below are that server's, at D.
+HIST = f"history_d{D}"
 # Every test here reads the GRPO log (data_root first: without it they skip before a model is built).
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("data_root")]
 
@@ -55,7 +58,8 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     First in the module: the module's servers start after the bench's have stopped."""
     out = tmp_path / "trace.json"
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--trace", "grpo",
-                        "--model", str(smollm2), "--data-root", str(data_root), "--methods", "plain,history",
+                        "--model", str(smollm2), "--data-root", str(data_root), "--methods", f"plain,{HIST}",
+                        "--draft-tokens", "4",
                         "--batch-sizes", "1,4", "--temperatures", "1", "--max-new-tokens", "32",
                         "--trace-groups", "1", "--sampled-requests", "4", "--json", str(out),
                         "--log-dir", str(tmp_path)],
@@ -67,14 +71,16 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     assert len(res["settings"]["trace"]["digest"]) == 16  # the step's fingerprint, for simulate --check
     assert "TRACE MODE" in r.stdout
     rows = {(x["method"], x["batch_size"], x["temperature"]): x for x in res["rows"]}
-    assert set(rows) == {(m, b, 1.0) for m in ("plain", "history") for b in (1, 4)}
+    assert set(rows) == {(m, b, 1.0) for m in ("plain", HIST) for b in (1, 4)}
     for (m, b, t), x in rows.items():
         assert x["mode"] == "trace" and x["siblings"] == 8
+        assert x["draft_tokens"] == (D if m == HIST else 4)  # its server's, where it names its own
+        assert x["control"] == ("fixed" if m == HIST else None)
         # The same logged tokens whichever method decodes them.
         assert x["tokens"] == rows[("plain", b, t)]["tokens"]
         if m == "plain":
             assert x["tokens_per_step"] == 1.0
-        if m == "history":
+        if m == HIST:
             assert x["tokens_per_step"] > 2.0, x
             # Steps per width, each run's and summed over the runs.
             assert len(x["width_steps_runs"]) == len(x["tokens_per_s_runs"])
@@ -98,17 +104,18 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     assert checked["priced_by"] == "row averages"
     assert checked["log_verified"] is True  # the log rebuilt the step the result traced (its digest)
     check = checked["check"]
-    assert {(c["method"], c["batch_size"], c["temperature"]) for c in check} == {("history", b, 1.0) for b in (1, 4)}
+    assert {(c["method"], c["batch_size"], c["temperature"]) for c in check} == {(HIST, b, 1.0) for b in (1, 4)}
     for c in check:
-        assert c["measured_speedup"] == rows[("history", c["batch_size"], c["temperature"])]["vs_plain"]
-        assert c["predicted_speedup"] > 0
+        assert c["measured_speedup"] == rows[(HIST, c["batch_size"], c["temperature"])]["vs_plain"]
+        assert c["predicted_speedup"] > 0 and c["draft_tokens"] == D
         # Steps per verify width, simulated and measured: HISTORY at a fixed width verifies at d.
         assert c["predicted_width_steps"] == {str(D): c["predicted_passes"]}
         assert set(c["measured_width_steps"]) == {str(D)}
     # The default's rows are also simulated at each fixed width it chooses among, on the same clock:
     # at d that is the fixed-width row's own prediction. (The history rows stand in for the
     # default's here, with their widths: what is checked is the simulation of the fixed widths.)
-    both = dict(res, rows=res["rows"] + [dict(x, method="history_cost") for x in res["rows"] if x["method"] == "history"])
+    both = dict(res, rows=res["rows"] + [dict(x, method="history_cost", control="cost") for x in res["rows"]
+                                       if x["method"] == HIST])
     both_path, both_chk = tmp_path / "both.json", tmp_path / "both-check.json"
     both_path.write_text(json.dumps(both))
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "simulate", "--check", str(both_path), "--data-root",
@@ -118,8 +125,8 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     for b in (1, 4):
         fixed = by[("history_cost", b)]["predicted_fixed_speedups"]
         assert set(fixed) == {str(w) for w in verify_widths(D)}
-        assert fixed[str(D)] == by[("history", b)]["predicted_speedup"]
-        assert "predicted_fixed_speedups" not in by[("history", b)]
+        assert fixed[str(D)] == by[(HIST, b)]["predicted_speedup"]
+        assert "predicted_fixed_speedups" not in by[(HIST, b)]
     # A log that does not rebuild the traced step is refused, not checked against another step.
     res["settings"]["trace"]["digest"] = "0" * 16
     other = tmp_path / "other.json"
