@@ -65,6 +65,7 @@ from histospec_sgl.bench.engine_methods import METHODS, SETTINGS, parse, server_
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
+    host_seconds,
     prefill_cost,
     running,
     step_seconds,
@@ -187,6 +188,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     (a trace run whose outputs differ from the log's would measure something else)."""
     widths_before = width_steps(srv)
     mismatches_before = context_mismatches(srv)
+    host_before = host_seconds(srv)
     t0 = time.perf_counter()
     tokens, steps, passes, outputs, prompt, cached = 0, [], 0, [], 0, 0
     for k in range(0, len(ids), batch):
@@ -220,6 +222,11 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         after = width_steps(srv) or {}
         row["width_steps"] = {w: n - widths_before.get(w, 0) for w, n in sorted(after.items(), key=lambda x: int(x[0]))
                               if n - widths_before.get(w, 0) > 0}
+        # The worker's host time a decode step (drafting and choosing the width), over the row.
+        host = host_seconds(srv)
+        n_steps = sum(row["width_steps"].values())
+        row["host_ms_per_step"] = (round(1000 * (host - host_before) / n_steps, 3)
+                                   if host is not None and host_before is not None and n_steps else None)
         row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the policy timed a prefill pass to cost (None at a fixed width).
@@ -420,6 +427,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if k == "context_mismatches":  # summed over the runs
             vals_ = [r[k] for r in runs]
             out[k] = None if None in vals_ else sum(vals_)
+            continue
+        if any(r[k] is None for r in runs):  # not measured in some run (host_ms_per_step of a stepless row)
+            out[k] = None
             continue
         vals = sorted(r[k] for r in runs)
         mid = len(vals) // 2

@@ -340,16 +340,30 @@ def width_steps(srv: EngineServer) -> dict[str, int] | None:
     return out
 
 
-def context_mismatches(srv: EngineServer) -> int | None:
-    """A HISTORY server's ``histospec:context_mismatches_total`` so far (with ``--enable-metrics``), or
-    None for a server that does not export it."""
+def _counter(srv: EngineServer, name: str) -> float | None:
+    """A HISTORY server's counter ``name`` so far, summed over its labels (with ``--enable-metrics``),
+    or None for a server that does not export it."""
     if srv.method != "history":
         return None
     total = None
     for line in srv.metrics().splitlines():
-        if line.startswith("histospec:context_mismatches_total{"):
-            total = (total or 0) + int(float(line.rsplit(" ", 1)[1]))
+        if line.startswith(name + "{"):
+            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
     return total
+
+
+def context_mismatches(srv: EngineServer) -> int | None:
+    """A HISTORY server's ``histospec:context_mismatches_total`` so far (with ``--enable-metrics``), or
+    None for a server that does not export it."""
+    total = _counter(srv, "histospec:context_mismatches_total")
+    return None if total is None else int(total)
+
+
+def host_seconds(srv: EngineServer) -> float | None:
+    """A HISTORY server's ``histospec:host_seconds_total`` so far: the host time its worker spent
+    drafting decode steps (the index, the step policy, the narrowing; with ``--enable-metrics``), or
+    None for a server that does not export it."""
+    return _counter(srv, "histospec:host_seconds_total")
 
 
 def prefill_cost(srv: EngineServer) -> PrefillCost | None:

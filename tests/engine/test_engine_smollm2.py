@@ -85,6 +85,10 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
             # Steps per width, each run's and summed over the runs.
             assert len(x["width_steps_runs"]) == len(x["tokens_per_s_runs"])
             assert {w: sum(r.get(w, 0) for r in x["width_steps_runs"]) for w in x["width_steps"]} == x["width_steps"]
+            # The worker's host time a step: drafting takes some, and far less than a step's forward pass.
+            assert 0 < x["host_ms_per_step"] < x["step_ms"], x
+        else:
+            assert "host_ms_per_step" not in x
     # The model's own choice differs from the log's: without the forcing the outputs would not match.
     code = ("import json, sys; from pathlib import Path; from histospec_sgl.bench import engine_trace as et; "
             "g = et.workload(et.TraceSpec('grpo', 1), Path(sys.argv[1]), Path(sys.argv[2]))[0]; "
