@@ -10,7 +10,8 @@ radix cache go; HISTORY keeps its history, so each row's requests carry their ow
 ``custom_params.histospec_group`` and start with none). With ``repeats`` > 1 each row runs that many
 times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run). The second pass repeats the same requests:
 what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
-``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other.
+``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other
+(in trace mode, ``sampled_requests`` of them: :func:`single_requests`).
 A sampled row (temperature > 0) runs batches of B until it has run ``sampled_requests`` requests
 (``--sampled-requests``), since sampled lengths, and with them a batch's tail, vary from run to run;
 a greedy row repeats itself exactly and runs once. Where requests end at different times a batch
@@ -272,6 +273,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         keys = [_row_key(t, b, r) for t in temperatures for b in batch_sizes for r in range(repeats)]
         per_row = et.write_history(Path(work) / "history.jsonl", trace_groups_, keys) // max(1, len(keys))
         settings["trace"] = {**spec.to_json(), "requests": sum(len(g.samples) for g in trace_groups_),
+                             "single_requests": single_requests(sampled_requests),
                              "history_responses_per_row": per_row,
                              "tokens": sum(len(s) for g in trace_groups_ for s in g.samples), "eos": eos,
                              "digest": digest(trace_groups_),
@@ -334,6 +336,13 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
 Runs = dict[tuple, list[dict[str, Any]]]
 
 
+def single_requests(sampled_requests: int) -> int:
+    """The requests a trace-mode batch-1 row runs one after the other: ``sampled_requests``, as at
+    every batch size, and at least :data:`SINGLE_REPEATS` (a row of a few short logged answers is
+    a few seconds, too short to time a ratio to a few percent on a noisy host)."""
+    return max(SINGLE_REPEATS, sampled_requests)
+
+
 def _row_key(temp: float, batch: int, rep: int) -> str:
     return f"T{temp}-b{batch}-r{rep}"
 
@@ -378,7 +387,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
     for temp in temperatures:
         for batch in batch_sizes:
             for rep in range(repeats):
-                reqs = et.requests(groups, row_requests(batch, sampled_requests))
+                reqs = et.requests(groups, row_requests(batch, sampled_requests, single_requests(sampled_requests)))
                 key = _row_key(temp, batch, rep)
                 ids = [groups[gi].prompt_ids for gi, _ in reqs]
                 params = [{"temperature": temp, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,

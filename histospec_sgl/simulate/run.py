@@ -174,7 +174,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         cost = row_control(row) == "cost"
         rd = int(row.get("draft_tokens") or d)  # the row's server's draft-token count
         control = controls.setdefault(method, EngineControl(rd)) if cost else None
-        reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"])))
+        reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"]),
+                                                   int(tr.get("single_requests", et.SINGLE_REPEATS))))
 
         # The engine's clock prices each step at the batch then running. A row's average instead
         # is its wall time over the passes its longest request took, at the row's batch size:

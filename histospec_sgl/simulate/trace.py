@@ -91,11 +91,12 @@ def requests(groups: list[TraceGroup], n: int) -> list[tuple[int, int]]:
     return flat[:n]
 
 
-#: A batch-1 row runs this many requests one after the other.
+#: A batch-1 row of the model's own samples runs this many requests one after the other, as did a
+#: trace row's before results recorded ``single_requests``.
 SINGLE_REPEATS = 4
 
 
-def row_requests(batch: int, sampled_requests: int) -> int:
-    """The requests of a trace row: at batch 1, :data:`SINGLE_REPEATS` one after the other; else
-    batches of ``batch`` until ``sampled_requests``."""
-    return SINGLE_REPEATS if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)
+def row_requests(batch: int, sampled_requests: int, single: int = SINGLE_REPEATS) -> int:
+    """The requests of a trace row: at batch 1, ``single`` one after the other (a trace-mode result's
+    ``single_requests``); else batches of ``batch`` until ``sampled_requests``."""
+    return single if batch == 1 else max(batch, -(-sampled_requests // batch) * batch)

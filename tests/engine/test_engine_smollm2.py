@@ -68,6 +68,7 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     res = json.loads(out.read_text())
     assert res["settings"]["mode"] == "trace" and res["settings"]["trace"]["preset"] == "grpo"
     assert res["settings"]["trace"]["history_responses_per_row"] == 16
+    assert res["settings"]["trace"]["single_requests"] == 4  # batch 1 runs --sampled-requests one at a time
     assert len(res["settings"]["trace"]["digest"]) == 16  # the step's fingerprint, for simulate --check
     assert "TRACE MODE" in r.stdout
     rows = {(x["method"], x["batch_size"], x["temperature"]): x for x in res["rows"]}

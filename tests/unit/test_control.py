@@ -1248,3 +1248,15 @@ def test_narrowing_never_keeps_a_node_without_its_parent():
                     assert kept[pw[b, j]] == par[kept[j]]  # ... and is its parent in the narrowed mask
 
     check()
+
+
+def test_trace_rows_run_the_requests_their_result_records():
+    """A trace row's requests: batches of its size up to ``--sampled-requests``, and at batch 1 as many
+    one at a time (at least 4); ``simulate --check`` re-runs a row with the count its result records,
+    4 at batch 1 in results from before they recorded it."""
+    from histospec_sgl.bench.engine_bench import single_requests
+    from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
+
+    assert [single_requests(n) for n in (1, 4, 16)] == [4, 4, 16]
+    assert [row_requests(b, 16, single_requests(16)) for b in (1, 8, 64, 12)] == [16, 16, 64, 24]
+    assert row_requests(1, 16) == SINGLE_REPEATS == 4
