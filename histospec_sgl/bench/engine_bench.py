@@ -11,7 +11,8 @@ radix cache go; HISTORY keeps its history, so each row's requests carry their ow
 times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run). The second pass repeats the same requests:
 what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
 ``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other
-(in trace mode, ``sampled_requests`` of them: :func:`single_requests`).
+(in trace mode, ``sampled_requests`` of them:
+:func:`~histospec_sgl.simulate.trace.single_requests`).
 A sampled row (temperature > 0) runs batches of B until it has run ``sampled_requests`` requests
 (``--sampled-requests``), since sampled lengths, and with them a batch's tail, vary from run to run;
 a greedy row repeats itself exactly and runs once. Where requests end at different times a batch
@@ -73,7 +74,7 @@ from histospec_sgl.bench.engine_server import (
     verify_steps,
     width_steps,
 )
-from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
+from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests, single_requests
 
 #: Row keys that are per-request outputs, compared across methods and then dropped from the rows.
 _OUTPUTS = "_outputs"
@@ -228,7 +229,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         n_steps = sum(row["width_steps"].values())
         row["host_ms_per_step"] = (round(1000 * (host - host_before) / n_steps, 3)
                                    if host is not None and host_before is not None and n_steps else None)
-        row["step_seconds"] = step_seconds(srv)  # empty at a fixed width
+        row["step_seconds"] = step_seconds(srv)  # a fixed-width server's: the widths it ran
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the policy timed a prefill pass to cost (None at a fixed width).
         row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
@@ -334,13 +335,6 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
 
 
 Runs = dict[tuple, list[dict[str, Any]]]
-
-
-def single_requests(sampled_requests: int) -> int:
-    """The requests a trace-mode batch-1 row runs one after the other: ``sampled_requests``, as at
-    every batch size, and at least :data:`SINGLE_REPEATS` (a row of a few short logged answers is
-    a few seconds, too short to time a ratio to a few percent on a noisy host)."""
-    return max(SINGLE_REPEATS, sampled_requests)
 
 
 def _row_key(temp: float, batch: int, rep: int) -> str:

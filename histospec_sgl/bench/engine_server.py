@@ -385,7 +385,7 @@ def prefill_cost(srv: EngineServer) -> PrefillCost | None:
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
-    width -> batch-size bucket -> seconds; empty at a fixed width."""
+    width -> batch-size bucket -> seconds (a fixed-width server's: the widths it ran)."""
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
         return out

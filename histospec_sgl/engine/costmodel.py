@@ -21,7 +21,7 @@ from typing import Any
 
 from histospec_sgl.engine.clock import StepClock, bucket
 from histospec_sgl.engine.draft import walk
-from histospec_sgl.engine.policy import PrefillCost, Profile
+from histospec_sgl.engine.policy import Fixed, PrefillCost, Profile
 
 
 @dataclass
@@ -192,8 +192,60 @@ def verify_widths(d: int) -> tuple[int, ...]:
     return (*out, d) if d > 1 else ()
 
 
+class Timed:
+    """A policy that times the engine's forward passes on its :class:`StepClock` (the engine's
+    worker calls :meth:`begin`, :meth:`decode_step` and :meth:`prefill_step` around each): every
+    decode step per width and batch-size bucket, every prefill pass per prompt token."""
+
+    clock: StepClock
+    #: (width, batch) of the step in flight and when it started (width 0: a prefill, of ``batch`` tokens).
+    _current: tuple[int, int, float] | None
+
+    def begin(self, now: float) -> None:
+        """The engine starts a forward pass (of any kind): the decode step before it, if any, took
+        the time since that step started."""
+        if self._current is not None:
+            w, b, t0 = self._current
+            if w:
+                self.clock.record(b, w, now - t0)
+            else:
+                self.clock.record_prefill(b, now - t0)
+        self._current = None
+
+    def decode_step(self, batch: int, width: int, started: float) -> None:
+        """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
+        self._current = (width, batch, started)
+
+    def prefill_step(self, tokens: int, started: float) -> None:
+        """The forward pass begun at ``started`` prefills ``tokens`` prompt tokens (timed, not priced:
+        the choice of width is made between decode steps)."""
+        if tokens > 0:
+            self._current = (0, tokens, started)
+
+    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
+        """Its clock's measured costs: seconds per (width, batch-size bucket), the medians it prices
+        by (``mean``: the means of the same timings)."""
+        return dict(self.clock.means if mean else self.clock.table)
+
+    def prefill_cost(self) -> PrefillCost | None:
+        """What a prefill forward pass costs, as its clock timed them (:meth:`StepClock.prefill`)."""
+        return self.clock.prefill()
+
+
+class TimedFixed(Timed, Fixed):
+    """:class:`Fixed` as the engine runs it (``HISTOSPEC_CONTROL=fixed``: every decode step at
+    width d; plain steps where a request needs the full sampler), timing its steps as the default
+    policy does, so that a fixed-width server reports
+    its step costs (``histospec:step_seconds``) beside a default one's."""
+
+    def __init__(self, width: int):
+        Fixed.__init__(self, width)
+        self.clock = StepClock()
+        self._current = None
+
+
 @dataclass
-class EngineControl:
+class EngineControl(Timed):
     """The engine's per-step choice of verify width: plain decoding (width 1, the target's DECODE
     forward) or the drafts' most probable nodes at one of :func:`verify_widths` (``d`` the widest),
     from step costs it measures itself (:class:`StepClock`) and what the drafts promise at each
@@ -278,27 +330,6 @@ class EngineControl:
                 return w
         return self.model.pick(rates)
 
-    def begin(self, now: float) -> None:
-        """The engine starts a forward pass (of any kind): the decode step before it, if any, took
-        the time since that step started."""
-        if self._current is not None:
-            w, b, t0 = self._current
-            if w:
-                self.clock.record(b, w, now - t0)
-            else:
-                self.clock.record_prefill(b, now - t0)
-        self._current = None
-
-    def decode_step(self, batch: int, width: int, started: float) -> None:
-        """The forward pass begun at ``started`` is a decode step of ``batch`` requests at ``width``."""
-        self._current = (width, batch, started)
-
-    def prefill_step(self, tokens: int, started: float) -> None:
-        """The forward pass begun at ``started`` prefills ``tokens`` prompt tokens (timed, not priced:
-        the choice of width is made between decode steps)."""
-        if tokens > 0:
-            self._current = (0, tokens, started)
-
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
                 klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
         """A verified step's drafts (or, ``shadow``, a shadow draft's; ``beside``, one at a wider width
@@ -313,15 +344,6 @@ class EngineControl:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that
         came closest to paying."""
         return self.model.candidate if self.model.candidate > 1 else self.widths[-1]
-
-    def step_costs(self, mean: bool = False) -> dict[tuple[int, int], float]:
-        """Its clock's measured costs: seconds per (width, batch-size bucket), the medians it prices
-        by (``mean``: the means of the same timings)."""
-        return dict(self.clock.means if mean else self.clock.table)
-
-    def prefill_cost(self) -> PrefillCost | None:
-        """What a prefill forward pass costs, as its clock timed them (:meth:`StepClock.prefill`)."""
-        return self.clock.prefill()
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

@@ -33,11 +33,11 @@ import numpy as np
 
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
-from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft
+from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, TimedFixed
 from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step, sure_conditional, width_promises
-from histospec_sgl.engine.policy import Fixed, StepPolicy
+from histospec_sgl.engine.policy import StepPolicy
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -140,7 +140,7 @@ class BatchDrafter:
         #: width the measured step costs and the drafts' promised acceptance say gives more tokens per
         #: second (:class:`EngineControl`, whose clock the engine's worker feeds).
         self.policy: StepPolicy = (EngineControl(draft_tokens) if self.config.control == "cost" else
-                                   Fixed(draft_tokens))
+                                   TimedFixed(draft_tokens))
         #: Whether the last :meth:`draft` drafted (False: the policy chose plain decoding).
         self.drafting = True
         #: The verify width of the last :meth:`draft` (1: plain decoding; d: the widest).

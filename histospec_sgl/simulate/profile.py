@@ -123,9 +123,10 @@ def row_control(row: dict[str, Any]) -> str | None:
     """How a ``bench engine`` row's HISTORY server chose its verify widths under the overlap
     scheduler: ``fixed`` or ``cost`` (the row's ``control``; in results from before rows recorded it,
     by the method's name); None for other methods and for the synchronous loop (``_sync``)."""
-    if row["method"].endswith("_sync"):
+    method = row.get("method", "")
+    if method.endswith("_sync"):
         return None
-    return row.get("control") or {"history": "fixed", "history_cost": "cost"}.get(row["method"])
+    return row.get("control") or {"history": "fixed", "history_cost": "cost"}.get(method)
 
 
 def from_engine_bench(result: dict[str, Any] | list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
@@ -167,18 +168,18 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     smaller buckets. The prefill forward passes as the same clock timed them, a fixed part a pass
     and a part per prompt token (``prefill_s_fixed``, ``prefill_s_per_token``: the engine spends
     them outside decode steps; the latest row's), are charged for the prompts joining a step. None
-    when no row carries step costs (a result of fixed widths only, or from before they were
-    recorded)."""
+    when no default-policy row carries step costs (a result of fixed widths only, or from before
+    they were recorded); a fixed-width server's clock prices nothing here."""
     from histospec_sgl.engine.costmodel import bucket
 
     times: dict[tuple[int, int], float] = {}
     rows = result.get("rows", [])
     key = "step_seconds_mean" if any(r.get("step_seconds_mean") for r in rows) else "step_seconds"
-    # The servers at the run's draft-token count (a ``history_d4`` server's clock is its own).
+    # The default's servers at the run's draft-token count (a ``history_cost_d4`` server's clock is
+    # its own).
     d = result.get("settings", {}).get("draft_tokens")
-    for r in rows:
-        if r.get("draft_tokens") not in (None, d):
-            continue
+    timed = [r for r in rows if r.get("draft_tokens") in (None, d) and row_control(r) == "cost"]
+    for r in timed:
         for w, by_bucket in (r.get(key) or {}).items():
             for b, seconds in by_bucket.items():
                 times[(int(w), int(b))] = float(seconds)
@@ -194,7 +195,7 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     out = _measured_json(result, times, None, "engine-clock",
                          "the engine's own step clock during histospec-sgl bench engine",
                          f", per batch-size bucket{note}", result.get("command"))
-    prefill = [r for r in rows if r.get("prefill_s_per_token")]
+    prefill = [r for r in timed if r.get("prefill_s_per_token")]
     if prefill:
         out["prefill_s_per_token"] = float(prefill[-1]["prefill_s_per_token"])
         out["prefill_s_fixed"] = float(prefill[-1].get("prefill_s_fixed") or 0.0)

@@ -96,6 +96,14 @@ def requests(groups: list[TraceGroup], n: int) -> list[tuple[int, int]]:
 SINGLE_REPEATS = 4
 
 
+def single_requests(sampled_requests: int) -> int:
+    """The requests a ``bench engine --trace`` batch-1 row runs one after the other:
+    ``sampled_requests``, as at every batch size, and at least :data:`SINGLE_REPEATS` (a row of a
+    few short logged answers is a few seconds, too short to time a ratio to a few percent on a noisy
+    host)."""
+    return max(SINGLE_REPEATS, sampled_requests)
+
+
 def row_requests(batch: int, sampled_requests: int, single: int = SINGLE_REPEATS) -> int:
     """The requests of a trace row: at batch 1, ``single`` one after the other (a trace-mode result's
     ``single_requests``); else batches of ``batch`` until ``sampled_requests``."""

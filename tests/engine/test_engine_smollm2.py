@@ -88,6 +88,8 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
             assert {w: sum(r.get(w, 0) for r in x["width_steps_runs"]) for w in x["width_steps"]} == x["width_steps"]
             # The worker's host time a step: drafting takes some, and far less than a step's forward pass.
             assert 0 < x["host_ms_per_step"] < x["step_ms"], x
+            # A fixed-width server times its steps too: width d alone, per batch bucket it ran.
+            assert set(x["step_seconds"]) == {str(D)} and x["step_seconds"][str(D)], x["step_seconds"]
         else:
             assert "host_ms_per_step" not in x
     # The model's own choice differs from the log's: without the forcing the outputs would not match.

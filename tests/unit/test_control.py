@@ -692,6 +692,9 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     assert m.step_s(4, 4, 0) == pytest.approx(0.040 + (0.080 - 0.040) * 2 / 6)
     assert from_engine_clock({**engine, "rows": rows[:1]}) is None
     assert from_engine_clock({**engine, "rows": [{"step_seconds": {"8": {"1": 0.02}}}]}) is None
+    # A fixed-width server's clock (its own steps) prices nothing: the default's clock does.
+    fixed = {"method": "history", "control": "fixed", "batch_size": 4, "step_seconds": {"8": {"4": 0.5}}}
+    assert from_engine_clock({**engine, "rows": [*rows, fixed]}) == prof
     # A row pays every step, the slow ones too: where the result has the means of the clock's timings
     # (step_seconds_mean), they price the steps, not the medians the policy chose by.
     means = [{**r, "step_seconds_mean": {w: {b: 2 * s for b, s in by.items()} for w, by in r["step_seconds"].items()}}
@@ -1254,9 +1257,29 @@ def test_trace_rows_run_the_requests_their_result_records():
     """A trace row's requests: batches of its size up to ``--sampled-requests``, and at batch 1 as many
     one at a time (at least 4); ``simulate --check`` re-runs a row with the count its result records,
     4 at batch 1 in results from before they recorded it."""
-    from histospec_sgl.bench.engine_bench import single_requests
-    from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests
+    from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests, single_requests
 
     assert [single_requests(n) for n in (1, 4, 16)] == [4, 4, 16]
     assert [row_requests(b, 16, single_requests(16)) for b in (1, 8, 64, 12)] == [16, 16, 64, 24]
     assert row_requests(1, 16) == SINGLE_REPEATS == 4
+
+
+def test_a_fixed_width_engine_times_its_steps_as_the_default_does():
+    """``HISTOSPEC_CONTROL=fixed`` runs every step at d and times them on the default's clock, so that
+    a fixed-width server's step costs can be read beside a default one's; the simulator's ``Fixed``
+    times nothing."""
+    from histospec_sgl.engine.costmodel import TimedFixed
+    from histospec_sgl.engine.policy import Fixed
+
+    p = TimedFixed(4)
+    assert p.choose({4: 0.0}, 8) == 4 and p.widths == (4,)
+    t = 100.0
+    for _ in range(4):  # decode steps of 8 requests, 0.2 s each, then a prefill of 300 tokens
+        p.begin(t)
+        p.decode_step(8, 4, t)
+        t += 0.2
+    p.begin(t)
+    p.prefill_step(300, t)
+    p.begin(t + 0.5)
+    assert set(p.step_costs()) == {(4, 8)} and abs(p.step_costs()[(4, 8)] - 0.2) < 1e-9
+    assert Fixed(4).step_costs() == {} and Fixed(4).prefill_cost() is None

@@ -229,7 +229,7 @@ def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
 
 def test_every_step_policy_has_the_one_interface():
     """The engine's policies and the simulator's are one kind of object."""
-    from histospec_sgl.engine.costmodel import CostModel, EngineControl
+    from histospec_sgl.engine.costmodel import CostModel, EngineControl, TimedFixed
     from histospec_sgl.simulate.profile import ANALYTIC
 
     policies = [Fixed(1), Fixed(8), EngineControl(8), CostModel(next(iter(ANALYTIC.values())), [4, 8])]
@@ -241,8 +241,8 @@ def test_every_step_policy_has_the_one_interface():
     assert isinstance(default.policy, EngineControl) and default.policy.widths == (2, 4, 8)
     assert HistoryConfig().control == "cost"
     fixed = BatchDrafter(8, HistoryConfig(control="fixed"))
-    assert fixed.policy.__class__ is Fixed and fixed.policy.width == 8
-    # What the worker and the metrics use, on every policy: a fixed width times nothing.
+    assert isinstance(fixed.policy, TimedFixed) and fixed.policy.width == 8  # times its steps, as the default
+    # What the worker and the metrics use, on every policy: the simulator's fixed width times nothing.
     for p in policies:
         p.decode_step(4, 8, 0.0)
         p.begin(0.5)
