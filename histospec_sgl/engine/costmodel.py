@@ -135,7 +135,7 @@ class CostModel:
         measured as shadow drafts."""
         return self.candidate if not self.probe_every else 1
 
-    def begin(self, now: float) -> None:
+    def begin(self, now: float, after_idle: bool = False) -> None:
         pass  # priced by its profile: it times nothing
 
     def decode_step(self, batch: int, width: int, started: float) -> None:
@@ -201,10 +201,11 @@ class Timed:
     #: (width, batch) of the step in flight and when it started (width 0: a prefill, of ``batch`` tokens).
     _current: tuple[int, int, float] | None
 
-    def begin(self, now: float) -> None:
+    def begin(self, now: float, after_idle: bool = False) -> None:
         """The engine starts a forward pass (of any kind): the decode step before it, if any, took
-        the time since that step started."""
-        if self._current is not None:
+        the time since that step started; ``after_idle``: the engine may have idled since (every
+        request of that step had finished), so the time is not the step's and is not kept."""
+        if self._current is not None and not after_idle:
             w, b, t0 = self._current
             if w:
                 self.clock.record(b, w, now - t0)

@@ -96,9 +96,10 @@ class StepPolicy(Protocol):
         (1: promises taken as they are)."""
         ...
 
-    def begin(self, now: float) -> None:
+    def begin(self, now: float, after_idle: bool = False) -> None:
         """The engine starts a forward pass at ``now`` (any kind): for a policy that times its steps,
-        the decode step before it ended."""
+        the decode step before it ended; ``after_idle``: every request of that step had finished, so
+        the engine may have idled in between and the time is not the step's."""
         ...
 
     def decode_step(self, batch: int, width: int, started: float) -> None:
@@ -151,7 +152,7 @@ class Fixed:
     def calibration(self, klass: str | None = None, width: int | None = None) -> float:
         return 1.0
 
-    def begin(self, now: float) -> None:
+    def begin(self, now: float, after_idle: bool = False) -> None:
         pass
 
     def decode_step(self, batch: int, width: int, started: float) -> None:

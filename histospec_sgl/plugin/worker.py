@@ -101,6 +101,8 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         self.sync = None
         self.metrics: HistoryMetrics | None = None
         self._reqs: dict[str, Any] = {}
+        #: The requests of the last forward pass the step policy timed (:meth:`forward_batch_generation`).
+        self._last_step_reqs: list[Any] = []
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._no_keep: set[str] = set()
         self._errors = 0
@@ -183,7 +185,11 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         started = time.perf_counter()
         policy = self.drafter.policy if self.drafter is not None else None  # rank 0's: it times the steps
         if policy is not None:
-            policy.begin(started)
+            # A step whose requests had all finished may have been followed by an idle engine (the
+            # next requests came later): the time until this pass is not that step's cost.
+            policy.begin(started, after_idle=bool(self._last_step_reqs)
+                         and all(req.finished() for req in self._last_step_reqs))
+            self._last_step_reqs = list(batch.reqs)
         self._track(batch)
         if not batch.forward_mode.is_decode():
             tokens = getattr(batch, "extend_num_tokens", None)

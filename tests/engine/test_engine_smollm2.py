@@ -90,6 +90,8 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
             assert 0 < x["host_ms_per_step"] < x["step_ms"], x
             # A fixed-width server times its steps too: width d alone, per batch bucket it ran.
             assert set(x["step_seconds"]) == {str(D)} and x["step_seconds"][str(D)], x["step_seconds"]
+            # ... and not the idle time after a batch's last step (the other servers' runs, seconds).
+            assert max(x["step_seconds_mean"][str(D)].values()) < 5 * x["step_ms"] / 1000, x["step_seconds_mean"]
         else:
             assert "host_ms_per_step" not in x
     # The model's own choice differs from the log's: without the forcing the outputs would not match.

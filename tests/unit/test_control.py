@@ -1282,4 +1282,11 @@ def test_a_fixed_width_engine_times_its_steps_as_the_default_does():
     p.prefill_step(300, t)
     p.begin(t + 0.5)
     assert set(p.step_costs()) == {(4, 8)} and abs(p.step_costs()[(4, 8)] - 0.2) < 1e-9
+    # The last step of requests that all finished is followed by an idle engine until the next ones
+    # come: that gap is not a step's cost, and the worker says so (``after_idle``).
+    for _ in range(3):
+        p.decode_step(8, 4, t)
+        p.begin(t + 30.0, after_idle=True)
+        t += 31.0
+    assert abs(p.step_costs()[(4, 8)] - 0.2) < 1e-9 and abs(p.step_costs(mean=True)[(4, 8)] - 0.2) < 1e-9
     assert Fixed(4).step_costs() == {} and Fixed(4).prefill_cost() is None
