@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import settings
-from histospec_sgl.bench.engine_methods import METHODS, SETTINGS, parse, server_spec
+from histospec_sgl.bench.engine_methods import METHODS, parse, server_spec
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
@@ -327,8 +327,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                                repeats, sampled_requests, log)
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
-             "draft_tokens": parsed[m].width(draft_tokens), "control": SETTINGS.get(parsed[m].base, {}).get(
-                 "HISTOSPEC_CONTROL"), "overlap": overlap[m], "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
+             "draft_tokens": parsed[m].width(draft_tokens), "control": parsed[m].control, "overlap": overlap[m],
+             "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
     _ratios(rows)
     _identical(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}

@@ -24,7 +24,8 @@ SYNC_ARGS = ["--disable-overlap-schedule"]
 #: picking each step's width (:mod:`histospec_sgl.engine.costmodel`).
 SETTINGS = {"history": {"HISTOSPEC_CONTROL": "fixed"}, "history_cost": {"HISTOSPEC_CONTROL": "cost"}}
 
-_NAME = re.compile(r"(plain|ngram_corpus|ngram|history_cost|history)(?:_d(\d+))?(_sync)?")
+# The longer base first where one begins another (ngram_corpus before ngram).
+_NAME = re.compile(rf"({'|'.join(sorted(BASES, key=len, reverse=True))})(?:_d(\d+))?(_sync)?")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,11 @@ class Method:
     def algorithm(self) -> str:
         """The ``--speculative-algorithm`` its server runs: plain, ngram or history."""
         return "history" if self.base.startswith("history") else "plain" if self.base == "plain" else "ngram"
+
+    @property
+    def control(self) -> str | None:
+        """Its HISTORY server's ``HISTOSPEC_CONTROL`` (``fixed`` or ``cost``); None for other methods."""
+        return SETTINGS.get(self.base, {}).get("HISTOSPEC_CONTROL")
 
     def width(self, draft_tokens: int) -> int:
         """Its server's ``--speculative-num-draft-tokens`` in a bench run of ``draft_tokens``."""

@@ -169,11 +169,14 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     # One policy per server: a method with its own draft-token count (``history_cost_d4``) has its own.
     controls: dict[str, EngineControl] = {}
     for (method, batch, temp), row in sorted(measured.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
-        if row_control(row) not in CHECKED or ("plain", batch, temp) not in measured:
+        kind = row_control(row)
+        if kind not in CHECKED or ("plain", batch, temp) not in measured:
             continue
-        cost = row_control(row) == "cost"
+        cost = kind == "cost"
         rd = int(row.get("draft_tokens") or d)  # the row's server's draft-token count
-        control = controls.setdefault(method, EngineControl(rd)) if cost else None
+        if cost and method not in controls:
+            controls[method] = EngineControl(rd)
+        control = controls.get(method) if cost else None
         reqs = et.requests(groups, et.row_requests(batch, int(settings["sampled_requests"]),
                                                    int(tr.get("single_requests", et.SINGLE_REPEATS))))
 
