@@ -181,6 +181,10 @@ class StepClock:
         b, per = bucket(batch), self._by_bucket()
         return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
 
+    def borrows(self, batch: int) -> bool:
+        """Whether another bucket than this batch size's has two widths measured, to borrow from."""
+        return self._lender(bucket(batch), self._by_bucket()) is not None
+
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width`` priced at ``batch``; a width not measured there
         yet, between two that are, is interpolated linearly in the width (a verify step's cost grows

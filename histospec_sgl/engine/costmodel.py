@@ -301,10 +301,11 @@ class EngineControl(Timed):
                decoding: int | None = None) -> int:
         """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
         accepted tokens in all at width ``w`` (already calibrated per request class)."""
-        # A bucket that can borrow its prices from a measured one (:meth:`StepClock.step_s`) runs
-        # what they say and measures its own widths only once it has run ``settle`` timed steps (a
-        # batch size that lasts); the first bucket the engine runs measures them from its first steps.
-        explore = not self.clock.priced(batch) or self.clock.steps_in(batch) >= self.settle
+        # A bucket that can borrow its prices from another, measured one (:meth:`StepClock.step_s`)
+        # runs what they say and measures its own widths only once it has run ``settle`` timed steps
+        # (a batch size that lasts); the first bucket the engine runs measures them from its first
+        # steps, ``min_samples`` timings each (one timing of each would price it already).
+        explore = not self.clock.borrows(batch) or self.clock.steps_in(batch) >= self.settle
         for w in self.explore if explore else ():
             # Until it has run often enough here: a step chosen at a width but run at another (no
             # request had a draft, so it ran plainly) times the width it ran at, and this one is

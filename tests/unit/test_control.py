@@ -493,6 +493,21 @@ def test_simulator_runs_the_engines_policy_on_its_own_clock():
     assert out.makespan_s < 0.7 * min(fixed4.makespan_s, plain.makespan_s)
 
 
+def test_the_first_bucket_measures_d_and_plain_decoding_min_samples_times_each():
+    """Nothing to borrow from: the first bucket times d and plain decoding ``min_samples`` times each
+    (after each one's warm-up) before it prices by them, so that one slow timing (a fresh server's
+    first steps of a shape) is not the price it keeps."""
+    ec = EngineControl(d=8, widths=(4, 8))
+    seq = []
+    for k in range(10):
+        w = ec.choose({4: 0.0, 8: 0.0}, 1)
+        seq.append(w)
+        ec.clock.record(1, w, 9.0 if (w, k) == (8, 1) else 1.0 if w == 1 else 2.0)
+    n = ec.clock.warmup + ec.min_samples
+    assert seq[:2 * n] == [8] * n + [1] * n and set(seq[2 * n:]) == {1}
+    assert ec.clock.step_s(1, 8) == 2.0 and ec.clock.step_s(1, 1) == 1.0  # the 9 s timing is not the price
+
+
 def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     """A bucket with fewer than two widths timed prices each width as the nearest bucket with two
     does, scaled to its own timing where it has one, and so does a bucket with two for a width
