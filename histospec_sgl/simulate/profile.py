@@ -203,6 +203,22 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def with_row_clock(profile: dict[str, Any], row: dict[str, Any], width: int) -> dict[str, Any]:
+    """``profile`` (a measured profile's JSON, :func:`from_engine_clock`) with ``width``'s step costs
+    replaced by the ones a fixed-width row's own server timed (the row's ``step_seconds_mean``, else
+    ``step_seconds``), where it has them: each server runs at its own pace on a shared host, and a
+    fixed row's verify steps are its server's, not the default's. Plain decoding keeps the
+    default's clock (a plain server times nothing)."""
+    own = row.get("step_seconds_mean") or row.get("step_seconds") or {}
+    mine = {int(b): float(v) for b, v in (own.get(str(width)) or {}).items()}
+    if not mine:
+        return profile
+    points = [p for p in profile["points"] if not (p["width"] == width and p["batch"] in mine)]
+    points += [{"batch": b, "width": width, "step_s": v} for b, v in mine.items()]
+    return {**profile, "points": sorted(points, key=lambda p: (p["width"], p["batch"])),
+            "description": f"{profile['description']}; width {width} as the row's own server timed it"}
+
+
 def _measured_json(result: dict[str, Any], times: dict[tuple[int, int], float], name: str | None, suffix: str,
                    how: str, detail: str, source: Any) -> dict[str, Any]:
     """The profile JSON of step costs ``times[(width, batch)]`` measured by ``how`` on the machine and

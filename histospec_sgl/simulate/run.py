@@ -138,7 +138,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.simulate import trace as et
-    from histospec_sgl.simulate.profile import Measured, from_engine_bench, from_engine_clock, row_control
+    from histospec_sgl.simulate.profile import (Measured, from_engine_bench, from_engine_clock, row_control,
+                                              with_row_clock)
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
@@ -187,11 +188,14 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         # twice: the average already holds them).
         # The clock as it stood at the end of the default policy's row of this batch size (each
         # bucket's last timings then): a later row's tail would reprice this row's steps. A default
-        # with a draft-token count of its own is priced by its own clock.
+        # with a draft-token count of its own is priced by its own clock, a fixed row's verify
+        # steps by its own server's.
         mine = method if cost else "history_cost"
         at_row = clock and from_engine_clock({**engine, "rows": [
             r for r in engine["rows"] if r["method"] == "plain"
             or (r["method"], r["batch_size"], r["temperature"]) == (mine, batch, temp)]})
+        if at_row and not cost:
+            at_row = with_row_clock(at_row, row, rd)
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         plain_row = measured[("plain", batch, temp)]
         base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row),

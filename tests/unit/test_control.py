@@ -707,9 +707,15 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     assert m.step_s(4, 4, 0) == pytest.approx(0.040 + (0.080 - 0.040) * 2 / 6)
     assert from_engine_clock({**engine, "rows": rows[:1]}) is None
     assert from_engine_clock({**engine, "rows": [{"step_seconds": {"8": {"1": 0.02}}}]}) is None
-    # A fixed-width server's clock (its own steps) prices nothing: the default's clock does.
+    # A fixed-width server's clock (its own steps) prices nothing: the default's clock does...
     fixed = {"method": "history", "control": "fixed", "batch_size": 4, "step_seconds": {"8": {"4": 0.5}}}
     assert from_engine_clock({**engine, "rows": [*rows, fixed]}) == prof
+    # ...except that fixed row's own verify steps (simulate --check), plain decoding staying the default's.
+    from histospec_sgl.simulate.profile import with_row_clock
+
+    own = {(x["width"], x["batch"]): x["step_s"] for x in with_row_clock(prof, fixed, 8)["points"]}
+    assert own == {(1, 1): 0.011, (1, 4): 0.030, (2, 4): 0.040, (8, 1): 0.020, (8, 4): 0.5}
+    assert with_row_clock(prof, {**fixed, "step_seconds": {}}, 8) == prof
     # A row pays every step, the slow ones too: where the result has the means of the clock's timings
     # (step_seconds_mean), they price the steps, not the medians the policy chose by.
     means = [{**r, "step_seconds_mean": {w: {b: 2 * s for b, s in by.items()} for w, by in r["step_seconds"].items()}}
