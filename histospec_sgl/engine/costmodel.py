@@ -75,12 +75,13 @@ class CostModel:
         return self.accepted / self.promised
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-               decoding: int | None = None, calibrated: bool = False) -> int:
+               decoding: int | None = None, calibrated: bool = False,
+               least: Mapping[int, float] | None = None) -> int:
         """The width with the most expected tokens per second. ``promised[w]``: the batch's sum of
         promised accepted tokens at width ``w`` (``calibrated``: already scaled by the caller, e.g.
-        per request class); ``decoding``: requests that emit a token this step (default: the whole
-        batch)."""
-        return self.pick(self.rates(promised, batch, context, prefill, decoding, calibrated))
+        per request class); ``least[w]``: the smallest promise of one request (:meth:`rates`);
+        ``decoding``: requests that emit a token this step (default: the whole batch)."""
+        return self.pick(self.rates(promised, batch, context, prefill, decoding, calibrated, least))
 
     def pick(self, rates: Mapping[int, float]) -> int:
         """The choice among :meth:`rates` (plain decoding at 1), counted as made."""
@@ -97,15 +98,29 @@ class CostModel:
         return best
 
     def rates(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-              decoding: int | None = None, calibrated: bool = False) -> dict[int, float]:
+              decoding: int | None = None, calibrated: bool = False,
+              least: Mapping[int, float] | None = None) -> dict[int, float]:
         """Expected tokens per second at plain decoding (width 1) and at each width, by the profile:
-        ``(decoding + promised) / step cost``."""
+        ``(decoding + promised) / step cost``.
+
+        With ``least`` (the smallest promise of one request at each width), a promised token is worth
+        what it saves of the time until the batch's last request ends: a step's cost is a part per
+        request, which each accepted token saves, plus a fixed part (:func:`fixed_share` of a plain
+        step), which only fewer steps save, and the batch takes as many steps as its slowest request
+        needs. So the fixed part is credited for the tokens every request is promised at least
+        (``decoding * least``), the rest for all of them: ``(1 - f) * promised + f * decoding *
+        least``. Where the requests are promised alike this is ``promised``; where one request is
+        promised nothing, drafts that only shorten the others are worth their per-request part."""
         n = batch if decoding is None else decoding
         c = 1.0 if calibrated else self.calibration()
         out = {1: n / self.profile.step_s(batch, 1, context, prefill)}
+        f = fixed_share(self.profile, batch, context, prefill) if least is not None and n > 1 else 0.0
         for w in self.widths:
             if w > 1:
-                out[w] = (n + c * promised.get(w, 0.0)) / self.profile.step_s(batch, w, context, prefill)
+                p = c * promised.get(w, 0.0)
+                if least is not None:
+                    p = (1.0 - f) * p + f * n * c * least.get(w, 0.0)
+                out[w] = (n + p) / self.profile.step_s(batch, w, context, prefill)
         return out
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
@@ -180,6 +195,18 @@ class ShadowDraft:
         self.node, matched, ended = walk(self.tokens, self.parents, tokens, self.node, leaf_ends=True)
         self.accepted += matched
         return ended
+
+
+def fixed_share(profile: Profile, batch: int, context: float = 0.0, prefill: int = 0) -> float:
+    """The share of a plain step of ``batch`` requests that does not grow with the batch: where the
+    line through the profile's plain step at batch 1 and at ``batch`` meets batch 0 (held between 0
+    and the cheaper step), over the step at ``batch``. On a CPU most of a step grows with the batch;
+    on a GPU, which reads the weights once a step whatever the batch, most does not."""
+    if batch <= 1:
+        return 1.0
+    one, full = profile.step_s(1, 1, context, prefill), profile.step_s(batch, 1, context, prefill)
+    fixed = (batch * one - full) / (batch - 1)
+    return min(max(fixed, 0.0), one, full) / full if full > 0 else 0.0
 
 
 def verify_widths(d: int) -> tuple[int, ...]:
@@ -298,9 +325,10 @@ class EngineControl(Timed):
         return self.model.calibration(klass, width)
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-               decoding: int | None = None) -> int:
+               decoding: int | None = None, least: Mapping[int, float] | None = None) -> int:
         """The width of a decode step of ``batch`` requests whose drafts promise ``promised[w]``
-        accepted tokens in all at width ``w`` (already calibrated per request class)."""
+        accepted tokens in all at width ``w``, ``least[w]`` the least of one request (already
+        calibrated per request class; :meth:`CostModel.rates`)."""
         # A bucket that can borrow its prices from another, measured one (:meth:`StepClock.step_s`)
         # runs what they say and measures its own widths only once it has run ``settle`` timed steps
         # (a batch size that lasts); the first bucket the engine runs measures them from its first
@@ -321,7 +349,7 @@ class EngineControl(Timed):
         # measured, or borrowed from another batch size) and that comes within ``contend`` of the
         # best is measured before the choice trusts that price: a bucket measures what it chooses
         # between, wherever the batch spends its steps.
-        rates = self.model.rates(promised, batch, calibrated=True)
+        rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())
         for w, rate in sorted(rates.items(), key=lambda wr: -wr[1]):
             if rate < (1.0 - self.contend) * best:

@@ -5,7 +5,8 @@ the engine feeds it.
 
 - **Promises.** Before a step, each width's promise for the batch: each request's promise at the
   width (its ``w - 1`` most probable nodes' path probabilities) times its request class's
-  calibration at that width (:meth:`Feedback.promises`).
+  calibration at that width, and the least of them (the batch's slowest request's;
+  :meth:`Feedback.promises`).
 - **Verified steps.** A step drafted at a width above 1 is remembered with its promises by class
   (:meth:`Feedback.drafted`) until the engine reports what it accepted (:meth:`Feedback.verified`;
   with overlap scheduling, after the next step was drafted).
@@ -76,17 +77,18 @@ class Feedback:
             collections.deque(maxlen=pending_steps)
         self._shadows: dict[Hashable, tuple[Shadow, str | None, bool]] = {}
 
-    def promises(self, by_width: Mapping[int, np.ndarray], klasses: Sequence[str | None] | None) -> dict[int, float]:
+    def promises(self, by_width: Mapping[int, np.ndarray],
+                 klasses: Sequence[str | None] | None) -> dict[int, tuple[float, float]]:
         """``by_width[w]``: each request's promise at width ``w``. Scaled per request class by the
-        policy's calibration (:meth:`StepPolicy.calibration`) where the classes are known; else summed
-        as they are."""
-        out: dict[int, float] = {}
+        policy's calibration (:meth:`StepPolicy.calibration`) where the classes are known (else taken
+        as they are), then, at each width, summed over the batch and the smallest of them: ``(sum,
+        least)``."""
+        out: dict[int, tuple[float, float]] = {}
         for w, per in by_width.items():
-            if klasses is None:
-                out[w] = float(np.sum(per))
-                continue
-            cal = {k: self.policy.calibration(k, w) for k in set(klasses)}
-            out[w] = float((np.array([cal[k] for k in klasses]) * per).sum())
+            if klasses is not None:
+                cal = {k: self.policy.calibration(k, w) for k in set(klasses)}
+                per = np.array([cal[k] for k in klasses]) * per
+            out[w] = (float(np.sum(per)), float(np.min(per)) if len(per) else 0.0)
         return out
 
     def drafted(self, width: int, per_request: Sequence[float], klasses: Sequence[str | None]) -> None:

@@ -101,6 +101,8 @@ class StepPlan:
     shadowed: tuple[int, ...] = ()
     #: The batch's calibrated promise at each width the policy may choose (what it chose from).
     promised: Mapping[int, float] = field(default_factory=dict)
+    #: The least calibrated promise of one request at each width (what it chose from too).
+    least: Mapping[int, float] = field(default_factory=dict)
 
 
 def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.ndarray],
@@ -119,9 +121,11 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
     and counted). A request is shadowed when it has a draft and none is being followed for it.
     Reads ``feedback`` and asks ``policy`` to choose; changes nothing else."""
     n = len(keys)
-    promised = (feedback.promises({w: by_width[w] for w in policy.widths if w > 1}, klasses)
-                if policy.reads_promises else {})
-    chosen = policy.choose(promised, n if batch is None else batch, context, prefill)
+    both = (feedback.promises({w: by_width[w] for w in policy.widths if w > 1}, klasses)
+            if policy.reads_promises else {})
+    promised = {w: total for w, (total, _) in both.items()}
+    least = {w: low for w, (_, low) in both.items()}
+    chosen = policy.choose(promised, n if batch is None else batch, context, prefill, least=least)
     width = chosen if forced is None else forced
     per_request = np.asarray(by_width[width], dtype=np.float64) if width > 1 and width in by_width \
         else np.zeros(n, dtype=np.float64)
@@ -132,7 +136,7 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
         rows = tuple(b for b in np.flatnonzero(drafted).tolist() if not feedback.shadowing(keys[b]))
     else:
         shadow = 1
-    return StepPlan(width, per_request, shadow, width > 1, rows, promised)
+    return StepPlan(width, per_request, shadow, width > 1, rows, promised, least)
 
 
 @dataclass

@@ -71,9 +71,11 @@ class StepPolicy(Protocol):
     reads_promises: bool
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-               decoding: int | None = None) -> int:
+               decoding: int | None = None, least: Mapping[int, float] | None = None) -> int:
         """The width for a step of ``batch`` running requests, ``decoding`` of which emit a token
-        (default: all), at mean ``context`` tokens with ``prefill`` prompt tokens joining."""
+        (default: all), at mean ``context`` tokens with ``prefill`` prompt tokens joining.
+        ``least[w]``: the smallest promise of one request at width ``w`` (the batch's slowest
+        request's, which decides how soon the batch ends; None: not known)."""
         ...
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
@@ -139,7 +141,7 @@ class Fixed:
         self.widths: Sequence[int] = (width,) if width > 1 else ()
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
-               decoding: int | None = None) -> int:
+               decoding: int | None = None, least: Mapping[int, float] | None = None) -> int:
         return self.width
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,

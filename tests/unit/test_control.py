@@ -115,6 +115,30 @@ def test_cost_model_picks_the_width_with_the_most_tokens_per_second():
     assert cm.chosen == {4: 1, 1: 2}
 
 
+def test_a_step_s_fixed_part_pays_only_for_what_every_request_is_promised():
+    from histospec_sgl.engine.costmodel import fixed_share
+
+    # A CPU-like step: 0.04 s a step plus 0.005 s a request; a width-4 verify costs 1.5x plain.
+    cpu = Measured("cpu", "test", {1: [(1, 0.045), (16, 0.12)], 4: [(1, 0.0675), (16, 0.18)]})
+    assert fixed_share(cpu, 16) == pytest.approx(0.04 / 0.12)
+    assert fixed_share(cpu, 1) == 1.0
+    # Memory-bound (a GPU's decode): nearly all of the step is fixed; never above the step itself.
+    assert fixed_share(FLAT, 64) == pytest.approx(1.0)
+    cm = CostModel(cpu, [4])
+    # 16 requests, 10 tokens promised in all: by the batch's tokens per second it pays
+    # ((16 + 10) / 0.18 = 144 > 16 / 0.12 = 133)...
+    assert cm.choose({4: 10.0}, 16, calibrated=True) == 4
+    # ...and where every request is promised 10/16 alike, it does.
+    assert cm.choose({4: 10.0}, 16, calibrated=True, least={4: 10.0 / 16}) == 4
+    # Where one request is promised nothing the batch ends no sooner: only the per-request part
+    # (2/3) of the 10 tokens counts, (16 + 6.7) / 0.18 = 126 < 133.
+    rates = cm.rates({4: 10.0}, 16, calibrated=True, least={4: 0.0})
+    assert rates[4] == pytest.approx((16 + 10.0 * 2 / 3) / 0.18)
+    assert cm.choose({4: 10.0}, 16, calibrated=True, least={4: 0.0}) == 1
+    # A lone request is its batch's slowest: its promise counts whole.
+    assert cm.rates({4: 0.6}, 1, calibrated=True, least={4: 0.6}) == cm.rates({4: 0.6}, 1, calibrated=True)
+
+
 def test_analytic_profile_is_labelled_and_monotone():
     assert H100_8B.analytic and "analytic" in H100_8B.description
     assert resolve("h100-8b-analytic") is H100_8B
@@ -878,9 +902,9 @@ def test_feedback_prices_by_class_observes_verified_steps_and_follows_one_shadow
 
     rec = _Recorder()
     fb = Feedback(rec, 4)
-    # Each request's promise times its class's calibration at the width.
-    assert fb.promises({4: np.array([1.0, 1.0, 2.0])}, ["greedy", "sampled", None]) == {4: 2.0 + 0.5 + 2.0}
-    assert fb.promises({4: np.array([1.0, 1.0])}, None) == {4: 2.0}  # no classes: the sum as it is
+    # Each request's promise times its class's calibration at the width: summed, and the least.
+    assert fb.promises({4: np.array([1.0, 1.0, 2.0])}, ["greedy", "sampled", None]) == {4: (2.0 + 0.5 + 2.0, 0.5)}
+    assert fb.promises({4: np.array([1.0, 3.0])}, None) == {4: (4.0, 1.0)}  # no classes: as they are
     # A verified step is observed by class, after the next one was drafted; a plain one measures nothing.
     fb.drafted(4, [0.5, 1.0], ["greedy", "sampled"])
     fb.drafted(1, [0.0, 0.0], ["greedy", "sampled"])
