@@ -170,10 +170,15 @@ class StepClock:
         return out
 
     @staticmethod
-    def _lender(b: int, by_bucket: dict[int, list[int]]) -> int | None:
-        """The nearest bucket to ``b`` (the smaller of two as near) with two widths or more measured."""
+    def _lender(b: int, by_bucket: dict[int, list[int]], width: int | None = None) -> int | None:
+        """The nearest bucket to ``b`` (the smaller of two as near) with two widths or more measured;
+        for pricing ``width``, the nearest whose measured widths reach it, if any does (a bucket that
+        only verified at 2 and 4 holds plain decoding at width 2's cost, which says nothing of what
+        plain decoding costs against width 2)."""
         full = [bb for bb, ws in by_bucket.items() if bb != b and len(ws) > 1]
-        return min(full, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if full else None
+        reach = [bb for bb in full if width is not None and by_bucket[bb][0] <= width <= by_bucket[bb][-1]]
+        near = reach or full
+        return min(near, key=lambda bb: (abs(bb.bit_length() - b.bit_length()), bb)) if near else None
 
     def priced(self, batch: int) -> bool:
         """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
@@ -190,8 +195,9 @@ class StepClock:
         yet, between two that are, is interpolated linearly in the width (a verify step's cost grows
         with the nodes it verifies), and measured once it is chosen. A width beyond the bucket's
         measured ones (plain decoding in a bucket that only verified), and every width of a bucket
-        with fewer than two measured, is priced as the nearest bucket that has two does
-        (:meth:`_lender`), scaled to agree with its own cost at the nearest width it measured:
+        with fewer than two measured, is priced as the nearest bucket that has two does (that
+        measured around the width, where one did: :meth:`_lender`), scaled to agree with its own
+        cost at the nearest width it measured:
         what a width costs against another carries over between neighbouring batch sizes better
         than holding the nearest measured cost flat, or not knowing at all."""
         b = bucket(batch)
@@ -201,7 +207,7 @@ class StepClock:
         own = [(w, self.price(batch, w)) for w in per.get(b, [])]
         if len(own) > 1 and own[0][0] <= width <= own[-1][0]:
             return interpolate(own, width)
-        lender = self._lender(b, per)
+        lender = self._lender(b, per, width)
         if lender is None:
             if len(own) > 1:  # nothing to borrow the shape from: the nearest measured cost
                 return interpolate(own, width)

@@ -569,6 +569,21 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     assert ec.clock.step_s(16, 2) == pytest.approx(5.0 * (2 + 4 / 7) / (2 + 12 / 7))
 
 
+def test_plain_decoding_is_borrowed_from_a_bucket_that_timed_it():
+    """A bucket that never decoded plainly prices plain decoding as the nearest bucket that did, against
+    its own nearest width: not as a nearer bucket that only verified (at 2 and 4), which holds plain
+    decoding at width 2's cost and so would price it as free against width 2."""
+    ec = EngineControl(d=8, widths=(2, 4, 8))
+    for b, timed in ((8, {1: 1.0, 2: 1.5, 4: 2.0}), (32, {2: 3.0, 4: 4.0}), (64, {2: 6.0})):
+        for w, took in timed.items():
+            for _ in range(ec.clock.warmup + 1):
+                ec.clock.record(b, w, took)
+    # Bucket 32 lends its shape between widths 2 and 4 (nearest), bucket 8 plain decoding's.
+    assert ec.clock.step_s(64, 4) == pytest.approx(8.0)
+    assert ec.clock.step_s(64, 1) == pytest.approx(1.0 * 6.0 / 1.5)
+    assert ec.clock.step_s(32, 1) == pytest.approx(1.0 * 3.0 / 1.5)
+
+
 def test_a_timing_is_priced_at_the_batch_asked_about():
     """A bucket spans batch sizes (33-64): a width timed in a row's tail (batch 36) and another timed
     at its top (64) are compared at the batch asked about, as a fixed part plus a part per request,
