@@ -138,8 +138,13 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     batches of the row's size one after the other, a group's earlier samples of the row its history
     beside the loaded one. Returns every row's predicted and measured speedup over plain decoding."""
     from histospec_sgl.simulate import trace as et
-    from histospec_sgl.simulate.profile import (Measured, from_engine_bench, from_engine_clock, row_control,
-                                              with_row_clock)
+    from histospec_sgl.simulate.profile import (
+        Measured,
+        from_engine_bench,
+        from_engine_clock,
+        row_control,
+        with_row_clock,
+    )
 
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
@@ -224,6 +229,11 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         out.append({"method": method, "batch_size": batch, "temperature": temp, **extra,
                     "predicted_speedup": round(base.seconds / s, 3) if s else None,
                     "measured_speedup": row.get("vs_plain"),
+                    # Each row's own time, simulated against the engine's wall time (a run's median):
+                    # where the speedup misses, whether the HISTORY row or the plain one is mispriced.
+                    "predicted_seconds": round(s, 3), "measured_seconds": row.get("wall_s"),
+                    "predicted_plain_seconds": round(base.seconds, 3),
+                    "measured_plain_seconds": plain_row.get("wall_s"),
                     "measured_tokens_per_step": row.get("tokens_per_step"),
                     "predicted_passes": steps, "measured_passes": round(1000 * row["wall_s"] / row["step_ms"]),
                     "predicted_plain_passes": base.steps,
@@ -237,6 +247,9 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     for c in out:
         p, m = c["predicted_speedup"], c["measured_speedup"]
         c["error"] = round(p / m - 1, 3) if p and m else None
+        for k, (ps, ms) in {"time_error": ("predicted_seconds", "measured_seconds"),
+                            "plain_time_error": ("predicted_plain_seconds", "measured_plain_seconds")}.items():
+            c[k] = round(c[ps] / c[ms] - 1, 3) if c[ps] and c[ms] else None
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
             "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
             "not_predicted": sorted({r["method"] for r in engine["rows"]
@@ -335,13 +348,17 @@ def print_check(result: dict[str, Any]) -> None:
 
     t = Table(title=f"simulate --check: predicted against measured speedup over plain decoding (trace mode, "
                     f"d={result['draft_tokens']}, profile {result['profile']['name']})")
-    for c in ("method", "batch", "T", "predicted", "measured", "error", "predicted fixed"):
+    for c in ("method", "batch", "T", "predicted", "measured", "error", "time error (row, plain)", "predicted fixed"):
         t.add_column(c, justify="left" if c in ("method", "predicted fixed") else "right")
+
+    def pct(v: float | None) -> str:
+        return f"{100 * v:+.0f}%" if v is not None else ""
+
     for c in result["check"]:
         fixed = ", ".join(f"{w}: {x:.2f}x" for w, x in c.get("predicted_fixed_speedups", {}).items())
+        times = f"{pct(c.get('time_error'))}, {pct(c.get('plain_time_error'))}" if c.get("time_error") is not None else ""
         t.add_row(c["method"], str(c["batch_size"]), str(c["temperature"]), f"{c['predicted_speedup']:.2f}x",
-                  f"{c['measured_speedup']:.2f}x", f"{100 * c['error']:+.0f}%" if c["error"] is not None else "",
-                  fixed)
+                  f"{c['measured_speedup']:.2f}x", pct(c["error"]), times, fixed)
     console().print(t)
     if not result.get("log_verified", True):
         console().print("[yellow]warning:[/] this result records no digest of its traced step (a bench engine "

@@ -117,6 +117,11 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
     for c in check:
         assert c["measured_speedup"] == rows[(HIST, c["batch_size"], c["temperature"])]["vs_plain"]
         assert c["predicted_speedup"] > 0 and c["draft_tokens"] == D
+        # Each row's own time, and the plain row's, simulated against the measured wall time.
+        assert c["measured_seconds"] == rows[(HIST, c["batch_size"], c["temperature"])]["wall_s"]
+        assert c["measured_plain_seconds"] == rows[("plain", c["batch_size"], c["temperature"])]["wall_s"]
+        assert c["time_error"] == pytest.approx(c["predicted_seconds"] / c["measured_seconds"] - 1, abs=1e-3)
+        assert c["predicted_plain_seconds"] / c["predicted_seconds"] == pytest.approx(c["predicted_speedup"], rel=1e-2)
         # Steps per verify width, simulated and measured: HISTORY at a fixed width verifies at d.
         assert c["predicted_width_steps"] == {str(D): c["predicted_passes"]}
         assert set(c["measured_width_steps"]) == {str(D)}
