@@ -183,8 +183,7 @@ class StepClock:
     def priced(self, batch: int) -> bool:
         """Whether :meth:`step_s` can price every width for this batch size: its bucket has two widths
         measured, or another bucket has, to borrow from."""
-        b, per = bucket(batch), self._by_bucket()
-        return len(per.get(b, ())) > 1 or self._lender(b, per) is not None
+        return len(self._by_bucket().get(bucket(batch), ())) > 1 or self.borrows(batch)
 
     def borrows(self, batch: int) -> bool:
         """Whether another bucket than this batch size's has two widths measured, to borrow from."""

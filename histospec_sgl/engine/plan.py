@@ -101,8 +101,6 @@ class StepPlan:
     shadowed: tuple[int, ...] = ()
     #: The batch's calibrated promise at each width the policy may choose (what it chose from).
     promised: Mapping[int, float] = field(default_factory=dict)
-    #: The least calibrated promise of one request at each width (what it chose from too).
-    least: Mapping[int, float] = field(default_factory=dict)
 
 
 def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.ndarray],
@@ -136,7 +134,7 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
         rows = tuple(b for b in np.flatnonzero(drafted).tolist() if not feedback.shadowing(keys[b]))
     else:
         shadow = 1
-    return StepPlan(width, per_request, shadow, width > 1, rows, promised, least)
+    return StepPlan(width, per_request, shadow, width > 1, rows, promised)
 
 
 @dataclass
