@@ -281,9 +281,10 @@ class EngineControl(Timed):
     and a deep node's path probability understates a repeated response's). A batch-size bucket runs
     d and plain decoding in its first steps until it has ``min_samples`` timings of each (the other
     widths are priced between them until chosen, then measured as they run), and a measured width
-    the choices have not used in a bucket for ``remeasure_after`` timed steps is run once more, so
-    that a cost measured too high (or too low) is not kept for good by never being chosen again. ``widths`` restricts the set (e.g. to ``(d,)``: verify at d or decode
-    plainly)."""
+    that comes within ``contend`` of the best but that the choices have not used in a bucket for
+    ``remeasure_after`` timed steps is run once more, so that a cost measured too high is not kept
+    for good by never being chosen again (one measured too low is chosen, and so measured again).
+    ``widths`` restricts the set (e.g. to ``(d,)``: verify at d or decode plainly)."""
 
     reads_promises = True
     d: int
@@ -342,13 +343,13 @@ class EngineControl(Timed):
                 key = (w, bucket(batch))
                 self.tries[key] = self.tries.get(key, 0) + 1
                 return w
-        for w in (*self.widths, 1):
-            if self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
-                return w
-        # A width whose price here is not its own measurement (interpolated between the widths
-        # measured, or borrowed from another batch size) and that comes within ``contend`` of the
-        # best is measured before the choice trusts that price: a bucket measures what it chooses
-        # between, wherever the batch spends its steps.
+        # A width that comes within ``contend`` of the best is measured before the choice trusts its
+        # price, where that price is not its own measurement here (interpolated between the widths
+        # measured, or borrowed from another batch size): a bucket measures what it chooses between,
+        # wherever the batch spends its steps. And one the choices have not run here for
+        # ``remeasure_after`` timed steps is run once more, so that a cost measured too high does
+        # not keep it unchosen for good. A width further behind is not run to measure it: a step
+        # spent there would change no choice unless its price were that far off.
         rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())
         for w, rate in sorted(rates.items(), key=lambda wr: -wr[1]):
@@ -357,6 +358,8 @@ class EngineControl(Timed):
             key = (w, bucket(batch))
             if self.clock.count(batch, w) < self.min_samples and self.tries.get(key, 0) < self.min_samples + 2:
                 self.tries[key] = self.tries.get(key, 0) + 1
+                return w
+            if rate < best and self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
                 return w
         return self.model.pick(rates)
 
