@@ -23,13 +23,18 @@ class StepClock:
     (:meth:`fixed`), so that a width timed in a bucket's tail (batch 33) and another timed at its
     top (batch 64) are compared at the batch asked about. A bucket's cost at a width and batch is the
     median of its last ``window`` timings so priced, so that one slow step (the first of a shape, a
-    pause of the host) does not move it. A profile (:class:`~histospec_sgl.engine.policy.Profile`)
-    once a bucket has both widths measured."""
+    pause of the host) does not move it; where ``exact`` of them ran at that very batch size (the
+    steps of a full batch), the median of those alone: the steps of a shrinking or growing batch
+    carry host work of their own (requests leaving and joining), which scaled to the full batch
+    would price its steps above what they cost. A profile
+    (:class:`~histospec_sgl.engine.policy.Profile`) once a bucket has both widths measured."""
 
     name: str = "measured online"
     description: str = "step costs timed by the engine as it runs"
     analytic: bool = False
     window: int = 9
+    #: Timings at the batch size asked about that price it alone (:meth:`price`).
+    exact: int = 3
     #: (width, bucket) -> its last timings, oldest first, as (batch, seconds).
     samples: dict[tuple[int, int], list[tuple[int, float]]] = field(default_factory=dict)
     #: (width, bucket) -> the value of ``records`` when it was last timed.
@@ -121,7 +126,7 @@ class StepClock:
             table, means = {}, {}
             for (w, b), xs in self.samples.items():
                 if xs:
-                    priced = self._priced(xs, w, b)
+                    priced = self._at(xs, w, b)
                     table[(w, b)] = _median(priced)
                     means[(w, b)] = sum(priced) / len(priced)
             self._costs = (table, means)
@@ -143,9 +148,16 @@ class StepClock:
             return [s for _, s in xs]
         return [f + max(s - f, 0.0) * batch / b for b, s in xs]
 
+    def _at(self, xs: Sequence[tuple[int, float]], width: int, batch: int) -> list[float]:
+        """The timings ``xs`` that price ``width`` at ``batch``: those that ran at ``batch`` where
+        there are ``exact`` of them, else all of them priced there (:meth:`_priced`)."""
+        same = [s for b, s in xs if b == batch]
+        return same if len(same) >= self.exact else self._priced(xs, width, batch)
+
     def price(self, batch: int, width: int) -> float:
-        """The median of the bucket's timings at ``width`` priced at ``batch`` (measured there)."""
-        return _median(self._priced(self.samples[(width, bucket(batch))], width, batch))
+        """The median of the bucket's timings at ``width`` that price ``batch`` (:meth:`_at`; measured
+        there)."""
+        return _median(self._at(self.samples[(width, bucket(batch))], width, batch))
 
     def count(self, batch: int, width: int) -> int:
         return len(self.samples.get((width, bucket(batch)), ()))

@@ -615,6 +615,27 @@ def test_a_timing_is_priced_at_the_batch_asked_about():
     assert (64 + promised[8]) / cost(8, 36) > (64 + promised[4]) / cost(4, 64)
 
 
+def test_a_full_batch_is_priced_by_its_own_steps_not_by_a_tails_scaled_up():
+    """Where three timings ran at the batch size asked about, they alone price it: the steps of a
+    shrinking batch carry host work of their own (requests leaving), so a tail's timings scaled up
+    by the per-request line would price a full batch's plain steps above what they cost. Timed on
+    SmolLM2 at batch 16 (first greedy pass): plain steps 0.12 s at 16 and 0.13-0.14 s at 12-15;
+    scaled to 16 those read 0.15-0.16 s, and width 2 (0.149 s) looked nearly free."""
+    clock = EngineControl(d=8, widths=(2, 8)).clock
+    for batch, seconds in ((1, 0.045), (1, 0.046), (1, 0.044), (1, 0.045)):
+        clock.record(batch, 1, seconds)
+    tail = [(12, 0.128), (13, 0.134), (14, 0.137), (14, 0.14), (15, 0.139)]
+    for batch, seconds in [(16, 0.12), (16, 0.121), *tail[:3], (16, 0.117), *tail[3:], (16, 0.119)]:
+        clock.record(batch, 1, seconds)
+    assert clock.price(16, 1) == 0.119  # the median of the three at 16 kept (the first is warm-up)
+    assert clock.table[(1, 16)] == 0.119
+    # Batch 14 has two timings of its own: all the bucket's eight, priced at 14, price it.
+    priced = clock._priced(clock.samples[(1, 16)], 1, 14)
+    assert len(priced) == 8 and clock.price(14, 1) == sorted(priced)[3]
+    # The tail's timings priced at 16 would have said more than any step at 16 took.
+    assert min(clock._priced(tail, 1, 16)) > 0.14
+
+
 def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_prices():
     """At a batch size its prices are borrowed for (or interpolated between the widths it measured),
     the policy runs each width that comes within ``contend`` of the best until it has timed it there,
