@@ -996,7 +996,8 @@ def test_a_narrower_verified_step_measures_the_widest_beside_it():
     """A step verified at a narrower width follows its widest draft beside it, counted at that
     width only: the widest width, whose promise understates its acceptance (3.2 promised, 7
     accepted), keeps being measured while width 4 is chosen, and takes over once it shows it pays.
-    Without it, width 8 is run only when its cost is remeasured (every 128 steps)."""
+    Without it, width 8 is run only when its cost is remeasured (every 128 steps, and only while it
+    comes within 20% of the best)."""
     ec = EngineControl(8, widths=(4, 8))
     ec.observe(3.0, 1.0, klass="sampled", width=4)
     ec.observe(10.0, 7.0, shadow=True, klass="sampled", width=8, beside=True)
