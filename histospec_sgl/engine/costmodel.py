@@ -349,12 +349,16 @@ class EngineControl(Timed):
         # wherever the batch spends its steps. And one the choices have not run here for
         # ``remeasure_after`` timed steps is run once more, so that a cost measured too high does
         # not keep it unchosen for good. A width further behind is not run to measure it: a step
-        # spent there would change no choice unless its price were that far off.
+        # spent there would change no choice unless its price were that far off. The contenders are
+        # measured narrowest first, plain decoding before any verify width: the cheapest steps to
+        # spend, and each timing reprices the bucket's borrowed and interpolated prices (scaled to
+        # its own nearest measured width), which may put a wider contender out of the running
+        # before a step is spent on it.
         rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())
-        for w, rate in sorted(rates.items(), key=lambda wr: -wr[1]):
+        for w, rate in sorted(rates.items()):
             if rate < (1.0 - self.contend) * best:
-                break
+                continue
             key = (w, bucket(batch))
             if self.clock.count(batch, w) < self.min_samples and self.tries.get(key, 0) < self.min_samples + 2:
                 self.tries[key] = self.tries.get(key, 0) + 1
