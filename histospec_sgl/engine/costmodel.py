@@ -47,11 +47,18 @@ class CostModel:
     chosen: dict[int, int] = field(default_factory=dict)
     #: At the last choice, the width above 1 with the most expected tokens per second (1: none), chosen or not.
     candidate: int = 1
-    #: Calibrations by request class (e.g. greedy and sampled requests), and by class and verify width
-    #: (a node's path probability shrinks with its depth faster than its acceptance may): key ->
-    #: [promised, accepted], keys ``klass`` and ``(klass, width)``. One with too little measured falls
-    #: back to the coarser one.
+    #: Calibrations by request class (e.g. greedy and sampled requests), by class and verify width
+    #: (a node's path probability shrinks with its depth faster than its acceptance may), and by
+    #: class, width and batch-size bucket: key -> [promised, accepted], keys ``klass``, ``(klass,
+    #: width)`` and ``(klass, width, bucket)``. One with too little measured falls back to the coarser
+    #: one; a bucket's is drawn towards its width's (:attr:`bucket_prior`).
     classes: dict[Any, list[float]] = field(default_factory=dict)
+    #: A batch-size bucket's calibration is its accepted tokens plus this many promised tokens at the
+    #: width's calibration, over its promised tokens plus as many: with little measured in the bucket
+    #: it is the width's, and what the bucket measures takes over as it grows. Requests in a batch
+    #: accept differently from one running alone (their siblings are in flight beside them, not
+    #: finished in history), and the batch-1 rows' steps, which are many, would set the factor.
+    bucket_prior: float = 64.0
     _since_wide: int = 0
 
     @classmethod
@@ -60,10 +67,18 @@ class CostModel:
         shadow drafts and passes them to :meth:`observe`), and a calibration that forgets."""
         return cls(profile, widths, probe_every=0, forget_after=forget_after)
 
-    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+    def calibration(self, klass: str | None = None, width: int | None = None, batch: int | None = None) -> float:
         """Accepted over promised draft tokens so far: for request class ``klass`` at verify width
         ``width``, else for the class, else over every class, whichever first has enough measured (1
-        until enough has been promised)."""
+        until enough has been promised); with ``batch``, the width's drawn towards what requests of
+        the class accepted at the width in that batch size's bucket (:attr:`bucket_prior`)."""
+        coarse = self._calibration(klass, width)
+        if klass is None or width is None or batch is None:
+            return coarse
+        promised, accepted = self.classes.get((klass, width, bucket(batch)), (0.0, 0.0))
+        return (accepted + self.bucket_prior * coarse) / (promised + self.bucket_prior)
+
+    def _calibration(self, klass: str | None, width: int | None) -> float:
         keys: list[Any] = ([(klass, width)] if klass is not None and width is not None else []) + (
             [klass] if klass is not None else [])
         for key in keys:
@@ -124,11 +139,13 @@ class CostModel:
         return out
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False,
+                batch: int | None = None) -> None:
         """What drafts promised and what was (or would have been, ``shadow``) accepted of them, by
-        requests of class ``klass`` at verify width ``width`` (counted in the calibrations of the class
-        at the width, of the class, and overall; ``beside``: at the width only, the step's verified
-        drafts having counted for the rest)."""
+        requests of class ``klass`` at verify width ``width`` in a batch of ``batch`` (counted in the
+        calibrations of the class at the width in the batch's bucket, at the width, of the class, and
+        overall; ``beside``: at the width only, the step's verified drafts having counted for the
+        rest)."""
         if not beside:
             self.promised += promised
             self.accepted += accepted
@@ -136,7 +153,8 @@ class CostModel:
                 self.promised /= 2
                 self.accepted /= 2
         keys: list[Any] = ([klass] if klass is not None and not beside else []) + (
-            [(klass, width)] if klass is not None and width is not None else [])
+            [(klass, width)] if klass is not None and width is not None else []) + (
+            [(klass, width, bucket(batch))] if klass is not None and width is not None and batch is not None else [])
         for key in keys:
             cls = self.classes.setdefault(key, [0.0, 0.0])
             cls[0] += promised
@@ -321,9 +339,10 @@ class EngineControl(Timed):
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
         self.model = CostModel.measuring_shadows(self.clock, list(self.widths), self.forget_after)
 
-    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
-        """Accepted over promised draft tokens, for requests of class ``klass`` at ``width``."""
-        return self.model.calibration(klass, width)
+    def calibration(self, klass: str | None = None, width: int | None = None, batch: int | None = None) -> float:
+        """Accepted over promised draft tokens, for requests of class ``klass`` at ``width`` in a batch
+        of ``batch``."""
+        return self.model.calibration(klass, width, batch)
 
     def choose(self, promised: Mapping[int, float], batch: int, context: float = 0.0, prefill: int = 0,
                decoding: int | None = None, least: Mapping[int, float] | None = None) -> int:
@@ -368,14 +387,15 @@ class EngineControl(Timed):
         return self.model.pick(rates)
 
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False,
+                batch: int | None = None) -> None:
         """A verified step's drafts (or, ``shadow``, a shadow draft's; ``beside``, one at a wider width
-        than the step verified) by requests of class ``klass`` at ``width``: what they promised and
-        what was (or would have been) accepted."""
+        than the step verified) by requests of class ``klass`` at ``width`` in a batch of ``batch``:
+        what they promised and what was (or would have been) accepted."""
         if not shadow:
-            self.verified[0] += self.model.calibration(klass, width) * promised
+            self.verified[0] += self.model.calibration(klass, width, batch) * promised
             self.verified[1] += accepted
-        self.model.observe(promised, accepted, klass=klass, width=width, beside=beside)
+        self.model.observe(promised, accepted, klass=klass, width=width, beside=beside, batch=batch)
 
     def shadow_width(self) -> int:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that

@@ -450,7 +450,8 @@ class BatchDrafter:
             n = min(int(counts[b]), width - 1)
             row = slice(b * width, b * width + n + 1)
             self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(),
-                                                     float(cum[b, n - 1]), width=width), lv.klass, plan.beside)
+                                                     float(cum[b, n - 1]), width=width), lv.klass, plan.beside,
+                                batch=bs)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

@@ -75,18 +75,18 @@ class Feedback:
         # drafts promised and which requests it held.
         self._steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
             collections.deque(maxlen=pending_steps)
-        self._shadows: dict[Hashable, tuple[Shadow, str | None, bool]] = {}
+        self._shadows: dict[Hashable, tuple[Shadow, str | None, bool, int | None]] = {}
 
     def promises(self, by_width: Mapping[int, np.ndarray],
                  klasses: Sequence[str | None] | None) -> dict[int, tuple[float, float]]:
         """``by_width[w]``: each request's promise at width ``w``. Scaled per request class by the
-        policy's calibration (:meth:`StepPolicy.calibration`) where the classes are known (else taken
-        as they are), then, at each width, summed over the batch and the smallest of them: ``(sum,
-        least)``."""
+        policy's calibration at the batch's size (:meth:`StepPolicy.calibration`) where the classes
+        are known (else taken as they are), then, at each width, summed over the batch and the
+        smallest of them: ``(sum, least)``."""
         out: dict[int, tuple[float, float]] = {}
         for w, per in by_width.items():
             if klasses is not None:
-                cal = {k: self.policy.calibration(k, w) for k in set(klasses)}
+                cal = {k: self.policy.calibration(k, w, len(klasses)) for k in set(klasses)}
                 per = np.array([cal[k] for k in klasses]) * per
             out[w] = (float(np.sum(per)), float(np.min(per)) if len(per) else 0.0)
         return out
@@ -115,16 +115,18 @@ class Feedback:
             e[0] += 1
             e[1] += a
         for k, (n, got) in by_class.items():
-            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None, width=width)
+            self.policy.observe(promised.get(k, 0.0), got, int(n), klass=k or None, width=width, batch=len(acc))
 
     def shadowing(self, key: Hashable) -> bool:
         """Whether request ``key`` has a shadow draft being followed."""
         return key in self._shadows
 
-    def shadow(self, key: Hashable, draft: Shadow, klass: str | None, beside: bool = False) -> None:
-        """Follows ``draft``, a plain step's draft of request ``key`` (of class ``klass``), or
-        (``beside``) its widest draft beside the narrower one the step verified."""
-        self._shadows[key] = (draft, klass, beside)
+    def shadow(self, key: Hashable, draft: Shadow, klass: str | None, beside: bool = False,
+               batch: int | None = None) -> None:
+        """Follows ``draft``, a plain step's draft of request ``key`` (of class ``klass``, in a step of
+        ``batch`` requests), or (``beside``) its widest draft beside the narrower one the step
+        verified."""
+        self._shadows[key] = (draft, klass, beside, batch)
 
     def advanced(self, key: Hashable, tokens: Sequence[int]) -> None:
         """Request ``key`` produced ``tokens``: its shadow draft follows them, observed once it ends."""
@@ -140,6 +142,6 @@ class Feedback:
         if entry is not None and complete:
             self._observe(*entry)
 
-    def _observe(self, draft: Shadow, klass: str | None, beside: bool) -> None:
+    def _observe(self, draft: Shadow, klass: str | None, beside: bool, batch: int | None) -> None:
         self.policy.observe(draft.promised, draft.accepted, 1, shadow=True, klass=klass, width=draft.width,
-                            beside=beside)
+                            beside=beside, batch=batch)

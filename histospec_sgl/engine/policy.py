@@ -79,13 +79,14 @@ class StepPolicy(Protocol):
         ...
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False,
+                batch: int | None = None) -> None:
         """A verified step's drafts over ``requests`` request-steps: what they promised and what was
         accepted. ``shadow``: drafts not verified, followed along the tokens decoded instead (what
         verifying them would have accepted); ``beside``: such a draft at a wider width, followed
         beside the narrower one the step verified (it speaks for its width only). ``klass``: the
-        requests' class (greedy, sampled) and ``width`` the drafts' verify width, for a policy that
-        calibrates them apart."""
+        requests' class (greedy, sampled), ``width`` the drafts' verify width and ``batch`` the size
+        of the batch they were drafted in, for a policy that calibrates them apart."""
         ...
 
     def shadow_width(self) -> int:
@@ -93,9 +94,9 @@ class StepPolicy(Protocol):
         step verified at a narrower width, the widest is measured beside it."""
         ...
 
-    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
-        """What requests of class ``klass`` at verify width ``width`` accept per promised token
-        (1: promises taken as they are)."""
+    def calibration(self, klass: str | None = None, width: int | None = None, batch: int | None = None) -> float:
+        """What requests of class ``klass`` at verify width ``width`` in a batch of ``batch`` accept
+        per promised token (1: promises taken as they are)."""
         ...
 
     def begin(self, now: float, after_idle: bool = False) -> None:
@@ -145,13 +146,14 @@ class Fixed:
         return self.width
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
-                klass: str | None = None, width: int | None = None, beside: bool = False) -> None:
+                klass: str | None = None, width: int | None = None, beside: bool = False,
+                batch: int | None = None) -> None:
         pass
 
     def shadow_width(self) -> int:
         return 1
 
-    def calibration(self, klass: str | None = None, width: int | None = None) -> float:
+    def calibration(self, klass: str | None = None, width: int | None = None, batch: int | None = None) -> float:
         return 1.0
 
     def begin(self, now: float, after_idle: bool = False) -> None:

@@ -238,7 +238,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
                 i, pos = decoding[b]
                 feedback.shadow(i, KnownShadow(float(reqs[i].promised[plan.shadow][pos]),
                                                int(reqs[i].accepted[plan.shadow][pos]), plan.shadow),
-                                klasses[b], beside=plan.beside)
+                                klasses[b], beside=plan.beside, batch=len(klasses))
         emitted = 0
         accepted = []
         for entry in running:
