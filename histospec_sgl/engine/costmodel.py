@@ -152,9 +152,11 @@ class CostModel:
             if self.forget_after is not None and self.promised >= self.forget_after:
                 self.promised /= 2
                 self.accepted /= 2
-        keys: list[Any] = ([klass] if klass is not None and not beside else []) + (
-            [(klass, width)] if klass is not None and width is not None else []) + (
-            [(klass, width, bucket(batch))] if klass is not None and width is not None and batch is not None else [])
+        keys: list[Any] = [klass] if klass is not None and not beside else []
+        if klass is not None and width is not None:
+            keys.append((klass, width))
+            if batch is not None:
+                keys.append((klass, width, bucket(batch)))
         for key in keys:
             cls = self.classes.setdefault(key, [0.0, 0.0])
             cls[0] += promised

@@ -1040,7 +1040,8 @@ def test_a_batch_size_bucket_calibrates_its_own_promises_drawn_towards_its_width
     assert 0.5 < cm.calibration("sampled", 4, batch=64) < 0.6
     assert cm.calibration("sampled", 4, batch=1) > 0.9
     assert cm.calibration("sampled", 4, batch=8) == pytest.approx(cm.calibration("sampled", 4))
-    assert cm.calibration("greedy", 4, batch=64) == pytest.approx(cm.calibration())  # another class: its own
+    # A class measured at no batch size falls back to the overall ratio, at every bucket.
+    assert cm.calibration("greedy", 4, batch=64) == pytest.approx(cm.calibration())
 
 
 def test_calibration_forgets_and_the_engine_never_probes():
