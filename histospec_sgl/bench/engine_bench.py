@@ -233,6 +233,8 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the policy timed a prefill pass to cost (None at a fixed width).
         row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
+    elif own := step_seconds(srv):  # a plain server in trace mode: its decode steps, timed by the trace model
+        row["step_seconds"], row["step_seconds_mean"] = own, step_seconds(srv, mean=True)
     return row
 
 
@@ -300,6 +302,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
             env.update({k: v for k, v in trace_extra.items() if k != "PYTHONPATH"})
             if algo == "history":
                 env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
+            elif algo == "plain":  # no step policy times its steps: the trace model does
+                env["TRACE_MODE_CLOCK"] = str(Path(work) / f"clock-{method}.json")
         if paths:
             env["PYTHONPATH"] = os.pathsep.join(paths)
         servers[method] = EngineServer(server_model, algo, python=python, device=device,

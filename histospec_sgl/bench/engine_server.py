@@ -385,9 +385,14 @@ def prefill_cost(srv: EngineServer) -> PrefillCost | None:
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
-    width -> batch-size bucket -> seconds (a fixed-width server's: the widths it ran)."""
+    width -> batch-size bucket -> seconds (a fixed-width server's: the widths it ran). A plain server
+    in trace mode has its steps timed by the trace model on the same clock (``TRACE_MODE_CLOCK``:
+    width 1 alone); another server has none."""
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
+        clock = srv.env.get("TRACE_MODE_CLOCK")
+        if clock and Path(clock).exists():
+            return dict(json.loads(Path(clock).read_text())["step_seconds_mean" if mean else "step_seconds"])
         return out
     name = "histospec:step_seconds_mean{" if mean else "histospec:step_seconds{"
     for line in srv.metrics().splitlines():

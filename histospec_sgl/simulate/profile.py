@@ -207,8 +207,8 @@ def with_row_clock(profile: dict[str, Any], row: dict[str, Any], width: int) -> 
     """``profile`` (a measured profile's JSON, :func:`from_engine_clock`) with ``width``'s step costs
     replaced by the ones a fixed-width row's own server timed (the row's ``step_seconds_mean``, else
     ``step_seconds``), where it has them: each server runs at its own pace on a shared host, and a
-    fixed row's verify steps are its server's, not the default's. Plain decoding keeps the
-    default's clock (a plain server times nothing)."""
+    fixed row's verify steps are its server's, not the default's; and a plain row's steps (width 1)
+    its own server's, where trace mode's model timed them (``TRACE_MODE_CLOCK``)."""
     own = row.get("step_seconds_mean") or row.get("step_seconds") or {}
     mine = {int(b): float(v) for b, v in (own.get(str(width)) or {}).items()}
     if not mine:

@@ -132,7 +132,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     from the result itself (the step costs the engine's clock measured,
     :func:`~histospec_sgl.simulate.profile.from_engine_clock`, as they stood at the end of the
     default policy's row of the batch size checked, or else the rows' averages,
-    :func:`~histospec_sgl.simulate.profile.from_engine_bench`), the same
+    :func:`~histospec_sgl.simulate.profile.from_engine_bench`; plain decoding by the plain server's
+    own steps where trace mode timed them, a fixed width's by its own server's), the same
     logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.simulate.trace`), and
     each measured row re-run in the simulator as the engine ran it: its requests in order, in
     batches of the row's size one after the other, a group's earlier samples of the row its history
@@ -203,7 +204,10 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
             at_row = with_row_clock(at_row, row, rd)
         row_profile = Measured.from_json(at_row) if at_row else profile if clock else AtBatch(profile, batch)
         plain_row = measured[("plain", batch, temp)]
-        base = _trace_row(groups, reqs, batch, cap, d, row_profile, None, None, overlap(plain_row),
+        # Plain decoding by its own server's steps where the trace model timed them, as a fixed
+        # row's verify steps are its server's (the default's plain steps run beside a draft policy).
+        plain_profile = Measured.from_json(with_row_clock(at_row, plain_row, 1)) if at_row else row_profile
+        base = _trace_row(groups, reqs, batch, cap, d, plain_profile, None, None, overlap(plain_row),
                           plain_row.get("prefill_chunk"))
         if control is not None:
             # The row's runs one after the other on the server's policy (the first run of the first
@@ -250,7 +254,9 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         for k, (ps, ms) in {"time_error": ("predicted_seconds", "measured_seconds"),
                             "plain_time_error": ("predicted_plain_seconds", "measured_plain_seconds")}.items():
             c[k] = round(c[ps] / c[ms] - 1, 3) if c[ps] and c[ms] else None
+    own_plain = clock and any(r["method"] == "plain" and r.get("step_seconds") for r in engine["rows"])
     return {"check": out, "profile": prof_json, "priced_by": "engine clock" if clock else "row averages",
+            "plain_priced_by": "plain server's clock" if own_plain else "engine clock" if clock else "row averages",
             "trace": tr, "draft_tokens": d, "log_verified": "digest" in tr,
             "not_predicted": sorted({r["method"] for r in engine["rows"]
                                      if row_control(r) not in CHECKED} - {"plain", "plain_sync"})}

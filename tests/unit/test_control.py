@@ -782,6 +782,11 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     own = {(x["width"], x["batch"]): x["step_s"] for x in with_row_clock(prof, fixed, 8)["points"]}
     assert own == {(1, 1): 0.011, (1, 4): 0.030, (2, 4): 0.040, (8, 1): 0.020, (8, 4): 0.5}
     assert with_row_clock(prof, {**fixed, "step_seconds": {}}, 8) == prof
+    # A plain row whose server's steps trace mode timed prices plain decoding by them, not by the
+    # default's plain steps; its verify widths untouched.
+    plain = {"method": "plain", "batch_size": 4, "step_seconds": {"1": {"4": 0.026}}}
+    own = {(x["width"], x["batch"]): x["step_s"] for x in with_row_clock(prof, plain, 1)["points"]}
+    assert own == {(1, 1): 0.011, (1, 4): 0.026, (2, 4): 0.040, (8, 1): 0.020, (8, 4): 0.080}
     # A row pays every step, the slow ones too: where the result has the means of the clock's timings
     # (step_seconds_mean), they price the steps, not the medians the policy chose by.
     means = [{**r, "step_seconds_mean": {w: {b: 2 * s for b, s in by.items()} for w, by in r["step_seconds"].items()}}

@@ -21,6 +21,15 @@ are never reached by verification, whatever they are forced to). Requests withou
 
 Per request slot the forced tokens live in a device buffer written at prefill, and decode and
 verify rows gather from it with tensor operations only, so CUDA graphs capture the forcing too.
+
+With ``TRACE_MODE_CLOCK`` set (``bench engine`` sets it for a plain server, which has no step policy
+to time its steps), the model times its decode steps on the step policy's own clock
+(:class:`~histospec_sgl.engine.clock.StepClock`): from one decode forward's start to the next's, at
+the batch size running, per batch-size bucket; an interval that a prefill or any other pass
+interrupts is not a decode step's and is not kept. After each timing the clock's medians and means
+(``step_seconds``, ``step_seconds_mean``: width 1 -> bucket -> seconds, as a HISTORY server's
+``histospec:step_seconds`` gives them) are written to that file, so that ``simulate --check`` prices
+the plain row by its own server's steps.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import json
 import logging
 import os
 import re
+import time
 from typing import Any
 
 import torch
@@ -62,9 +72,19 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         self.trace_width = width
         logger.warning("TRACE MODE (benchmark): %d logged responses from %s force every traced token",
                        len(self.traces), path)
+        self.trace_clock_file = os.environ.get("TRACE_MODE_CLOCK")
+        self.trace_clock: Any = None
+        if self.trace_clock_file:
+            from histospec_sgl.engine.clock import StepClock
+
+            self.trace_clock = StepClock()
+        #: The decode forward before this one: its batch size and start; None after any other pass.
+        self.trace_last_decode: tuple[int, float] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any, *args: Any,
                 **kwargs: Any) -> Any:
+        if self.trace_clock is not None:
+            self._time_step(forward_batch)
         out = super().forward(input_ids, positions, forward_batch, *args, **kwargs)
         logits = getattr(out, "next_token_logits", None)
         if logits is None:
@@ -93,6 +113,25 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         onehot.scatter_(1, forced.unsqueeze(1), 0.0)
         out.next_token_logits = torch.where(active, onehot, logits)
         return out
+
+    def _time_step(self, forward_batch: Any) -> None:
+        """The decode step before this forward took the time since it started, if this one is a
+        decode step too (:data:`TRACE_MODE_CLOCK <histospec_trace_models.llama_trace>`)."""
+        now = time.perf_counter()
+        last, self.trace_last_decode = self.trace_last_decode, None
+        mode = forward_batch.forward_mode
+        if not mode.is_decode() or mode.is_target_verify():
+            return
+        if last is not None:
+            self.trace_clock.record(last[0], 1, now - last[1])
+            costs = {"step_seconds": self.trace_clock.table, "step_seconds_mean": self.trace_clock.means}
+            out = {k: {str(w): {str(b): v for (w_, b), v in sorted(t.items()) if w_ == w}
+                       for w in sorted({w for w, _ in t})} for k, t in costs.items()}
+            tmp = f"{self.trace_clock_file}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f)
+            os.replace(tmp, self.trace_clock_file)
+        self.trace_last_decode = (int(forward_batch.batch_size), now)
 
     def _assign(self, forward_batch: Any) -> None:
         """At prefill: each traced request's forced tokens into its slot."""
