@@ -250,9 +250,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     python = python or sys.executable
     path, prompts, model_info = _model(model, log, data_root)
-    # The rhyme and smollm2 models end their answers themselves, and so do forced traces;
-    # ``fixed_length`` runs every request to max_new_tokens all the same, so that a batch keeps its
-    # size to the end.
+    # The models and forced traces end answers themselves; ``fixed_length`` runs every request to
+    # max_new_tokens all the same, so that a batch keeps its size to the end.
     ignore_eos = fixed_length or (model_info.get("kind") not in ("rhyme", "smollm2") and trace is None)
     settings: dict[str, Any] = {
         "mode": "trace" if trace else "sample", "batch_sizes": list(batch_sizes), "temperatures": list(temperatures),
@@ -314,8 +313,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
                                        tokenizer=method == "ngram_corpus",
                                        log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
     log(f"[bench engine] starting the servers: {', '.join(methods)}")
-    # Several large servers loading at once starve each other's KV-pool sizing (five SmolLM2 servers
-    # did); two side by side do not.
+    # Large servers loading at once starve each other's KV-pool sizing (five SmolLM2 did; two do not).
     with running(*servers.values(), one_at_a_time=large and len(servers) > 2):
         overlap = {m: srv.overlap() for m, srv in servers.items()}
         chunk = {m: srv.prefill_chunk() for m, srv in servers.items()}
@@ -448,9 +446,10 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
-    """``vs_plain`` (tokens/s over plain decoding's) and ``verify_cost`` (step time over plain's) for
-    every row that has a plain row with the same pass, batch size, temperature and siblings;
-    ``vs_plain_sync`` where there is a ``plain_sync`` row."""
+    """``vs_plain`` (tokens/s over plain decoding's, medians over medians), ``vs_plain_runs`` (each
+    run's over the plain run of the same repeat, timed beside it) and ``verify_cost`` (step time over
+    plain's) for every row that has a plain row with the same pass, batch size, temperature and
+    siblings; ``vs_plain_sync`` where there is a ``plain_sync`` row."""
     def point(r: dict[str, Any]) -> tuple:
         return tuple(r[k] for k in ("pass", "batch_size", "temperature", "siblings"))
 
@@ -459,6 +458,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         base = bases.get(("plain", point(r)))
         if base is not None:
             r["vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+            r["vs_plain_runs"] = [round(x / y, 3) for x, y in zip(r["tokens_per_s_runs"], base["tokens_per_s_runs"])]
             r["verify_cost"] = round(r["step_ms"] / base["step_ms"], 3)
         base = bases.get(("plain_sync", point(r)))
         if base is not None:
