@@ -56,7 +56,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -64,6 +63,7 @@ from typing import Any
 
 from histospec_sgl import settings
 from histospec_sgl.bench.engine_methods import METHODS, parse, server_spec
+from histospec_sgl.bench.engine_rows import OUTPUTS, identical, median_row, ratios, tallies
 from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
@@ -71,13 +71,11 @@ from histospec_sgl.bench.engine_server import (
     prefill_cost,
     running,
     step_seconds,
+    verified_tokens,
     verify_steps,
     width_steps,
 )
 from histospec_sgl.simulate.trace import SINGLE_REPEATS, row_requests, single_requests
-
-#: Row keys that are per-request outputs, compared across methods and then dropped from the rows.
-_OUTPUTS = "_outputs"
 
 
 def machine_info() -> dict[str, Any]:
@@ -188,7 +186,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     """Runs the requests in batches of ``batch`` (batch 1: one after the other), one batch after the
     other. ``expect``: each traced request's forced tokens, checked against what the engine emitted
     (a trace run whose outputs differ from the log's would measure something else)."""
-    widths_before = width_steps(srv)
+    widths_before, verified_before = width_steps(srv), verified_tokens(srv)
     mismatches_before = context_mismatches(srv)
     host_before = host_seconds(srv)
     t0 = time.perf_counter()
@@ -216,7 +214,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         "tokens_per_step": round(tokens / max(1, sum(steps)), 3), "verify_steps": sum(steps),
         "step_ms": round(1000 * wall / max(1, passes), 3),
         # Prompt tokens, and those a cached prefix covered (the rest were prefilled), SGLang's count.
-        "prompt_tokens": prompt, "cached_tokens": cached, _OUTPUTS: outputs}
+        "prompt_tokens": prompt, "cached_tokens": cached, OUTPUTS: outputs}
     mismatches = context_mismatches(srv)
     row["context_mismatches"] = (None if mismatches is None or mismatches_before is None
                                  else mismatches - mismatches_before)
@@ -229,6 +227,8 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         n_steps = sum(row["width_steps"].values())
         row["host_ms_per_step"] = (round(1000 * (host - host_before) / n_steps, 3)
                                    if host is not None and host_before is not None and n_steps else None)
+        # The default's verified steps per width and batch bucket: draft tokens expected, accepted.
+        row["verified_tokens"] = tallies([verified_tokens(srv) or {}], verified_before)
         row["step_seconds"] = step_seconds(srv)  # a fixed-width server's: the widths it ran
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the policy timed a prefill pass to cost (None at a fixed width).
@@ -330,9 +330,9 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
              "draft_tokens": parsed[m].width(draft_tokens), "control": parsed[m].control, "overlap": overlap[m],
-             "prefill_chunk": chunk[m], **_median(rs)} for (m, p, b, t, n), rs in runs.items()]
-    _ratios(rows)
-    _identical(rows)
+             "prefill_chunk": chunk[m], **median_row(rs)} for (m, p, b, t, n), rs in runs.items()]
+    ratios(rows)
+    identical(rows)
     return {"machine": machine_info(), "model": model_info, "device": device, "settings": settings, "rows": rows}
 
 
@@ -412,74 +412,6 @@ def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of:
         pass_no, b, temp, sib = point
         log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{repeats}: "
             f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
-
-
-def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from ``repeats`` timings of it: the median of each number, and every run's tokens/s."""
-    out: dict[str, Any] = {}
-    for k in runs[0]:
-        if k == "width_steps":  # summed over the runs, and each run's (a policy explores in its first run)
-            total: Counter[str] = sum((Counter(r[k]) for r in runs), Counter())
-            out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
-            out["width_steps_runs"] = [r[k] for r in runs]
-            continue
-        if k in ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token"):  # by the last run
-            out[k] = runs[-1][k]
-            continue
-        if k == _OUTPUTS:  # every run's outputs, in order
-            out[k] = [o for r in runs for o in r[k]]
-            continue
-        if k == "context_mismatches":  # summed over the runs
-            vals_ = [r[k] for r in runs]
-            out[k] = None if None in vals_ else sum(vals_)
-            continue
-        if any(r[k] is None for r in runs):  # not measured in some run (host_ms_per_step of a stepless row)
-            out[k] = None
-            continue
-        vals = sorted(r[k] for r in runs)
-        mid = len(vals) // 2
-        out[k] = vals[mid] if len(vals) % 2 else round((vals[mid - 1] + vals[mid]) / 2, 4)
-        if all(isinstance(v, int) for v in vals):
-            out[k] = int(out[k])
-    out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
-    return out
-
-
-def _ratios(rows: list[dict[str, Any]]) -> None:
-    """``vs_plain`` (tokens/s over plain decoding's, medians over medians), ``vs_plain_runs`` (each
-    run's over the plain run of the same repeat, timed beside it) and ``verify_cost`` (step time over
-    plain's) for every row that has a plain row with the same pass, batch size, temperature and
-    siblings; ``vs_plain_sync`` where there is a ``plain_sync`` row."""
-    def point(r: dict[str, Any]) -> tuple:
-        return tuple(r[k] for k in ("pass", "batch_size", "temperature", "siblings"))
-
-    bases = {(r["method"], point(r)): r for r in rows if r["method"] in ("plain", "plain_sync")}
-    for r in rows:
-        base = bases.get(("plain", point(r)))
-        if base is not None:
-            r["vs_plain"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-            r["vs_plain_runs"] = [round(x / y, 3) for x, y in zip(r["tokens_per_s_runs"], base["tokens_per_s_runs"])]
-            r["verify_cost"] = round(r["step_ms"] / base["step_ms"], 3)
-        base = bases.get(("plain_sync", point(r)))
-        if base is not None:
-            r["vs_plain_sync"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-
-
-def _identical(rows: list[dict[str, Any]]) -> None:
-    """``identical_to_plain`` on every row: for a greedy row, whether every output equals the plain
-    row's for the same requests (same pass, batch size and siblings); None where there is no plain row
-    or the row samples. The outputs themselves leave the rows here."""
-    def point(r: dict[str, Any]) -> tuple:
-        return tuple(r[k] for k in ("pass", "batch_size", "temperature", "siblings"))
-
-    # plain last, so that its outputs are the reference where plain_sync ran too
-    plain = {point(r): r[_OUTPUTS] for r in sorted(rows, key=lambda r: r["method"] == "plain")
-             if r["method"] in ("plain", "plain_sync")}
-    for r in rows:
-        ref = plain.get(point(r))
-        r["identical_to_plain"] = None if ref is None or r["temperature"] > 0 else r[_OUTPUTS] == ref
-    for r in rows:
-        r.pop(_OUTPUTS)
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -340,6 +340,23 @@ def width_steps(srv: EngineServer) -> dict[str, int] | None:
     return out
 
 
+def verified_tokens(srv: EngineServer) -> dict[str, dict[str, list[float]]] | None:
+    """The default policy's verified steps so far, per verify width and batch-size bucket: the draft
+    tokens they were expected to bring and brought (``histospec:verified_expected_tokens_total``,
+    ``histospec:verified_accepted_tokens_total``), or None for a server that does not export them."""
+    if srv.method != "history":
+        return None
+    out: dict[str, dict[str, list[float]]] = {}
+    names = ("histospec:verified_expected_tokens_total{", "histospec:verified_accepted_tokens_total{")
+    for line in srv.metrics().splitlines():
+        for i, name in enumerate(names):
+            if line.startswith(name):
+                width = line.split('width="', 1)[1].split('"', 1)[0]
+                bucket = line.split('batch="', 1)[1].split('"', 1)[0]
+                out.setdefault(width, {}).setdefault(bucket, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _counter(srv: EngineServer, name: str) -> float | None:
     """A HISTORY server's counter ``name`` so far, summed over its labels (with ``--enable-metrics``),
     or None for a server that does not export it."""

@@ -325,6 +325,8 @@ class EngineControl(Timed):
     contend: float = 0.2
     #: Over the verified steps: the accepted tokens expected (calibrated promises) and accepted.
     verified: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    #: The same per (width, batch-size bucket) of the steps (``histospec:verified_*_tokens``).
+    verified_by: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     #: The widths above 1 it may choose (default :func:`verify_widths` of ``d``).
     widths: Sequence[int] = ()
     #: The widths each batch-size bucket measures in its first steps (default d and plain decoding);
@@ -395,8 +397,13 @@ class EngineControl(Timed):
         than the step verified) by requests of class ``klass`` at ``width`` in a batch of ``batch``:
         what they promised and what was (or would have been) accepted."""
         if not shadow:
-            self.verified[0] += self.model.calibration(klass, width, batch) * promised
-            self.verified[1] += accepted
+            expected = self.model.calibration(klass, width, batch) * promised
+            tallies = [self.verified]
+            if width and batch:
+                tallies.append(self.verified_by.setdefault((width, bucket(batch)), [0.0, 0.0]))
+            for tally in tallies:
+                tally[0] += expected
+                tally[1] += accepted
         self.model.observe(promised, accepted, klass=klass, width=width, beside=beside, batch=batch)
 
     def shadow_width(self) -> int:

@@ -33,6 +33,12 @@ over ``rate(histospec:decode_steps_total)``):
 ``histospec:finished_requests_total``      finished requests; ``kept="1"`` the ones kept as history
 ``histospec:width_steps_total``            decode steps at each verify width (label ``width``; 1 is
                                            plain decoding), the step policy's choices
+``histospec:verified_expected_tokens``     under the default step policy, the draft tokens its
+``_total``                                 verified steps were expected to bring (promises times
+                                           the calibration), per width and batch-size bucket
+                                           (labels ``width``, ``batch``)
+``histospec:verified_accepted_tokens``     the draft tokens those steps brought: over the expected
+``_total``                                 ones, whether the calibration holds at each batch size
 =========================================  =====================================================
 
 Gauges (refreshed every :data:`INDEX_EVERY` steps): ``histospec:drafting`` (1 if the last step
@@ -86,6 +92,12 @@ _GAUGES = {
     "histospec:prefill_seconds_fixed": "A prefill forward pass's measured time whatever it computes (default policy).",
 }
 
+#: The default policy's verified steps per width and batch bucket: (expected, accepted) tokens.
+_VERIFIED = {
+    "histospec:verified_expected_tokens": "Draft tokens the default policy's verified steps were expected to bring.",
+    "histospec:verified_accepted_tokens": "Draft tokens the default policy's verified steps brought.",
+}
+
 #: The prefill gauges, labelled once a policy has timed a prefill: (fixed part, part per token).
 _PREFILL = ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token")
 
@@ -115,6 +127,8 @@ def _metric_families(registry: Any, labelnames: tuple[str, ...]) -> dict[str, An
             fam["histospec:width_steps"] = Counter(
                 "histospec:width_steps", "Decode steps at each verify width (1: plain decoding).",
                 (*labelnames, "width"), registry=registry)
+            for name, doc in _VERIFIED.items():
+                fam[name] = Counter(name, doc, (*labelnames, "width", "batch"), registry=registry)
             for name, doc in _GAUGES.items():
                 fam[name] = Gauge(name, doc, labelnames, registry=registry, multiprocess_mode="mostrecent")
             fam["histospec:step_seconds"] = Gauge(
@@ -145,7 +159,8 @@ class HistoryMetrics:
         fam = _metric_families(registry, tuple(self._labels))
         self._m = {name: m.labels(**self._labels) for name, m in fam.items()
                    if name not in ("histospec:finished_requests", "histospec:width_steps", "histospec:step_seconds",
-                                   "histospec:step_seconds_mean", *_PREFILL)}
+                                   "histospec:step_seconds_mean", *_PREFILL, *_VERIFIED)}
+        self._verified_families = [fam[name] for name in _VERIFIED]
         fin = fam["histospec:finished_requests"]
         self._finished = {k: fin.labels(**self._labels, kept=k) for k in ("0", "1")}
         self._widths_family = fam["histospec:width_steps"]
@@ -201,6 +216,13 @@ class HistoryMetrics:
             if delta > 0:
                 counter.inc(delta)
             self._seen[f"width{width}"] = n
+        for (width, bucket), tally in (getattr(drafter.policy, "verified_by", None) or {}).items():
+            for family, value, tag in zip(self._verified_families, tally, ("expected", "accepted")):
+                key = f"{tag}{width}/{bucket}"
+                if value > self._seen.get(key, 0.0):
+                    family.labels(**self._labels, width=str(width), batch=str(bucket)).inc(
+                        value - self._seen.get(key, 0.0))
+                self._seen[key] = value
         if host_seconds > 0:
             self._m["histospec:host_seconds"].inc(host_seconds)
         self._m["histospec:drafting"].set(float(drafter.drafting))

@@ -144,10 +144,11 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
         again = greedy_passes(cost, prompts, passes=1)[0]
         mismatches = _counter(cost, "histospec:context_mismatches_total")
-        from histospec_sgl.bench.engine_server import step_seconds, width_steps
+        from histospec_sgl.bench.engine_server import step_seconds, verified_tokens, width_steps
 
         widths = width_steps(cost)
         costs = step_seconds(cost)
+        verified = verified_tokens(cost)
         # The tree-attention stand-in is load-bearing: with a causal mask over the draft slots in place
         # of the tree mask, branching drafts attend to their siblings and the outputs go wrong (prompts
         # the server has no history for, as on a fresh server).
@@ -168,6 +169,10 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     # bucket (at least the bucket of the 8-request passes).
     assert {"1", str(D)} <= costs.keys(), costs
     assert all(s > 0 for by in costs.values() for s in by.values()) and "8" in costs["1"], costs
+    # ... and what its verified steps were expected to bring and brought, per width and batch bucket:
+    # the verify widths it ran, with draft tokens accepted (the repeated passes draft whole).
+    assert verified and set(verified) <= ran - {"1"}, verified
+    assert sum(pair[1] for by in verified.values() for pair in by.values()) > 0, verified
     assert max(sampled.values()) < 1e-3, sampled
     assert again["outputs"] == runs["plain"][0]["outputs"]
     assert again["tokens"] / again["steps"] >= D - 1, again
@@ -563,6 +568,7 @@ def test_bench_engine_methods_and_their_ratios():
     overlap scheduler, and ``vs_plain_sync`` compares with ``plain_sync`` where a row has one; a greedy
     row says whether its outputs are plain decoding's for the same requests."""
     from histospec_sgl.bench import engine_bench as eb
+    from histospec_sgl.bench import engine_rows as rows_
 
     assert eb.server_spec("plain_sync") == ("plain", {}, ["--sleep-on-idle", "--disable-overlap-schedule"])
     assert eb.server_spec("plain") == ("plain", {}, ["--sleep-on-idle"])
@@ -591,10 +597,16 @@ def test_bench_engine_methods_and_their_ratios():
              "tokens_per_s_runs": [72, 84, 120]},
             {"method": "history", **point, "batch_size": 16, "tokens_per_s": 50.0, "step_ms": 20.0,
              "tokens_per_s_runs": [50]}]
-    eb._ratios(rows)
+    rows_.ratios(rows)
     assert (rows[2]["vs_plain"], rows[2]["vs_plain_sync"], rows[2]["verify_cost"]) == (0.84, 0.8, 1.2)
     # Each run against the plain run of its repeat: the host's drift between repeats cancels.
     assert rows[2]["vs_plain_runs"] == [0.8, 0.84, 1.0]
+    # The default's verified-step tallies (draft tokens expected, accepted) per width and batch
+    # bucket: a row's, the counters after it less before; the row's runs summed.
+    assert rows_.tallies([{"4": {"8": [12.0, 7.0], "64": [3.0, 1.0]}, "8": {"8": [2.0, 2.0]}}],
+                         {"4": {"8": [2.0, 1.0], "64": [3.0, 1.0]}, "8": {"8": [2.0, 2.0]}}) == {"4": {"8": [10.0, 6.0]}}
+    runs = [{"tokens_per_s": t, "verified_tokens": {"4": {"8": [10.0, 6.0]}}} for t in (1.0, 2.0)]
+    assert rows_.median_row(runs)["verified_tokens"] == {"4": {"8": [20.0, 12.0]}}
     assert rows[1]["vs_plain"] == 1.05 and rows[1]["vs_plain_sync"] == 1.0
     assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
     greedy = {"pass": 1, "batch_size": 2, "temperature": 0.0, "siblings": 1}
@@ -603,7 +615,7 @@ def test_bench_engine_methods_and_their_ratios():
             {"method": "history_cost", **greedy, "_outputs": [[1, 2], [3, 5]]},
             {"method": "history", **point, "_outputs": [[1]]},
             {"method": "ngram", **greedy, "batch_size": 16, "_outputs": [[1]]}]
-    eb._identical(rows)
+    rows_.identical(rows)
     assert [r["identical_to_plain"] for r in rows] == [True, True, False, None, None]
     assert all("_outputs" not in r for r in rows)
 

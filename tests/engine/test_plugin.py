@@ -415,3 +415,46 @@ def test_metrics_export_the_step_costs_the_default_policy_measured(sglang_py):
     # 5-8, the last three times the others: the median leaves it out, the mean has it.
     assert got["cost"] == [["1", "8", 0.01], ["4", "8", 0.015], ["8", "8", 0.02]], got
     assert got["cost-mean"] == [["1", "8", 0.016667], ["4", "8", 0.025], ["8", "8", 0.033333]], got
+
+
+def test_metrics_export_what_the_default_policys_verified_steps_expected_and_brought(sglang_py):
+    """``histospec:verified_expected_tokens{width,batch}`` and ``histospec:verified_accepted_tokens``:
+    per verify width and batch bucket, the draft tokens the default policy's verified steps were
+    expected to bring (promises times its calibration) and brought, shadow drafts left out, each
+    step counted once however often the worker reports; a fixed width exports none."""
+    r = run_sglang(sglang_py, """
+        import json
+        from prometheus_client import CollectorRegistry
+        from histospec_sgl.engine.config import HistoryConfig
+        from histospec_sgl.engine.drafter import BatchDrafter
+        from histospec_sgl.plugin.metrics import HistoryMetrics
+        out = {}
+        for control in ("cost", "fixed"):
+            reg = CollectorRegistry()
+            dr = BatchDrafter(8, HistoryConfig(control=control))
+            m = HistoryMetrics({"model_name": "m", "tp_rank": 0}, registry=reg)
+            expected = 0.0
+            for step in range(3):
+                for width, batch in ((4, 6), (8, 40)):
+                    if control == "cost":
+                        expected += dr.policy.calibration("sampled", width, batch) * 10.0 if width == 4 else 0.0
+                    dr.policy.observe(10.0, 6.0, 2, klass="sampled", width=width, batch=batch)
+                dr.policy.observe(50.0, 50.0, 1, shadow=True, klass="sampled", width=4, batch=6)
+                m.observe(dr, host_seconds=0.0)
+                m.observe(dr, host_seconds=0.0)  # reported again: nothing new
+            out[control] = {"expected4": expected, "samples": sorted(
+                (s.name, s.labels["width"], s.labels["batch"], round(s.value, 6)) for f in reg.collect()
+                for s in f.samples if s.name.startswith("histospec:verified_") and s.name.endswith("_total"))}
+        print("RESULT " + json.dumps(out))
+    """)
+    got = result(r)
+    assert got["fixed"]["samples"] == [], got
+    samples = {(name, w, b): v for name, w, b, v in got["cost"]["samples"]}
+    # Three steps a width, bucket 5-8 and 33-64; the shadow drafts (50 promised, 50 accepted) left out.
+    assert set(samples) == {(f"histospec:verified_{k}_tokens_total", w, b)
+                            for k in ("expected", "accepted") for w, b in (("4", "8"), ("8", "64"))}, samples
+    assert samples[("histospec:verified_accepted_tokens_total", "4", "8")] == 18.0
+    assert samples[("histospec:verified_accepted_tokens_total", "8", "64")] == 18.0
+    assert samples[("histospec:verified_expected_tokens_total", "4", "8")] == pytest.approx(
+        got["cost"]["expected4"], abs=1e-5)
+    assert 0 < samples[("histospec:verified_expected_tokens_total", "4", "8")] < 50
