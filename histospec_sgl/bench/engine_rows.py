@@ -1,6 +1,7 @@
 """A ``bench engine`` row from its runs, and what compares the rows with each other: the medians of
-a row's repeats (:func:`median_row`), its ratios over plain decoding's row (:func:`ratios`), and
-whether a greedy row's outputs are plain decoding's (:func:`identical`)."""
+a row's repeats (:func:`median_row`), its ratios over plain decoding's row (:func:`ratios`),
+whether a greedy row's outputs are plain decoding's (:func:`identical`), and the default policy's
+verified-step tallies summed over runs (:func:`tallies`)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def identical(rows: list[dict[str, Any]]) -> None:
 
 def tallies(added: list[dict[str, dict[str, list[float]]]],
             taken: dict[str, dict[str, list[float]]] | None = None) -> dict[str, dict[str, list[float]]]:
-    """Width -> bucket -> [expected, accepted] tallies (:func:`verified_tokens`) summed, less
+    """Width -> bucket -> [expected, accepted] tallies
+    (:func:`~histospec_sgl.bench.engine_server.verified_tokens`) summed, less
     ``taken`` (a row's: the counters after it less those before), rounded; the empty ones left out."""
     out: dict[str, dict[str, list[float]]] = {}
     for sign, group in ((1, added), (-1, [taken or {}])):
