@@ -302,7 +302,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
             if algo == "history":
                 env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
             elif algo == "plain":  # no step policy times its steps: the trace model does
-                env["TRACE_MODE_CLOCK"] = str(Path(work) / f"clock-{method}.json")
+                env["TRACE_MODE_CLOCK"] = str(Path(work) / f"clock-{method}.log")
         if paths:
             env["PYTHONPATH"] = os.pathsep.join(paths)
         servers[method] = EngineServer(server_model, algo, python=python, device=device,

@@ -403,14 +403,21 @@ def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, f
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
     width -> batch-size bucket -> seconds (a fixed-width server's: the widths it ran). A plain server
-    in trace mode has its steps timed by the trace model on the same clock (``TRACE_MODE_CLOCK``:
-    width 1 alone); another server has none."""
+    in trace mode has its steps timed by the trace model (``TRACE_MODE_CLOCK``: a ``batch seconds``
+    line a step), put here on the same clock (width 1 alone); another server has none."""
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
-        clock = srv.env.get("TRACE_MODE_CLOCK")
-        if clock and Path(clock).exists():
-            return dict(json.loads(Path(clock).read_text())["step_seconds_mean" if mean else "step_seconds"])
-        return out
+        log = srv.env.get("TRACE_MODE_CLOCK")
+        if not log or not Path(log).exists():
+            return out
+        from histospec_sgl.engine.clock import StepClock
+
+        clock = StepClock()
+        for line in Path(log).read_text().splitlines():
+            batch, seconds = line.split()
+            clock.record(int(batch), 1, float(seconds))
+        table = clock.means if mean else clock.table
+        return {"1": {str(b): v for (_, b), v in sorted(table.items())}} if table else out
     name = "histospec:step_seconds_mean{" if mean else "histospec:step_seconds{"
     for line in srv.metrics().splitlines():
         if line.startswith(name):

@@ -23,13 +23,12 @@ Per request slot the forced tokens live in a device buffer written at prefill, a
 verify rows gather from it with tensor operations only, so CUDA graphs capture the forcing too.
 
 With ``TRACE_MODE_CLOCK`` set (``bench engine`` sets it for a plain server, which has no step policy
-to time its steps), the model times its decode steps on the step policy's own clock
-(:class:`~histospec_sgl.engine.clock.StepClock`): from one decode forward's start to the next's, at
-the batch size running, per batch-size bucket; an interval that a prefill or any other pass
-interrupts is not a decode step's and is not kept. After each timing the clock's medians and means
-(``step_seconds``, ``step_seconds_mean``: width 1 -> bucket -> seconds, as a HISTORY server's
-``histospec:step_seconds`` gives them) are written to that file, so that ``simulate --check`` prices
-the plain row by its own server's steps.
+to time its steps), the model times its decode steps: from one decode forward's start to the next's,
+at the batch size running; an interval that a prefill or any other pass interrupts is not a decode
+step's and is not kept. Each timing is appended to that file as a line ``batch seconds`` (one write,
+a few microseconds); the bench puts them on the step policy's own clock
+(:func:`histospec_sgl.bench.engine_server.step_seconds`), so that ``simulate --check`` prices the
+plain row by its own server's steps.
 """
 
 from __future__ import annotations
@@ -72,12 +71,9 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         self.trace_width = width
         logger.warning("TRACE MODE (benchmark): %d logged responses from %s force every traced token",
                        len(self.traces), path)
-        self.trace_clock_file = os.environ.get("TRACE_MODE_CLOCK")
-        self.trace_clock: Any = None
-        if self.trace_clock_file:
-            from histospec_sgl.engine.clock import StepClock
-
-            self.trace_clock = StepClock()
+        clock = os.environ.get("TRACE_MODE_CLOCK")
+        # Open for the server's life, line-buffered: each timing reaches the file in one write.
+        self.trace_clock = open(clock, "a", buffering=1) if clock else None
         #: The decode forward before this one: its batch size and start; None after any other pass.
         self.trace_last_decode: tuple[int, float] | None = None
 
@@ -123,14 +119,7 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         if not mode.is_decode() or mode.is_target_verify():
             return
         if last is not None:
-            self.trace_clock.record(last[0], 1, now - last[1])
-            costs = {"step_seconds": self.trace_clock.table, "step_seconds_mean": self.trace_clock.means}
-            out = {k: {str(w): {str(b): v for (w_, b), v in sorted(t.items()) if w_ == w}
-                       for w in sorted({w for w, _ in t})} for k, t in costs.items()}
-            tmp = f"{self.trace_clock_file}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(out, f)
-            os.replace(tmp, self.trace_clock_file)
+            self.trace_clock.write(f"{last[0]} {now - last[1]!r}\n")
         self.trace_last_decode = (int(forward_batch.batch_size), now)
 
     def _assign(self, forward_batch: Any) -> None:
