@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,8 @@ METHODS = ("plain", "ngram", "history")
 CPU_ENGINE = Path("bench") / "cpu_engine"
 #: Launches of a server whose port another process took before it could bind it.
 PORT_TRIES = 3
+#: A label of a ``/metrics`` sample (``width="4"``).
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def checkout_root() -> Path | None:
@@ -327,16 +330,24 @@ def verify_steps(out: dict[str, Any]) -> int:
     return int(ct) if ct else int(meta.get("completion_tokens", len(out.get("output_ids", []))))
 
 
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Each sample of metric ``name`` in a ``/metrics`` text: its labels and its value."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit(" ", 1)
+            out.append((dict(_LABEL.findall(labels)), float(value)))
+    return out
+
+
 def width_steps(srv: EngineServer) -> dict[str, int] | None:
     """A HISTORY server's decode steps per verify width so far (``histospec:width_steps_total``, with
     ``--enable-metrics``), or None for a server that does not export them."""
     if srv.method != "history":
         return None
     out: dict[str, int] = {}
-    for line in srv.metrics().splitlines():
-        if line.startswith("histospec:width_steps_total{"):
-            width = line.split('width="', 1)[1].split('"', 1)[0]
-            out[width] = out.get(width, 0) + int(float(line.rsplit(" ", 1)[1]))
+    for labels, value in _samples(srv.metrics(), "histospec:width_steps_total"):
+        out[labels["width"]] = out.get(labels["width"], 0) + int(value)
     return out
 
 
@@ -347,13 +358,10 @@ def verified_tokens(srv: EngineServer) -> dict[str, dict[str, list[float]]] | No
     if srv.method != "history":
         return None
     out: dict[str, dict[str, list[float]]] = {}
-    names = ("histospec:verified_expected_tokens_total{", "histospec:verified_accepted_tokens_total{")
-    for line in srv.metrics().splitlines():
-        for i, name in enumerate(names):
-            if line.startswith(name):
-                width = line.split('width="', 1)[1].split('"', 1)[0]
-                bucket = line.split('batch="', 1)[1].split('"', 1)[0]
-                out.setdefault(width, {}).setdefault(bucket, [0.0, 0.0])[i] += float(line.rsplit(" ", 1)[1])
+    text = srv.metrics()
+    for i, name in enumerate(("histospec:verified_expected_tokens_total", "histospec:verified_accepted_tokens_total")):
+        for labels, value in _samples(text, name):
+            out.setdefault(labels["width"], {}).setdefault(labels["batch"], [0.0, 0.0])[i] += value
     return out
 
 
@@ -362,11 +370,8 @@ def _counter(srv: EngineServer, name: str) -> float | None:
     or None for a server that does not export it."""
     if srv.method != "history":
         return None
-    total = None
-    for line in srv.metrics().splitlines():
-        if line.startswith(name + "{"):
-            total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
-    return total
+    samples = _samples(srv.metrics(), name)
+    return sum(value for _, value in samples) if samples else None
 
 
 def context_mismatches(srv: EngineServer) -> int | None:
@@ -389,11 +394,9 @@ def prefill_cost(srv: EngineServer) -> PrefillCost | None:
     ``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
     if srv.method != "history":
         return None
-    found: dict[str, float] = {}
-    for line in srv.metrics().splitlines():
-        for name in ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token"):
-            if line.startswith(name + "{"):
-                found[name] = float(line.rsplit(" ", 1)[1])
+    text = srv.metrics()
+    found = {name: value for name in ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token")
+             for _, value in _samples(text, name)}
     if "histospec:prefill_seconds_per_token" not in found:
         return None
     return PrefillCost(found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"])
@@ -418,10 +421,6 @@ def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, f
             clock.record(int(batch), 1, float(seconds))
         table = clock.means if mean else clock.table
         return {"1": {str(b): v for (_, b), v in sorted(table.items())}} if table else out
-    name = "histospec:step_seconds_mean{" if mean else "histospec:step_seconds{"
-    for line in srv.metrics().splitlines():
-        if line.startswith(name):
-            width = line.split('width="', 1)[1].split('"', 1)[0]
-            bucket = line.split('batch="', 1)[1].split('"', 1)[0]
-            out.setdefault(width, {})[bucket] = float(line.rsplit(" ", 1)[1])
+    for labels, value in _samples(srv.metrics(), "histospec:step_seconds_mean" if mean else "histospec:step_seconds"):
+        out.setdefault(labels["width"], {})[labels["batch"]] = value
     return {w: dict(sorted(by.items(), key=lambda x: int(x[0]))) for w, by in sorted(out.items(), key=lambda x: int(x[0]))}
