@@ -368,7 +368,9 @@ def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang
     by key); ``manual`` routes by the same ``X-SMG-Routing-Key``, and our generate makes slime's send
     it. Each prompt's 4 samples and its next epoch land on one engine, which alone holds its
     history: a request for the prompt sent to that engine drafts whole responses, one sent to the
-    other does not; ``min_group`` spreads the groups over both engines."""
+    other does not; ``min_group`` spreads the groups over both engines (the router gives a new key
+    to the engine holding the fewest; keys that arrive together may see the same counts, so the four
+    groups split two and two or three and one)."""
     prompts = ["Roses are red, violets are", "for i in range(10):", "The mitochondria is the",
                "Compute 12 * 13 step by step."]
     with _router(sglang_py, [e.url for e in engines["alone"]], "manual", stack["tmp"] / "router-manual.log",
@@ -384,7 +386,7 @@ def test_two_engines_without_a_draft_server_keep_each_group_on_one_engine(sglang
         holder = max(range(2), key=rates.__getitem__)
         assert rates[holder] > 4.0 and rates[1 - holder] < rates[holder] / 2, (prompt, rates)
         holders.append(holder)
-    assert sorted(holders) == [0, 0, 1, 1], holders
+    assert set(holders) == {0, 1}, holders
 
 
 @pytest.mark.memory(10)
