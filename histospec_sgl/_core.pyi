@@ -199,6 +199,8 @@ class HistoryIndex:
         """How many finished responses ``group`` holds (0: none, or not held)."""
     def responses(self, group: int) -> list[tuple[list[int], list[int], int]]:
         """Kept responses of a group, oldest first, as (prompt_ids, response_ids, version)."""
+    def response_lengths(self, group: int) -> list[int]:
+        """The lengths of a group's kept responses, oldest first."""
 
     def remove_group(self, group: int) -> bool: ...
     def clear(self) -> None: ...

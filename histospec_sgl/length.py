@@ -15,10 +15,35 @@ slime's length-first gate (:mod:`histospec_sgl.integrations.slime`) and the simu
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+
+class Lengths(NamedTuple):
+    """A group's known lengths, sorted ascending, and ``tails[j]``: the sum of ``sorted[j:]``."""
+
+    sorted: list[float]
+    tails: list[float]
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Lengths:
+        xs = sorted(float(v) for v in values)
+        tails = [0.0] * (len(xs) + 1)
+        for j in range(len(xs) - 1, -1, -1):
+            tails[j] = tails[j + 1] + xs[j]
+        return cls(xs, tails)
+
+    def end(self, progress: float) -> float:
+        """Expected final length of a request that has generated ``progress`` tokens (the lengths
+        must not be empty): ``E[L | L > progress]``, the mean of the lengths above it;
+        ``progress + 1`` when every one is shorter (it already outran them)."""
+        j = bisect.bisect_right(self.sorted, progress)
+        above = len(self.sorted) - j
+        return self.tails[j] / above if above else progress + 1.0
 
 
 class LengthPredictor:
@@ -61,10 +86,7 @@ class LengthPredictor:
         known = self._known.get(group)
         if not known:
             return max(self.fallback(), progress + 1.0)
-        longer = [x for x in known if x > progress]
-        if not longer:
-            return progress + 1.0
-        return sum(longer) / len(longer)
+        return Lengths.of(known).end(progress)
 
     def longest(self, group: Hashable, n: int) -> float:
         """Expected length of the longest of ``n`` samples of ``group`` (a GRPO group ends when its

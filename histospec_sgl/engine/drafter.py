@@ -38,6 +38,7 @@ from histospec_sgl.engine.draft import tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step, sure_conditional, width_promises
 from histospec_sgl.engine.policy import StepPolicy
+from histospec_sgl.engine.remaining import GroupLengths
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -88,6 +89,7 @@ class _Live:
     steps: int = 0  # verify steps it took part in
     group: int | None = None  # the group it was started in (None: its prompt's key)
     klass: str | None = None  # its request class at its last draft (greedy, sampled)
+    key: int = 0  # its group's key in the index
 
 
 class StepDraft(NamedTuple):
@@ -150,6 +152,8 @@ class BatchDrafter:
         #: shadow drafts of plain steps, by request (its index id).
         self.feedback = Feedback(self.policy, draft_tokens)
         self._live: dict[str, _Live] = {}
+        #: Each group's finished lengths, for how long a request has left to run.
+        self.lengths = GroupLengths(self.index)
         self._next_iid = 1
         self._tokens = np.zeros(0, dtype=np.int64)
         self._mask = np.zeros(0, dtype=np.int64)
@@ -222,8 +226,9 @@ class BatchDrafter:
                     contexts[rid] = []
                 iid = self._next_iid
                 self._next_iid += 1
-                started.append(self.index.begin_request(iid, group, prompt_ids))
-                live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]), group=group)
+                key = self.index.begin_request(iid, group, prompt_ids)
+                started.append(key)
+                live = self._live[rid] = _Live(iid=iid, known=0, last=int(prompt_ids[-1]), group=group, key=key)
             head = len(response)
             n = head + len(pending)
             last = pending[-1] if len(pending) else response[-1] if head else prompt_ids[-1]
@@ -344,7 +349,7 @@ class BatchDrafter:
     # -- drafting -------------------------------------------------------------------------------
 
     def draft(self, rids: Sequence[str], classes: Sequence[str | None] | None = None,
-              width: int | None = None) -> StepDraft:
+              width: int | None = None, waiting: int = 0, caps: Sequence[int | None] | None = None) -> StepDraft:
         """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step, at the width
         the step policy chooses (:attr:`width`). ``classes``: each request's class (``"greedy"``,
         ``"sampled"``), which the cost model calibrates apart.
@@ -354,7 +359,10 @@ class BatchDrafter:
         narrower width, each request's w - 1 most probable nodes (the index grows drafts best-first by
         path probability, so they form a subtree, kept in BFS order); at 1 (plain decoding), each
         request's root. ``width``: this width instead of the policy's choice (d where the caller's
-        verify path runs only d, e.g. SGLang's grammar batches)."""
+        verify path runs only d, e.g. SGLang's grammar batches). ``waiting``: requests waiting for a
+        slot in the engine; ``caps``: each request's ``max_new_tokens`` (None: none), which with its
+        group's finished lengths says how long it has left (:mod:`~histospec_sgl.engine.remaining`;
+        :func:`~histospec_sgl.engine.plan.plan_step`)."""
         bs, d = len(rids), self.d
         t0 = time.perf_counter()
         tokens, mask, counts = self._buffers(bs)
@@ -380,8 +388,12 @@ class BatchDrafter:
             counts[:] = 0  # drafted below, once the width is known
         for lv, k in zip(lives, klasses):
             lv.klass = k
+        # How long each request has left, where the batch is all there is to decode (the plan credits
+        # a step's fixed part by the promise of the request expected to end last).
+        left = (np.array(self.lengths.remaining([lv.key for lv in lives], [lv.known for lv in lives], caps))
+                if self.policy.reads_promises and waiting <= 0 and bs > 1 else None)
         plan = plan_step(self.policy, self.feedback, by_width, klasses if classes is not None else None,
-                         counts > 0, iids.tolist(), forced=width)
+                         counts > 0, iids.tolist(), forced=width, waiting=waiting, remaining=left)
         width = plan.width
         if width > 1 and not self.policy.reads_promises:
             nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
@@ -409,7 +421,7 @@ class BatchDrafter:
             lv.steps += 1
         dt = time.perf_counter() - t0
         for c in (self._window, self.totals):
-            c.step(width, bs, nonempty, int(counts.sum()), dt)
+            c.step(width, bs, nonempty, int(counts.sum()), dt, waiting)
         return StepDraft(tokens, mask, width, nonempty > 0)
 
     def _buffers(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

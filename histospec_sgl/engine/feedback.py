@@ -5,8 +5,8 @@ the engine feeds it.
 
 - **Promises.** Before a step, each width's promise for the batch: each request's promise at the
   width (its ``w - 1`` most probable nodes' path probabilities) times its request class's
-  calibration at that width, and the least of them (the batch's slowest request's;
-  :meth:`Feedback.promises`).
+  calibration at that width, and the promise of the request expected to end the batch (by how
+  long each has left to run; :meth:`Feedback.promises`).
 - **Verified steps.** A step drafted at a width above 1 is remembered with its promises by class
   (:meth:`Feedback.drafted`) until the engine reports what it accepted (:meth:`Feedback.verified`;
   with overlap scheduling, after the next step was drafted).
@@ -77,18 +77,30 @@ class Feedback:
             collections.deque(maxlen=pending_steps)
         self._shadows: dict[Hashable, tuple[Shadow, str | None, bool, int | None]] = {}
 
-    def promises(self, by_width: Mapping[int, np.ndarray],
-                 klasses: Sequence[str | None] | None) -> dict[int, tuple[float, float]]:
+    def promises(self, by_width: Mapping[int, np.ndarray], klasses: Sequence[str | None] | None,
+                 remaining: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
         """``by_width[w]``: each request's promise at width ``w``. Scaled per request class by the
         policy's calibration at the batch's size (:meth:`StepPolicy.calibration`) where the classes
-        are known (else taken as they are), then, at each width, summed over the batch and the
-        smallest of them: ``(sum, least)``."""
+        are known (else taken as they are), then, at each width, summed over the batch, and the
+        promise of the request expected to end the batch: ``(sum, slowest's)``.
+
+        The request that ends the batch is the one with the most steps to go, its ``remaining``
+        tokens (:mod:`~histospec_sgl.engine.remaining`; NaN: not known, taken as long as the
+        longest known) over one plus its promise; without ``remaining`` every request is taken as
+        equally long, and so the least promised one ends it."""
         out: dict[int, tuple[float, float]] = {}
+        left = None
+        if remaining is not None and len(remaining) and not np.all(np.isnan(remaining)):
+            left = np.where(np.isnan(remaining), np.nanmax(remaining), remaining)
         for w, per in by_width.items():
             if klasses is not None:
                 cal = {k: self.policy.calibration(k, w, len(klasses)) for k in set(klasses)}
                 per = np.array([cal[k] for k in klasses]) * per
-            out[w] = (float(np.sum(per)), float(np.min(per)) if len(per) else 0.0)
+            if not len(per):
+                out[w] = (0.0, 0.0)
+                continue
+            slowest = float(np.min(per)) if left is None else float(per[int(np.argmax(left / (1.0 + per)))])
+            out[w] = (float(np.sum(per)), slowest)
         return out
 
     def drafted(self, width: int, per_request: Sequence[float], klasses: Sequence[str | None]) -> None:

@@ -106,10 +106,10 @@ class StepPlan:
 def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.ndarray],
               klasses: Sequence[str | None] | None, drafted: np.ndarray, keys: Sequence[Hashable], *,
               batch: int | None = None, forced: int | None = None, context: float = 0.0,
-              prefill: int = 0) -> StepPlan:
+              prefill: int = 0, waiting: int = 0, remaining: np.ndarray | None = None) -> StepPlan:
     """The plan of one decode step whose ``len(keys)`` decoding requests may be drafted for, in a
     running batch of ``batch`` (default: those), at mean ``context`` tokens with ``prefill`` prompt
-    tokens joining it.
+    tokens joining it and ``waiting`` requests waiting for a slot.
 
     ``by_width[w]``: each request's promise at width ``w`` (:func:`~histospec_sgl.engine.plan.width_promises`), at least at every width in ``policy.widths`` when the policy reads promises;
     ``klasses``: each request's class (greedy, sampled), whose calibration scales its promises (None:
@@ -117,12 +117,20 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
     request has a draft (the index found nodes for it); ``keys``: each request's key in
     ``feedback``; ``forced``: this width instead of the policy's choice (its choice is still made
     and counted). A request is shadowed when it has a draft and none is being followed for it.
-    Reads ``feedback`` and asks ``policy`` to choose; changes nothing else."""
+    Reads ``feedback`` and asks ``policy`` to choose; changes nothing else.
+
+    The policy prices a promised token at what it saves of the time until the batch's last request
+    ends (:meth:`CostModel.rates`, given the promise of the request expected to end last: the one
+    with the most steps to go by its ``remaining`` tokens, :meth:`Feedback.promises`; without them,
+    the least promised), where the batch is all there is to decode. With requests ``waiting``, a
+    request that ends early lets one of them in, so every promised token counts whole: the batch's
+    promises alone."""
     n = len(keys)
-    both = (feedback.promises({w: by_width[w] for w in policy.widths if w > 1}, klasses)
+    both = (feedback.promises({w: by_width[w] for w in policy.widths if w > 1}, klasses,
+                              remaining if waiting <= 0 else None)
             if policy.reads_promises else {})
     promised = {w: total for w, (total, _) in both.items()}
-    least = {w: low for w, (_, low) in both.items()}
+    least = {w: low for w, (_, low) in both.items()} if waiting <= 0 else None
     chosen = policy.choose(promised, n if batch is None else batch, context, prefill, least=least)
     width = chosen if forced is None else forced
     per_request = np.asarray(by_width[width], dtype=np.float64) if width > 1 and width in by_width \
@@ -152,12 +160,17 @@ class StepCounts:
     draft_seconds: float = 0.0
     finished: int = 0
     kept: int = 0
+    #: Decode steps run while requests waited for a slot.
+    waiting_steps: int = 0
     #: Decode steps at each verify width (1: plain decoding).
     width_steps: dict[int, int] = field(default_factory=dict)
 
-    def step(self, width: int, batch: int, covered: int = 0, offered: int = 0, seconds: float = 0.0) -> None:
-        """A decode step of ``batch`` requests at ``width``."""
+    def step(self, width: int, batch: int, covered: int = 0, offered: int = 0, seconds: float = 0.0,
+             waiting: int = 0) -> None:
+        """A decode step of ``batch`` requests at ``width``, with ``waiting`` requests waiting for a
+        slot."""
         self.steps += 1
+        self.waiting_steps += int(waiting > 0)
         self.drafted_steps += int(width > 1)
         self.request_steps += batch
         self.covered += covered

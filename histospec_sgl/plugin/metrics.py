@@ -24,6 +24,9 @@ over ``rate(histospec:decode_steps_total)``):
                                            draft, broadcast)
 ``histospec:plain_steps_total``            decode steps decoded plainly, no draft verified
                                            (chosen by the cost model)
+``histospec:waiting_steps_total``          decode steps run while requests waited for a slot
+                                           (the step policy then counts every promised token
+                                           whole, docs/control.md)
 ``histospec:draft_errors_total``           errors while drafting (that step is verified without
                                            drafts) or syncing with the draft server
 ``histospec:context_mismatches_total``     requests whose last accepted tokens, as SGLang relays
@@ -72,6 +75,7 @@ _COUNTERS = {
     "histospec:draft_tokens_offered": ("Draft nodes offered (root and pads excluded).", "offered"),
     "histospec:draft_tokens_accepted": ("Draft tokens accepted by verification.", "accepted"),
     "histospec:draft_seconds": ("Host seconds in the batch draft call.", "draft_seconds"),
+    "histospec:waiting_steps": ("Decode steps run while requests waited for a slot.", "waiting_steps"),
 }
 _WORKER_COUNTERS = {
     # metric name: (documentation, the keyword of HistoryMetrics.observe giving the worker's count)

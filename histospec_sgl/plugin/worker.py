@@ -47,7 +47,7 @@ from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.draft import write_empty
 from histospec_sgl.engine.drafter import BatchDrafter, StepDraft, group_of
 from histospec_sgl.hugepages import huge_pages
-from histospec_sgl.plugin import compat
+from histospec_sgl.plugin import compat, scheduler
 from histospec_sgl.plugin.metrics import HistoryMetrics
 from histospec_sgl.plugin.requests import batch_seq_lens, needs_full_sampler, request_class, returned
 from histospec_sgl.plugin.steps import StepPaths
@@ -113,6 +113,9 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         # The draft the last verify step ran, for its hidden states' rows.
         self._last_draft: StepDraft | None = None
         self.plain_steps = 0
+        #: Requests waiting in the scheduler's queue for a slot, as the batch being run started
+        #: (set by the scheduler, :mod:`histospec_sgl.plugin.scheduler`).
+        self.waiting = 0
         self._last_log = time.monotonic()
         if self.broadcast.is_source:
             self.drafter = BatchDrafter(self.draft_token_num, self.config)
@@ -129,7 +132,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
                 self.metrics = HistoryMetrics.from_sglang(server_args, self.tp_rank)
             except Exception:
                 logger.exception("histospec: Prometheus metrics are off (the server runs without them)")
-        _install_scheduler_rpcs()
+        scheduler.install(HistoryWorker)
         logger.info(
             "histospec: HISTORY worker on TP rank %d (d=%d, drafts %s, overlap %s%s)", self.tp_rank,
             self.draft_token_num, "here" if self.drafter else "from rank 0", self.enable_overlap,
@@ -287,7 +290,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        rids, items, classes = [], [], []
+        rids, items, classes, caps = [], [], [], []
         drafter = self.drafter
         unprocessed = self._unprocessed(batch, use_prev)
         for req, prev in zip(batch.reqs, unprocessed):
@@ -300,6 +303,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             items.append((rid, req.origin_input_ids, req.output_ids, prev, group))
             rids.append(rid)
             classes.append(request_class(req))
+            caps.append(getattr(getattr(req, "sampling_params", None), "max_new_tokens", None))
         started = drafter.sync_batch(items)
         if drafter.contexts is not None:
             self._check_contexts(batch, unprocessed)
@@ -307,7 +311,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             # A group's first request asks the draft server for its history (on_demand); it arrives
             # in the background, and the request drafts from its siblings until it has.
             self.sync.want(started)
-        step = drafter.draft(rids, classes, width=width)
+        step = drafter.draft(rids, classes, width=width, waiting=self.waiting, caps=caps)
         self._maybe_log()
         return step
 
@@ -469,25 +473,3 @@ class HistoryWorker(StepPaths, NGRAMWorker):
         summary = self.drafter.policy.summary()
         if summary:
             logger.info("histospec: step policy: %s", summary)
-
-
-def _install_scheduler_rpcs() -> None:
-    """``Engine.collective_rpc("histospec_save" | "histospec_load", ...)`` run these on every rank
-    (between steps; SGLang ends each RPC with a TP barrier)."""
-    from sglang.srt.managers.scheduler import Scheduler
-
-    def histospec_save(self: Any, path: str | None = None) -> None:
-        self.draft_worker.history_save(path)
-
-    def histospec_load(self: Any, path: str) -> None:
-        self.draft_worker.history_load(path)
-
-    def histospec_version(self: Any, version: int) -> None:
-        worker = self.draft_worker
-        if worker.drafter is not None:
-            worker.drafter.index.version = int(version)
-
-    for fn in (histospec_save, histospec_load, histospec_version):
-        if not hasattr(Scheduler, fn.__name__):
-            setattr(Scheduler, fn.__name__, fn)
-

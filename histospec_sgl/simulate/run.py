@@ -334,7 +334,8 @@ def _trace_row(groups: list[Any], reqs: list[tuple[int, int]], batch: int, cap: 
         for gi in sorted({gi for gi, _ in chunk}):
             g = groups[gi]
             mine = [g.samples[si][:cap] for gj, si in chunk if gj == gi]
-            sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths)
+            sims += simulate.group_requests(gi, g.prompt_ids, [*g.history_ids, *done.get(gi, [])], mine, widths,
+                                            cap=cap)
             done.setdefault(gi, []).extend(mine)
         o = simulate.run_step(sims, profile, batch, length_first=False, policy=control or Fixed(width or 1),
                               overlap=overlap_scheduler, cache=cache, prefill_chunk=prefill_chunk)

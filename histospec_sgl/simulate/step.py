@@ -37,7 +37,8 @@ from histospec_sgl.engine.draft import advance
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.plan import StepCounts, plan_step, width_promises
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
-from histospec_sgl.length import expected_longest
+from histospec_sgl.engine.remaining import remaining
+from histospec_sgl.length import Lengths, expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Ours
 from histospec_sgl.replay.scenarios import HISTORY_SOURCES, StepSpec, choose_groups, history_source
@@ -68,6 +69,8 @@ class SimRequest:
     #: The prompt's token ids, for the radix cache's prefix matches (:class:`PrefixCache`; empty: the
     #: prompt is known by its group alone).
     prompt: tuple[int, ...] = ()
+    #: Its ``max_new_tokens`` (None: none), which bounds how long the engine expects it to run.
+    cap: int | None = None
 
 
 Traces = tuple[dict[int, np.ndarray], dict[int, np.ndarray]]
@@ -187,6 +190,14 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     # verified steps; shadow drafts, known here from the log), through the engine's step plan.
     widest = max(policy.widths, default=1)
     feedback = Feedback(policy, widest)
+    history = {r.group: r.history for r in reqs}
+    known: dict[Hashable, Lengths] = {}
+
+    def group_lengths(group: Hashable) -> Lengths:
+        lens = known.get(group)
+        if lens is None:
+            lens = known[group] = Lengths.of([*history[group], *finished.get(group, ())])
+        return lens
 
     running: list[list[int]] = []  # [request index, tokens generated]
     lingering: list[int] = []  # under ``overlap``: requests that ended at the last step, in this one too
@@ -219,8 +230,12 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
                     for w in policy.widths if w > 1}
         # A sampled request's promise is positive exactly when the index drafted nodes for it.
         drafted = by_width[widest] > 0 if widest > 1 else np.zeros(len(decoding), dtype=bool)
+        # How long each request has left, by its group's known lengths (its history and the siblings
+        # that finished), as the engine's drafter reads them from its index.
+        left = (np.array([remaining(group_lengths(reqs[i].group), pos, reqs[i].cap) for i, pos in decoding])
+                if policy.reads_promises and not queue and len(decoding) > 1 else None)
         plan = plan_step(policy, feedback, by_width, klasses, drafted, [i for i, _ in decoding], batch=bs,
-                         context=context, prefill=prefill)
+                         context=context, prefill=prefill, waiting=len(queue), remaining=left)
         w = plan.width
         # The step before this one ends now; this one's decode forward starts after the prompts
         # joining it are prefilled.
@@ -229,7 +244,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         policy.begin(t)
         policy.decode_step(bs, w, t + cost - decode_s)
         t += cost
-        counts.step(w, bs)
+        counts.step(w, bs, waiting=len(queue))
         if decoding:
             feedback.drafted(w, plan.promises.tolist(), klasses)
             for b in plan.shadowed:
@@ -265,6 +280,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
             else:
                 finish.append(t)
             finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
+            known.pop(reqs[entry[0]].group, None)
     policy.begin(t)
     finish.sort()
     tokens = sum(r.length for r in reqs)
@@ -414,12 +430,14 @@ def _history_text(rows: Sequence[Any], spec: StepSpec) -> str:
 
 
 def group_requests(key: Hashable, prompt: Sequence[int], history: Sequence[Sequence[int]],
-                   samples: Sequence[Sequence[int]], widths: Sequence[int], siblings: bool = True) -> list[SimRequest]:
-    """A group's requests with their draft traces (:func:`group_traces`)."""
+                   samples: Sequence[Sequence[int]], widths: Sequence[int], siblings: bool = True,
+                   cap: int | None = None) -> list[SimRequest]:
+    """A group's requests with their draft traces (:func:`group_traces`), asked for at most ``cap``
+    tokens each."""
     lengths = tuple(len(h) for h in history)
     traces = group_traces(history, prompt, samples, widths, siblings=siblings)
     return [SimRequest(key, len(s), len(prompt), float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom,
-                       tuple(prompt))
+                       tuple(prompt), cap)
             for s, (acc, prom) in zip(samples, traces)]
 
 

@@ -116,7 +116,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     does a pass after flush_cache. Under the default step policy (the cost model), which decodes
     some steps plainly through the target's DECODE forward and verifies the others, they equal them
     too (it verifies at each of the widths 2, 4 and d, or decodes plainly), and the plain steps are
-    counted in ``histospec:plain_steps_total``. Sampled at temperature 1,
+    counted in ``histospec:plain_steps_total``; with requests waiting for a slot too (counted in
+    ``histospec:waiting_steps_total``). Sampled at temperature 1,
     both return the log-probs a fresh scoring of the responses gives. The fixed-width server starts
     with every documented trainer, client, tool and test variable set, as a Ray runtime env hands
     them to an engine (tests/helpers/_scopes.py)."""
@@ -143,6 +144,10 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
         # training step) drafts as well as a fixed width: greedy and sampled requests are calibrated
         # apart, so the sampled ones' lower acceptance does not make greedy drafts look poor.
         again = greedy_passes(cost, prompts, passes=1)[0]
+        # Sixteen requests at once on eight slots: eight wait in SGLang's queue while the others
+        # decode, and the policy is told so (it then counts every promised token whole).
+        queued = cost.generate(prompts + fresh, {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True})
+        waiting_steps = _counter(cost, "histospec:waiting_steps_total")
         mismatches = _counter(cost, "histospec:context_mismatches_total")
         from histospec_sgl.bench.engine_server import step_seconds, verified_tokens, width_steps
 
@@ -176,6 +181,8 @@ def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, pla
     assert max(sampled.values()) < 1e-3, sampled
     assert again["outputs"] == runs["plain"][0]["outputs"]
     assert again["tokens"] / again["steps"] >= D - 1, again
+    assert waiting_steps > 0
+    assert [o["output_ids"] for o in queued] == runs["plain"][0]["outputs"][2:] + plain_fresh[2:]
     assert any(p["outputs"] != plain_fresh for p in broken)
 
 

@@ -139,6 +139,95 @@ def test_a_step_s_fixed_part_pays_only_for_what_every_request_is_promised():
     assert cm.rates({4: 0.6}, 1, calibrated=True, least={4: 0.6}) == cm.rates({4: 0.6}, 1, calibrated=True)
 
 
+def test_with_requests_waiting_for_a_slot_every_promised_token_counts_whole():
+    """Where requests wait for a slot, a request that ends early lets one in: the step plan prices
+    every promised token whole (the batch's promises alone), as when the batch's slowest request
+    is promised as much as the rest. The simulator tells it how many wait; the steps run while
+    some do are counted."""
+    from histospec_sgl.engine.feedback import Feedback
+    from histospec_sgl.engine.plan import StepCounts, plan_step
+
+    cpu = Measured("cpu", "test", {1: [(1, 0.045), (16, 0.12)], 4: [(1, 0.0675), (16, 0.18)]})
+    # 16 requests, one promised 10 tokens, the rest nothing: with none waiting the batch ends no
+    # sooner, so only the per-request part counts and plain decoding wins (as above).
+    per = np.zeros(16)
+    per[3] = 10.0
+
+    def plan(waiting: int) -> int:
+        cm = CostModel(cpu, [4])
+        return plan_step(cm, Feedback(cm, 4), {4: per}, None, per > 0, list(range(16)), waiting=waiting).width
+
+    assert plan(0) == 1
+    assert plan(5) == 4  # (16 + 10) / 0.18 > 16 / 0.12
+    counts = StepCounts()
+    counts.step(4, 16, waiting=5)
+    counts.step(4, 16)
+    assert counts.waiting_steps == 1 and counts.as_dict()["waiting_steps"] == 1
+
+    # The simulated engine: 6 requests on 2 slots. While some wait, the policy is given no least
+    # promise; once the last has joined, it is.
+    class Leasts(Fixed):
+        reads_promises = True
+
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.least: list[bool] = []
+
+        def choose(self, promised, batch, context=0.0, prefill=0, decoding=None, least=None) -> int:
+            self.least.append(least is not None)
+            return 4
+
+    n = 20
+    reqs = [SimRequest(f"g{i}", n, prompt_len=3, accepted={4: np.full(n, 1, np.int32)},
+                       promised={4: np.full(n, 1.0, np.float32)}) for i in range(6)]
+    pol = Leasts()
+    run_step(reqs, cpu, max_running=2, length_first=False, policy=pol)
+    last_join = pol.least.index(True)
+    assert last_join > 0 and not any(pol.least[:last_join]) and all(pol.least[last_join:]), pol.least
+
+
+def test_the_fixed_part_is_credited_by_the_request_expected_to_end_the_batch():
+    """A step's fixed part is credited by the promise of the request with the most steps to go: its
+    remaining tokens (from its group's known lengths and its cap) over one plus its promise. Where
+    every request has as long to go (or nothing is known), that is the least promised one; where the
+    unpromised request is about to end, the batch's end is the long one's, and its promise counts."""
+    from histospec_sgl.engine.feedback import Feedback
+    from histospec_sgl.engine.remaining import GroupLengths, remaining
+    from histospec_sgl.length import Lengths
+
+    # E[L | L > k] over the known lengths, capped, less k; past every known length: the next token.
+    lens = Lengths.of([40, 10, 100])
+    assert lens.sorted == [10.0, 40.0, 100.0] and lens.tails == [150.0, 140.0, 100.0, 0.0]
+    assert remaining(lens, 0) == pytest.approx(50.0)
+    assert remaining(lens, 20) == pytest.approx(70.0 - 20)
+    assert remaining(lens, 20, cap=64) == pytest.approx(64 - 20)
+    assert remaining(lens, 150) == 1.0
+    assert remaining(None, 5, cap=64) == 59.0 and math.isnan(remaining(Lengths.of([]), 5))
+
+    fb = Feedback(_Recorder(), 4)
+    per = {4: np.array([0.0, 3.0, 3.0])}
+    assert fb.promises(per, None) == {4: (6.0, 0.0)}  # nothing known: the least
+    assert fb.promises(per, None, np.array([50.0, 50.0, 50.0])) == {4: (6.0, 0.0)}
+    # The unpromised request has 5 tokens left, the others 50: 50 / 4 steps > 5 / 1.
+    assert fb.promises(per, None, np.array([5.0, 50.0, 50.0])) == {4: (6.0, 3.0)}
+    # ...but one with 30 left needs 30 steps, more than the others' 50 / 4.
+    assert fb.promises(per, None, np.array([30.0, 50.0, 50.0])) == {4: (6.0, 0.0)}
+    # Not known: as long as the longest known.
+    assert fb.promises(per, None, np.array([np.nan, 50.0, 50.0])) == {4: (6.0, 0.0)}
+    assert fb.promises(per, None, np.array([5.0, np.nan, np.nan])) == {4: (6.0, 0.0)}
+
+    # The engine's drafter reads a group's lengths from the index, again when it holds more.
+    from histospec_sgl._core import HistoryIndex
+
+    index = HistoryIndex()
+    index.add_response(7, [1, 2, 3], list(range(10)))
+    gl = GroupLengths(index)
+    key = index.group_keys()[0]
+    assert gl.remaining([key, key], [0, 4], [None, 6]) == [10.0, 2.0]
+    index.add_response(7, [1, 2, 3], list(range(30)))
+    assert gl.remaining([key], [12]) == [30.0 - 12]
+
+
 def test_analytic_profile_is_labelled_and_monotone():
     assert H100_8B.analytic and "analytic" in H100_8B.description
     assert resolve("h100-8b-analytic") is H100_8B

@@ -176,6 +176,32 @@ def test_a_context_of_the_same_length_with_another_last_token_restarts_the_reque
     assert dr.draft(["a"])[0][0] == 3
 
 
+def test_the_default_policy_is_told_how_long_each_request_has_left():
+    """Under the default policy the drafter tells the step plan each request's remaining tokens, by
+    its group's finished responses in the index and its cap (``max_new_tokens``), and nothing where
+    requests wait for a slot (every promised token counts whole there) or one request runs alone."""
+    dr = BatchDrafter(8, HistoryConfig(control="cost"))
+    prompt = [5, 6, 7]
+    for n in (20, 60):
+        dr.add_finished(prompt, list(range(100, 100 + n)), group=3)
+    seen: list = []
+    promises = dr.feedback.promises
+
+    def spy(by_width, klasses, remaining=None):
+        seen.append(None if remaining is None else remaining.tolist())
+        return promises(by_width, klasses, remaining)
+
+    dr.feedback.promises = spy  # type: ignore[method-assign]
+    dr.sync_batch([("a", prompt, [100] * 10, [], 3), ("b", prompt, [100] * 30, [], 3), ("c", [9, 9], [1], [], None)])
+    dr.draft(["a", "b", "c"], ["sampled"] * 3, caps=[50, None, None])
+    dr.draft(["a", "b", "c"], ["sampled"] * 3, waiting=2)
+    dr.draft(["a"], ["sampled"])
+    # a: E[L | L > 10] = 40, under its cap 50: 30 left; b: past 20, E = 60: 30 left; c: its group
+    # holds nothing and it has no cap: not known.
+    assert seen[0][:2] == [30.0, 30.0] and np.isnan(seen[0][2]), seen
+    assert seen[1:] == [None, None], seen
+
+
 def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     d = 6
     dr = BatchDrafter(d, FIXED)

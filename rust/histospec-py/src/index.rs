@@ -518,6 +518,13 @@ impl PyHistoryIndex {
             .collect())
     }
 
+    /// The lengths of a group's kept responses, oldest first (what `responses` holds, without
+    /// copying the tokens).
+    fn response_lengths(&self, group: u64) -> PyResult<Vec<usize>> {
+        let g = self.read()?;
+        Ok(g.responses(group).into_iter().map(|(_, r)| r.tokens.len()).collect())
+    }
+
     /// Forgets a group and its in-flight requests; True if it existed.
     fn remove_group(&self, group: u64) -> PyResult<bool> {
         Ok(self.write()?.remove_group(group))
