@@ -94,7 +94,8 @@ class CostModel:
                least: Mapping[int, float] | None = None) -> int:
         """The width with the most expected tokens per second. ``promised[w]``: the batch's sum of
         promised accepted tokens at width ``w`` (``calibrated``: already scaled by the caller, e.g.
-        per request class); ``least[w]``: the smallest promise of one request (:meth:`rates`);
+        per request class); ``least[w]``: the promise of the request expected to end the batch
+        (:meth:`rates`);
         ``decoding``: requests that emit a token this step (default: the whole batch)."""
         return self.pick(self.rates(promised, batch, context, prefill, decoding, calibrated, least))
 
@@ -118,14 +119,15 @@ class CostModel:
         """Expected tokens per second at plain decoding (width 1) and at each width, by the profile:
         ``(decoding + promised) / step cost``.
 
-        With ``least`` (the smallest promise of one request at each width), a promised token is worth
-        what it saves of the time until the batch's last request ends: a step's cost is a part per
-        request, which each accepted token saves, plus a fixed part (:func:`fixed_share` of a plain
-        step), which only fewer steps save, and the batch takes as many steps as its slowest request
-        needs. So the fixed part is credited for the tokens every request is promised at least
-        (``decoding * least``), the rest for all of them: ``(1 - f) * promised + f * decoding *
-        least``. Where the requests are promised alike this is ``promised``; where one request is
-        promised nothing, drafts that only shorten the others are worth their per-request part."""
+        With ``least`` (at each width, the promise of the request expected to end the batch: the
+        least promised one where every request has as long to go), a promised token is worth what it
+        saves of the time until the batch's last request ends: a step's cost is a part per request,
+        which each accepted token saves, plus a fixed part (:func:`fixed_share` of a plain step),
+        which only fewer steps save, and the batch takes as many steps as its last request needs.
+        So the fixed part is credited for that request's promise (``decoding * least``), the rest
+        for all of them: ``(1 - f) * promised + f * decoding * least``. Where the requests are
+        promised alike this is ``promised``; where the request that ends the batch is promised
+        nothing, drafts that only shorten the others are worth their per-request part."""
         n = batch if decoding is None else decoding
         c = 1.0 if calibrated else self.calibration()
         out = {1: n / self.profile.step_s(batch, 1, context, prefill)}

@@ -74,8 +74,10 @@ class StepPolicy(Protocol):
                decoding: int | None = None, least: Mapping[int, float] | None = None) -> int:
         """The width for a step of ``batch`` running requests, ``decoding`` of which emit a token
         (default: all), at mean ``context`` tokens with ``prefill`` prompt tokens joining.
-        ``least[w]``: the smallest promise of one request at width ``w`` (the batch's slowest
-        request's, which decides how soon the batch ends; None: not known)."""
+        ``least[w]``: at width ``w``, the promise of the request expected to end the batch last,
+        which decides how soon the batch ends (:meth:`~histospec_sgl.engine.feedback.Feedback.promises`:
+        the least promised one where every request has as long to go; None: not known, or requests
+        wait for a slot and every promised token counts whole)."""
         ...
 
     def observe(self, promised: float, accepted: float, requests: int, *, shadow: bool = False,
