@@ -47,7 +47,8 @@ class Lengths(NamedTuple):
 
 
 class LengthPredictor:
-    """Per-group response lengths, and predictions from them (cheap: O(known lengths) per call).
+    """Per-group response lengths, and predictions from them (cheap: O(m log m) per call for a group
+    of m known lengths).
 
     Args:
         prior: the prediction for a group with no known length (None: the mean of every length

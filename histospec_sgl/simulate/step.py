@@ -172,6 +172,11 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     queue.reverse()  # pop() from the end: submission order
     sizes = Counter(r.group for r in reqs)
     finished: dict[Hashable, list[int]] = defaultdict(list)
+    history = {r.group: r.history for r in reqs}
+
+    def known_lengths(group: Hashable) -> list[int]:
+        """The group's known lengths: its history's and its siblings' that finished in this step."""
+        return [*history[group], *finished.get(group, ())]
 
     def predictions() -> dict[int, float]:
         if not siblings:
@@ -180,7 +185,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         for i in queue:
             r = reqs[i]
             if r.group not in by_group:
-                known = [*r.history, *finished.get(r.group, ())]
+                known = known_lengths(r.group)
                 by_group[r.group] = expected_longest(known, sizes[r.group]) if known else r.predicted
         return {i: by_group[reqs[i].group] for i in queue}
 
@@ -190,13 +195,12 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     # verified steps; shadow drafts, known here from the log), through the engine's step plan.
     widest = max(policy.widths, default=1)
     feedback = Feedback(policy, widest)
-    history = {r.group: r.history for r in reqs}
-    known: dict[Hashable, Lengths] = {}
+    known: dict[Hashable, Lengths] = {}  # known_lengths by group, sorted; dropped when one finishes
 
     def group_lengths(group: Hashable) -> Lengths:
         lens = known.get(group)
         if lens is None:
-            lens = known[group] = Lengths.of([*history[group], *finished.get(group, ())])
+            lens = known[group] = Lengths.of(known_lengths(group))
         return lens
 
     running: list[list[int]] = []  # [request index, tokens generated]
