@@ -148,3 +148,16 @@ def write_empty(tokens: np.ndarray, mask: np.ndarray, roots: Sequence[int], d: i
     t[:] = 0
     t[:, 0] = roots
     mask.reshape(bs, d, d)[:] = np.tril(np.ones((d, d), dtype=mask.dtype))
+
+
+def clear_rows(tokens: np.ndarray, mask: np.ndarray, counts: np.ndarray, rows: np.ndarray, d: int,
+               probs: np.ndarray | None = None) -> int:
+    """Empties the drafts of batch rows ``rows`` in a batch's buffers at ``d`` (``tokens[bs*d]``,
+    ``mask[bs*d*d]``, ``counts[bs]``, ``probs[bs*d]``): each keeps its root, then the padding chain,
+    as :func:`write_empty` writes it. Returns how many requests still have a draft node."""
+    tokens.reshape(-1, d)[rows, 1:] = 0
+    mask.reshape(-1, d, d)[rows] = np.tril(np.ones((d, d), dtype=mask.dtype))
+    if probs is not None:
+        probs.reshape(-1, d)[rows, 1:] = 0.0
+    counts[rows] = 0
+    return int(np.count_nonzero(counts))

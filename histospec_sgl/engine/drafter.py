@@ -34,7 +34,7 @@ import numpy as np
 from histospec_sgl._core import HistoryIndex
 from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, TimedFixed
-from histospec_sgl.engine.draft import tree_parents_batch
+from histospec_sgl.engine.draft import clear_rows, tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
 from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step, sure_conditional, width_promises
 from histospec_sgl.engine.policy import StepPolicy
@@ -349,7 +349,8 @@ class BatchDrafter:
     # -- drafting -------------------------------------------------------------------------------
 
     def draft(self, rids: Sequence[str], classes: Sequence[str | None] | None = None,
-              width: int | None = None, waiting: int = 0, caps: Sequence[int | None] | None = None) -> StepDraft:
+              width: int | None = None, waiting: int = 0, caps: Sequence[int | None] | None = None,
+              ended: Sequence[bool] | None = None) -> StepDraft:
         """Drafts for a decode batch whose requests were all :meth:`sync`-ed this step, at the width
         the step policy chooses (:attr:`width`). ``classes``: each request's class (``"greedy"``,
         ``"sampled"``), which the cost model calibrates apart.
@@ -362,16 +363,18 @@ class BatchDrafter:
         verify path runs only d, e.g. SGLang's grammar batches). ``waiting``: requests waiting for a
         slot in the engine; ``caps``: each request's ``max_new_tokens`` (None: none), which with its
         group's finished lengths says how long it has left (:mod:`~histospec_sgl.engine.remaining`;
-        :func:`~histospec_sgl.engine.plan.plan_step`)."""
+        :func:`~histospec_sgl.engine.plan.plan_step`); ``ended``: each request that has ended (by the
+        step before's tokens, under overlap scheduling): no draft, no promise, nothing left."""
         bs, d = len(rids), self.d
         t0 = time.perf_counter()
         tokens, mask, counts = self._buffers(bs)
         lives = [self._live[r] for r in rids]
         klasses: list[str | None] = list(classes) if classes is not None else [None] * bs
         iids = np.fromiter((lv.iid for lv in lives), dtype=np.int64, count=bs)
+        gone = np.flatnonzero(np.asarray(ended, dtype=bool)) if ended is not None and any(ended) else None
         if self.policy.reads_promises:
             probs = self._probs[: bs * d]
-            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, probs, counts)
+            nonempty = self._index_drafts(iids, tokens, mask, counts, gone, probs)
             # Each request's nodes by path probability, most probable first (pads have probability 0),
             # and what they promise at each width (cum[:, w-2]).
             greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
@@ -392,11 +395,13 @@ class BatchDrafter:
         # a step's fixed part by the promise of the request expected to end last).
         left = (np.array(self.lengths.remaining([lv.key for lv in lives], [lv.known for lv in lives], caps))
                 if self.policy.reads_promises and waiting <= 0 and bs > 1 else None)
+        if left is not None and gone is not None:
+            left[gone] = 0.0
         plan = plan_step(self.policy, self.feedback, by_width, klasses if classes is not None else None,
                          counts > 0, iids.tolist(), forced=width, waiting=waiting, remaining=left)
         width = plan.width
         if width > 1 and not self.policy.reads_promises:
-            nonempty, _ = self.index.draft_batch(iids, d, tokens, mask, counts=counts)
+            nonempty = self._index_drafts(iids, tokens, mask, counts, gone)
         if plan.shadowed:
             assert cum is not None and order is not None
             self._shadow(plan, lives, tokens, mask, cum, counts, order)
@@ -423,6 +428,13 @@ class BatchDrafter:
         for c in (self._window, self.totals):
             c.step(width, bs, nonempty, int(counts.sum()), dt, waiting)
         return StepDraft(tokens, mask, width, nonempty > 0)
+
+    def _index_drafts(self, iids: np.ndarray, tokens: np.ndarray, mask: np.ndarray, counts: np.ndarray,
+                      gone: np.ndarray | None, probs: np.ndarray | None = None) -> int:
+        """The index's d-node drafts of the batch's requests into its buffers, emptied for the rows
+        ``gone`` (requests that have ended); returns how many requests have a draft node."""
+        nonempty, _ = self.index.draft_batch(iids, self.d, tokens, mask, probs, counts)
+        return int(nonempty) if gone is None else clear_rows(tokens, mask, counts, gone, self.d, probs)
 
     def _buffers(self, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The draft buffers for ``bs`` requests (tokens, mask, counts; :attr:`_probs` beside them),

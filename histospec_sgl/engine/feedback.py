@@ -86,12 +86,17 @@ class Feedback:
 
         The request that ends the batch is the one with the most steps to go, its ``remaining``
         tokens (:mod:`~histospec_sgl.engine.remaining`; NaN: not known, taken as long as the
-        longest known) over one plus its promise; without ``remaining`` every request is taken as
-        equally long, and so the least promised one ends it."""
+        longest known; 0: it has ended, and is not the one) over one plus its promise; without
+        ``remaining`` every request is taken as equally long, and so the least promised one ends it."""
         out: dict[int, tuple[float, float]] = {}
         left = None
-        if remaining is not None and len(remaining) and not np.all(np.isnan(remaining)):
-            left = np.where(np.isnan(remaining), np.nanmax(remaining), remaining)
+        if remaining is not None and len(remaining):
+            live = remaining != 0  # NaN too
+            known = live & ~np.isnan(remaining)
+            if known.any():
+                left = np.where(np.isnan(remaining), np.max(remaining[known]), remaining)
+            elif live.any() and not live.all():
+                left = live.astype(np.float64)  # the live ones equally long: the least promised of them
         for w, per in by_width.items():
             if klasses is not None:
                 cal = {k: self.policy.calibration(k, w, len(klasses)) for k in set(klasses)}

@@ -69,3 +69,28 @@ def request_class(req: Any) -> str:
     top_k = getattr(sp, "top_k", -1)
     greedy = (temperature is not None and temperature <= 1e-5) or top_k == 1
     return "greedy" if greedy else "sampled"
+
+
+def ended(req: Any, unprocessed: list[int]) -> bool:
+    """Whether request ``req`` has already ended with the tokens SGLang accepted for it but has not
+    processed yet (``unprocessed``: under the overlap scheduler, the last step's): they reach its
+    ``max_new_tokens``, or one of them is a stop token (its ``stop_token_ids``, the model's EOS ids,
+    the tokenizer's) and it does not ignore EOS. Such a request is still in the batch the overlap
+    scheduler launched before it knew, and a draft for it would be verified for nothing. Stop
+    strings are not read (they need the detokenized text): a request ended by one drafts on."""
+    if not unprocessed:
+        return False  # every result processed: SGLang would not have scheduled a finished request
+    sp = getattr(req, "sampling_params", None)
+    cap = getattr(sp, "max_new_tokens", None)
+    if cap is not None and len(req.output_ids) + len(unprocessed) >= cap:
+        return True
+    if sp is None or getattr(sp, "ignore_eos", False):
+        return False
+    stops: set[int] = set(getattr(sp, "stop_token_ids", None) or ())
+    stops |= set(getattr(req, "eos_token_ids", None) or ())
+    tok = getattr(req, "tokenizer", None)
+    if tok is not None:
+        if getattr(tok, "eos_token_id", None) is not None:
+            stops.add(tok.eos_token_id)
+        stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+    return any(t in stops for t in unprocessed)

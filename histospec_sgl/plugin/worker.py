@@ -49,7 +49,7 @@ from histospec_sgl.engine.drafter import BatchDrafter, StepDraft, group_of
 from histospec_sgl.hugepages import huge_pages
 from histospec_sgl.plugin import compat, scheduler
 from histospec_sgl.plugin.metrics import HistoryMetrics
-from histospec_sgl.plugin.requests import batch_seq_lens, needs_full_sampler, request_class, returned
+from histospec_sgl.plugin.requests import batch_seq_lens, ended, needs_full_sampler, request_class, returned
 from histospec_sgl.plugin.steps import StepPaths
 from histospec_sgl.plugin.tp import DraftBroadcast
 
@@ -290,7 +290,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
                 self._errors += 1
                 if self._errors <= 3 or self._errors % 1000 == 0:
                     logger.warning("histospec: draft server sync failed: %s", e)
-        rids, items, classes, caps = [], [], [], []
+        rids, items, classes, caps, over = [], [], [], [], []
         drafter = self.drafter
         unprocessed = self._unprocessed(batch, use_prev)
         for req, prev in zip(batch.reqs, unprocessed):
@@ -304,6 +304,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             rids.append(rid)
             classes.append(request_class(req))
             caps.append(getattr(getattr(req, "sampling_params", None), "max_new_tokens", None))
+            over.append(ended(req, prev))
         started = drafter.sync_batch(items)
         if drafter.contexts is not None:
             self._check_contexts(batch, unprocessed)
@@ -311,7 +312,7 @@ class HistoryWorker(StepPaths, NGRAMWorker):
             # A group's first request asks the draft server for its history (on_demand); it arrives
             # in the background, and the request drafts from its siblings until it has.
             self.sync.want(started)
-        step = drafter.draft(rids, classes, width=width, waiting=self.waiting, caps=caps)
+        step = drafter.draft(rids, classes, width=width, waiting=self.waiting, caps=caps, ended=over)
         self._maybe_log()
         return step
 

@@ -215,6 +215,11 @@ def test_the_fixed_part_is_credited_by_the_request_expected_to_end_the_batch():
     # Not known: as long as the longest known.
     assert fb.promises(per, None, np.array([np.nan, 50.0, 50.0])) == {4: (6.0, 0.0)}
     assert fb.promises(per, None, np.array([5.0, np.nan, np.nan])) == {4: (6.0, 0.0)}
+    # 0 left: it has ended (the overlap scheduler's step past its end), and does not end the batch.
+    per3 = {4: np.array([0.0, 1.0, 3.0])}
+    assert fb.promises(per3, None, np.array([0.0, 50.0, 50.0])) == {4: (4.0, 1.0)}
+    assert fb.promises(per3, None, np.array([0.0, np.nan, np.nan])) == {4: (4.0, 1.0)}  # the least live
+    assert fb.promises(per3, None, np.array([0.0, 0.0, 0.0])) == {4: (4.0, 0.0)}
 
     # The engine's drafter reads a group's lengths from the index, again when it holds more.
     from histospec_sgl._core import HistoryIndex

@@ -202,6 +202,39 @@ def test_the_default_policy_is_told_how_long_each_request_has_left():
     assert seen[1:] == [None, None], seen
 
 
+@pytest.mark.parametrize("control", ["cost", "fixed"])
+def test_a_request_that_has_ended_gets_no_draft(control):
+    """Under overlap scheduling a request whose last step ended it (its cap, a stop token) is still
+    in the next batch: it gets its root alone, promises nothing, has nothing left, and a step of
+    such requests only is no verify (``drafted`` False: the worker decodes it plainly), under the
+    default policy and at a fixed width alike; the others draft as before."""
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control=control))
+    prompt = [5, 6, 7]
+    answer = list(range(100, 140))
+    dr.add_finished(prompt, answer, group=3)
+    seen: list = []
+    promises = dr.feedback.promises
+
+    def spy(by_width, klasses, remaining=None):
+        seen.append(({w: v.tolist() for w, v in by_width.items()}, None if remaining is None else remaining.tolist()))
+        return promises(by_width, klasses, remaining)
+
+    dr.feedback.promises = spy  # type: ignore[method-assign]
+    dr.sync_batch([("a", prompt, answer[:10], [], 3), ("b", prompt, answer[:20], [], 3)])
+    step = dr.draft(["a", "b"], ["greedy"] * 2, width=d, caps=[64, 20], ended=[False, True])
+    rows = step.tokens.reshape(2, d)
+    assert rows[0].tolist() == answer[9:9 + d] and rows[1].tolist() == [answer[19]] + [0] * (d - 1)
+    assert step.mask.reshape(2, d, d)[1].tolist() == np.tril(np.ones((d, d), dtype=int)).tolist()
+    assert step.drafted
+    if control == "cost":
+        by_width, left = seen[-1]
+        assert all(v[0] > 0 and v[1] == 0 for v in by_width.values()), by_width
+        assert left[1] == 0 and left[0] > 0, left
+    gone = dr.draft(["a", "b"], ["greedy"] * 2, caps=[10, 20], ended=[True, True])
+    assert not gone.drafted and gone.roots.tolist() == [answer[9], answer[19]]
+
+
 def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     d = 6
     dr = BatchDrafter(d, FIXED)

@@ -199,3 +199,25 @@ def test_which_requests_need_the_full_sampler_on_every_step():
     # A verify step may accept tokens past where the request finished; the response leaves them out.
     assert returned(SimpleNamespace(output_ids=[5, 6, 7, 8], finished_len=3)) == [5, 6, 7]
     assert returned(SimpleNamespace(output_ids=[5, 6], finished_len=None)) == [5, 6]
+
+
+def test_a_request_the_step_before_ended_is_known_before_sglang_processes_it():
+    """Under the overlap scheduler a request's last accepted tokens are not in ``output_ids`` yet when
+    the next step is drafted: they end it when they reach ``max_new_tokens`` or hold a stop token
+    (its own stop ids, the model's EOS ids, the tokenizer's), unless it ignores EOS; the fields SGLang's
+    ``Req._check_token_based_finish`` reads."""
+    from types import SimpleNamespace
+
+    from histospec_sgl.plugin.requests import ended
+
+    def req(out, cap=32, stops=(), eos=(2,), ignore_eos=False, tokenizer=None):
+        sp = SimpleNamespace(max_new_tokens=cap, stop_token_ids=set(stops), ignore_eos=ignore_eos)
+        return SimpleNamespace(sampling_params=sp, output_ids=list(out), eos_token_ids=set(eos), tokenizer=tokenizer)
+
+    assert ended(req(range(28), cap=32), [7, 8, 9, 10])
+    assert not ended(req(range(28), cap=32), [7, 8, 9])
+    assert not ended(req(range(32), cap=32), [])  # all processed: SGLang would have finished it
+    assert ended(req([5], stops=[9]), [7, 9, 4]) and ended(req([5]), [2])
+    assert not ended(req([5], stops=[9], ignore_eos=True), [9, 2])
+    assert ended(req([5], eos=(), tokenizer=SimpleNamespace(eos_token_id=0, additional_stop_token_ids={11})), [11])
+    assert not ended(req([5], eos=(), tokenizer=SimpleNamespace(eos_token_id=0, additional_stop_token_ids=None)), [3])
