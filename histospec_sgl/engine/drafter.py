@@ -425,8 +425,8 @@ class BatchDrafter:
             lv.offered += c
             lv.steps += 1
         dt = time.perf_counter() - t0
-        for c in (self._window, self.totals):
-            c.step(width, bs, nonempty, int(counts.sum()), dt, waiting)
+        for c in (self._window, self.totals):  # an ended request is not decoding: no request-step
+            c.step(width, bs - (0 if gone is None else len(gone)), nonempty, int(counts.sum()), dt, waiting)
         return StepDraft(tokens, mask, width, nonempty > 0)
 
     def _index_drafts(self, iids: np.ndarray, tokens: np.ndarray, mask: np.ndarray, counts: np.ndarray,

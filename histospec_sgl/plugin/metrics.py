@@ -15,7 +15,7 @@ over ``rate(histospec:decode_steps_total)``):
 =========================================  =====================================================
 ``histospec:decode_steps_total``           decode (verify) steps the worker prepared drafts for
 ``histospec:drafted_steps_total``          of those, steps that drafted (the rest were switched off)
-``histospec:request_steps_total``          requests summed over steps
+``histospec:request_steps_total``          requests summed over steps (not those that had ended)
 ``histospec:covered_request_steps_total``  request-steps with a non-empty draft
 ``histospec:draft_tokens_offered_total``   draft nodes offered (root and pads excluded)
 ``histospec:draft_tokens_accepted_total``  draft tokens accepted

@@ -231,8 +231,10 @@ def test_a_request_that_has_ended_gets_no_draft(control):
         by_width, left = seen[-1]
         assert all(v[0] > 0 and v[1] == 0 for v in by_width.values()), by_width
         assert left[1] == 0 and left[0] > 0, left
+    assert dr.totals.request_steps == 1  # an ended request is not decoding: no request-step
     gone = dr.draft(["a", "b"], ["greedy"] * 2, caps=[10, 20], ended=[True, True])
     assert not gone.drafted and gone.roots.tolist() == [answer[9], answer[19]]
+    assert dr.totals.request_steps == 1 and dr.totals.steps == 2
 
 
 def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
