@@ -86,11 +86,9 @@ def ended(req: Any, unprocessed: list[int]) -> bool:
         return True
     if sp is None or getattr(sp, "ignore_eos", False):
         return False
-    stops: set[int] = set(getattr(sp, "stop_token_ids", None) or ())
-    stops |= set(getattr(req, "eos_token_ids", None) or ())
+    # Read where SGLang keeps them, no set built: this runs for every request of every step.
     tok = getattr(req, "tokenizer", None)
-    if tok is not None:
-        if getattr(tok, "eos_token_id", None) is not None:
-            stops.add(tok.eos_token_id)
-        stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
-    return any(t in stops for t in unprocessed)
+    eos = getattr(tok, "eos_token_id", None)
+    stops = [ids for ids in (getattr(sp, "stop_token_ids", None), getattr(req, "eos_token_ids", None),
+                             getattr(tok, "additional_stop_token_ids", None)) if ids]
+    return any((eos is not None and t == eos) or any(t in ids for ids in stops) for t in unprocessed)
