@@ -196,26 +196,38 @@ class CostModel:
 class ShadowDraft:
     """A draft that was not verified, followed along the tokens the request goes on to produce: the
     number of its tokens those match from the root down is what verifying it would have accepted.
+    It is a request's widest draft and measures every narrower one with it: a width-w draft keeps
+    the w - 1 most probable nodes (``ranks``: each node's place in that order, from 0; the root's
+    -1), a subtree, so at width w verifying would have accepted the matched path's nodes ranked
+    below w - 1.
 
     Under greedy decoding that is exact. Under sampling, SGLang's tree verification with
     deterministic drafts accepts a child with the target's probability of sampling it, after the
     siblings before it were rejected, so it accepts some child exactly as often as the target
     samples one of them, which is what the match counts: an unbiased measurement, taken from steps
-    that decode plainly."""
+    that did not verify it."""
 
     tokens: list[int]  # node 0 is the root
     parents: list[int]  # parents[i] for node i > 0 (parents[0] unused)
-    promised: float
+    ranks: list[int]  # ranks[i]: node i's place among the non-root nodes by path probability
+    promised: dict[int, float]  # what its draft at each width it measures promised
+    width: int | None = None  # the width it counts at in its class's calibration too (None: none)
     node: int = 0
-    accepted: int = 0
-    width: int | None = None  # the verify width it stands for
+
+    def accepted(self, width: int) -> int:
+        """Tokens its draft at ``width`` matched so far: the matched path's nodes ranked below
+        ``width - 1`` (a node ranks after its parent, so they are the path's first ones)."""
+        n, node = 0, self.node
+        while node > 0:
+            n += self.ranks[node] < width - 1
+            node = self.parents[node]
+        return n
 
     def advance(self, tokens: Sequence[int]) -> bool:
         """The request produced ``tokens`` after the draft's root (or after the last call's):
-        follows them down the tree. True once the walk has ended (a miss or a leaf), with
-        ``accepted`` final."""
-        self.node, matched, ended = walk(self.tokens, self.parents, tokens, self.node, leaf_ends=True)
-        self.accepted += matched
+        follows them down the tree. True once the walk has ended (a miss or a leaf), with every
+        width's count final."""
+        self.node, _, ended = walk(self.tokens, self.parents, tokens, self.node, leaf_ends=True)
         return ended
 
 
@@ -395,7 +407,7 @@ class EngineControl(Timed):
     def observe(self, promised: float, accepted: float, requests: int = 0, *, shadow: bool = False,
                 klass: str | None = None, width: int | None = None, beside: bool = False,
                 batch: int | None = None) -> None:
-        """A verified step's drafts (or, ``shadow``, a shadow draft's; ``beside``, one at a wider width
+        """A verified step's drafts (or, ``shadow``, a shadow draft's; ``beside``, one at a width other
         than the step verified) by requests of class ``klass`` at ``width`` in a batch of ``batch``:
         what they promised and what was (or would have been) accepted."""
         if not shadow:

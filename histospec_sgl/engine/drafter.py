@@ -462,20 +462,21 @@ class BatchDrafter:
 
     def _shadow(self, plan: StepPlan, lives: list[_Live], tokens: np.ndarray, mask: np.ndarray, cum: np.ndarray,
                 counts: np.ndarray, order: np.ndarray) -> None:
-        """Starts the plan's shadow drafts (:attr:`StepPlan.shadowed`): each request's draft at the
-        plan's shadow width, followed along the tokens it goes on to produce, to measure what
-        verifying it would have accepted against what it promised (``cum``, :func:`width_promises`)."""
-        d, width = self.d, plan.shadow
-        bs = len(lives)
-        tw, mw = narrow(tokens, mask, order, bs, d, width) if width < d else (tokens, mask)
-        parents = tree_parents_batch(mw, width)  # the whole batch in one pass, once a step
+        """Starts the plan's shadow drafts (:attr:`StepPlan.shadowed`): each request's widest draft,
+        followed along the tokens it goes on to produce, to measure what verifying it at each of the
+        plan's :attr:`~StepPlan.measured` widths would have accepted against what it promised there
+        (``cum``, :func:`width_promises`; ``order``, the nodes most probable first)."""
+        d, bs = self.d, len(lives)
+        parents = tree_parents_batch(mask, d)  # the whole batch in one pass, once a step
+        ranks = np.empty_like(order)
+        np.put_along_axis(ranks, order, np.arange(d - 1)[None, :], axis=1)
         for b in plan.shadowed:
             lv = lives[b]
-            n = min(int(counts[b]), width - 1)
-            row = slice(b * width, b * width + n + 1)
-            self.feedback.shadow(lv.iid, ShadowDraft(tw[row].tolist(), parents[b, : n + 1].tolist(),
-                                                     float(cum[b, n - 1]), width=width), lv.klass, plan.beside,
-                                batch=bs)
+            n = int(counts[b])
+            promised = {w: float(cum[b, min(w - 1, n) - 1]) for w in plan.measured}
+            draft = ShadowDraft(tokens[b * d: b * d + n + 1].tolist(), parents[b, : n + 1].tolist(),
+                                [-1, *ranks[b, :n].tolist()], promised, width=plan.shadow if plan.shadow > 1 else None)
+            self.feedback.shadow(lv.iid, draft, lv.klass, batch=bs)
 
     def observe_step(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of a verified batch (SGLang's

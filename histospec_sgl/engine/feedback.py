@@ -10,11 +10,14 @@ the engine feeds it.
 - **Verified steps.** A step drafted at a width above 1 is remembered with its promises by class
   (:meth:`Feedback.drafted`) until the engine reports what it accepted (:meth:`Feedback.verified`;
   with overlap scheduling, after the next step was drafted).
-- **Shadow drafts.** A plain step's drafts are followed along the tokens the request goes on to
+- **Shadow drafts.** A step's widest drafts are followed along the tokens the request goes on to
   produce, one per request at a time, and observed once the walk ends or the request finishes
-  (:meth:`Feedback.shadow`, :meth:`Feedback.advanced`, :meth:`Feedback.finished`). So is a step's
-  widest draft beside the narrower one it verified (``beside``): a width the choices have left
-  keeps being measured, or a calibration that undersold it would keep it unchosen for good.
+  (:meth:`Feedback.shadow`, :meth:`Feedback.advanced`, :meth:`Feedback.finished`), at every width
+  but the one the step verified: a narrower width's draft is a subtree of the widest, so one walk
+  measures them all. Every width is measured at every batch size whether or not the choices run
+  it there, so a calibration that undersold a width cannot keep it unchosen for good, and a width
+  seldom chosen is priced by what it would have accepted on every step, not only on the few steps
+  it won (which, chosen for promising most, accept less of their promise).
 """
 
 from __future__ import annotations
@@ -29,39 +32,46 @@ from histospec_sgl.engine.policy import StepPolicy
 
 
 class Shadow(Protocol):
-    """A draft that was not verified (:class:`~histospec_sgl.engine.costmodel.ShadowDraft` in the
+    """A draft that was not verified, measured at several widths at once (:class:`~histospec_sgl.engine.costmodel.ShadowDraft` in the
     engine; the simulator knows its outcome from the log, :class:`KnownShadow`)."""
 
-    promised: float
-    width: int | None
+    @property
+    def promised(self) -> Mapping[int, float]:
+        """What its draft at each width it measures promised."""
+        ...
 
     @property
-    def accepted(self) -> int:
-        """Tokens it matched so far (final once :meth:`advance` said its walk ended)."""
+    def width(self) -> int | None:
+        """The width it counts at in its request class's calibration too (a plain step's shadow at
+        the width the policy named); None: it speaks for its widths only."""
+        ...
+
+    def accepted(self, width: int) -> int:
+        """Tokens its draft at ``width`` matched so far (final once :meth:`advance` said its walk ended)."""
         ...
 
     def advance(self, tokens: Sequence[int]) -> bool:
-        """The request produced ``tokens``; True once the walk has ended (``accepted`` final)."""
+        """The request produced ``tokens``; True once the walk has ended (every width's count final)."""
         ...
 
 
 class KnownShadow:
-    """A shadow draft whose walk is known in advance: it accepts ``outcome`` tokens, so its walk ends
-    at the token after them (a leaf reached after them ends it one token earlier in the engine)."""
+    """A shadow draft whose walk is known in advance: at each width it accepts ``outcome[w]`` tokens,
+    so its walk ends at the token after the most of them (a leaf reached after them ends it one token
+    earlier in the engine)."""
 
-    def __init__(self, promised: float, outcome: int, width: int) -> None:
-        self.promised = promised
-        self.outcome = outcome
-        self.width: int | None = width
+    def __init__(self, promised: Mapping[int, float], outcome: Mapping[int, int], width: int | None) -> None:
+        self.promised = dict(promised)
+        self.outcome = dict(outcome)
+        self.width = width
         self.seen = 0
 
-    @property
-    def accepted(self) -> int:
-        return min(self.outcome, self.seen)
+    def accepted(self, width: int) -> int:
+        return min(self.outcome[width], self.seen)
 
     def advance(self, tokens: Sequence[int]) -> bool:
         self.seen += len(tokens)
-        return self.seen > self.outcome
+        return self.seen > max(self.outcome.values(), default=0)
 
 
 class Feedback:
@@ -75,7 +85,7 @@ class Feedback:
         # drafts promised and which requests it held.
         self._steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
             collections.deque(maxlen=pending_steps)
-        self._shadows: dict[Hashable, tuple[Shadow, str | None, bool, int | None]] = {}
+        self._shadows: dict[Hashable, tuple[Shadow, str | None, int | None]] = {}
 
     def promises(self, by_width: Mapping[int, np.ndarray], klasses: Sequence[str | None] | None,
                  remaining: np.ndarray | None = None) -> dict[int, tuple[float, float]]:
@@ -138,12 +148,10 @@ class Feedback:
         """Whether request ``key`` has a shadow draft being followed."""
         return key in self._shadows
 
-    def shadow(self, key: Hashable, draft: Shadow, klass: str | None, beside: bool = False,
-               batch: int | None = None) -> None:
-        """Follows ``draft``, a plain step's draft of request ``key`` (of class ``klass``, in a step of
-        ``batch`` requests), or (``beside``) its widest draft beside the narrower one the step
-        verified."""
-        self._shadows[key] = (draft, klass, beside, batch)
+    def shadow(self, key: Hashable, draft: Shadow, klass: str | None, batch: int | None = None) -> None:
+        """Follows ``draft``, the widest draft of request ``key`` (of class ``klass``, in a step of
+        ``batch`` requests) beside a plain or verified step, to measure it at its widths."""
+        self._shadows[key] = (draft, klass, batch)
 
     def advanced(self, key: Hashable, tokens: Sequence[int]) -> None:
         """Request ``key`` produced ``tokens``: its shadow draft follows them, observed once it ends."""
@@ -159,6 +167,7 @@ class Feedback:
         if entry is not None and complete:
             self._observe(*entry)
 
-    def _observe(self, draft: Shadow, klass: str | None, beside: bool, batch: int | None) -> None:
-        self.policy.observe(draft.promised, draft.accepted, 1, shadow=True, klass=klass, width=draft.width,
-                            beside=beside, batch=batch)
+    def _observe(self, draft: Shadow, klass: str | None, batch: int | None) -> None:
+        for w, promised in draft.promised.items():
+            self.policy.observe(promised, draft.accepted(w), 1, shadow=True, klass=klass, width=w,
+                                beside=w != draft.width, batch=batch)

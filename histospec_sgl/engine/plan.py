@@ -2,8 +2,9 @@
 (:meth:`~histospec_sgl.engine.drafter.BatchDrafter.draft`) and the simulator
 (:func:`histospec_sgl.simulate.step.run_step`): what the batch's drafts promise at each width the
 step policy may choose (calibrated by request class, :meth:`Feedback.promises`), the width it
-chooses, each request's promise at that width, and which drafts are followed as shadow drafts (a
-plain step's at the width the policy names; a narrower verified step's widest beside it). The
+chooses, each request's promise at that width, and which drafts are followed as shadow drafts
+(each request's widest draft, measured at every width but the one verified, so that every width is
+measured at every batch size whether or not it is chosen). The
 callers only carry it out: narrow the drafts, verify or decode, start the shadows. What each
 request's draft promises at each width is :func:`width_promises`, here too.
 """
@@ -93,14 +94,20 @@ class StepPlan:
     width: int
     #: Each request's promised accepted tokens at :attr:`width` (0 at width 1).
     promises: np.ndarray
-    #: The width whose drafts are followed as shadow drafts (1: none).
+    #: A plain step's shadow width, the one the policy names (:meth:`StepPolicy.shadow_width`), whose
+    #: shadow drafts count in their request class's calibration too (1: none, as beside a verified
+    #: step, whose own drafts count there).
     shadow: int = 1
-    #: The shadows stand beside a narrower verified step (they speak for their width only).
+    #: The shadows stand beside a verified step (they speak for their widths only).
     beside: bool = False
-    #: The requests (rows of the batch) whose draft at :attr:`shadow` starts being followed.
+    #: The requests (rows of the batch) whose widest draft starts being followed as a shadow draft.
     shadowed: tuple[int, ...] = ()
     #: The batch's calibrated promise at each width the policy may choose (what it chose from).
     promised: Mapping[int, float] = field(default_factory=dict)
+    #: The widths the shadow drafts measure: every width the policy may choose but the one verified.
+    #: Each width's draft is a subtree of the widest (its most probable nodes), so one walk down the
+    #: widest draft measures what verifying each would have accepted.
+    measured: tuple[int, ...] = ()
 
 
 def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.ndarray],
@@ -136,13 +143,15 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
     per_request = np.asarray(by_width[width], dtype=np.float64) if width > 1 and width in by_width \
         else np.zeros(n, dtype=np.float64)
     widest = max(policy.widths, default=1)
-    shadow = policy.shadow_width() if width == 1 else widest if 1 < width < widest else 1
+    # A plain step's shadows count at the width the policy names, and only where it names one.
+    shadow = policy.shadow_width() if width == 1 else 1
+    measured = tuple(w for w in policy.widths if 1 < w != width) if width > 1 or shadow > 1 else ()
     rows: tuple[int, ...] = ()
-    if shadow > 1 and shadow in by_width:
+    if measured and widest in by_width:
         rows = tuple(b for b in np.flatnonzero(drafted).tolist() if not feedback.shadowing(keys[b]))
-    else:
-        shadow = 1
-    return StepPlan(width, per_request, shadow, width > 1, rows, promised)
+    if not rows:
+        measured, shadow = (), 1
+    return StepPlan(width, per_request, shadow if shadow in measured else 1, width > 1, rows, promised, measured)
 
 
 @dataclass

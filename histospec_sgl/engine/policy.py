@@ -85,15 +85,16 @@ class StepPolicy(Protocol):
                 batch: int | None = None) -> None:
         """A verified step's drafts over ``requests`` request-steps: what they promised and what was
         accepted. ``shadow``: drafts not verified, followed along the tokens decoded instead (what
-        verifying them would have accepted); ``beside``: such a draft at a wider width, followed
-        beside the narrower one the step verified (it speaks for its width only). ``klass``: the
+        verifying them would have accepted); ``beside``: such a draft measured at a width other than
+        the one its step verified or named (it speaks for its width only). ``klass``: the
         requests' class (greedy, sampled), ``width`` the drafts' verify width and ``batch`` the size
         of the batch they were drafted in, for a policy that calibrates them apart."""
         ...
 
     def shadow_width(self) -> int:
-        """After a plain step, the width whose drafts to measure as shadow drafts (1: none); after a
-        step verified at a narrower width, the widest is measured beside it."""
+        """After a plain step, the width whose shadow drafts count in their request class's
+        calibration too (1: no shadow drafts); every width is measured beside it (and beside a
+        verified step, every width but the step's)."""
         ...
 
     def calibration(self, klass: str | None = None, width: int | None = None, batch: int | None = None) -> float:

@@ -252,12 +252,13 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         if decoding:
             feedback.drafted(w, plan.promises.tolist(), klasses)
             for b in plan.shadowed:
-                # A plain step's drafts at the width the policy names, or a narrower verified step's
-                # widest beside it, followed as shadow drafts, their outcome known from the log.
+                # Each request's drafts at every width but the one verified, followed as shadow
+                # drafts, their outcome known from the log.
                 i, pos = decoding[b]
-                feedback.shadow(i, KnownShadow(float(reqs[i].promised[plan.shadow][pos]),
-                                               int(reqs[i].accepted[plan.shadow][pos]), plan.shadow),
-                                klasses[b], beside=plan.beside, batch=len(klasses))
+                follow = KnownShadow({m: float(reqs[i].promised[m][pos]) for m in plan.measured},
+                                     {m: int(reqs[i].accepted[m][pos]) for m in plan.measured},
+                                     plan.shadow if plan.shadow > 1 else None)
+                feedback.shadow(i, follow, klasses[b], batch=len(klasses))
         emitted = 0
         accepted = []
         for entry in running:

@@ -1008,17 +1008,22 @@ def test_shadow_draft_measures_what_verifying_would_have_accepted():
     from histospec_sgl.engine.costmodel import ShadowDraft
 
     # Root 5 with children 7 (node 1) and 8 (node 2); 7 -> 9 (node 3) -> 4 (node 4); 8 -> 6 (node 5).
-    tree = dict(tokens=[5, 7, 8, 9, 6, 4], parents=[0, 0, 0, 1, 2, 3], promised=2.5)
+    # By path probability: 7, 9, 8, 4, 6 (ranks 0..4), so the width-3 draft is {7, 9}, width 4 adds 8.
+    tree = dict(tokens=[5, 7, 8, 9, 6, 4], parents=[0, 0, 0, 1, 2, 3], ranks=[-1, 0, 2, 1, 4, 3],
+                promised={2: 0.9, 3: 1.6, 6: 2.5})
     s = ShadowDraft(**tree)
-    assert not s.advance([7]) and s.accepted == 1  # still on the tree
-    assert not s.advance([9]) and s.accepted == 2
-    assert s.advance([4, 1]) and s.accepted == 3  # node 4 is a leaf: the walk ends there
+    assert not s.advance([7]) and s.accepted(6) == 1  # still on the tree
+    assert not s.advance([9]) and s.accepted(6) == 2
+    assert s.advance([4, 1]) and s.accepted(6) == 3  # node 4 is a leaf: the walk ends there
+    # The narrower drafts are its most probable nodes: width 3 holds 7 -> 9, width 2 only 7.
+    assert [s.accepted(w) for w in (2, 3, 4, 5)] == [1, 2, 2, 3]
     s = ShadowDraft(**tree)
-    assert s.advance([8, 6]) and s.accepted == 2  # the other branch, down to its leaf
+    assert s.advance([8, 6]) and s.accepted(6) == 2  # the other branch, down to its leaf
+    assert [s.accepted(w) for w in (2, 3, 4, 5, 6)] == [0, 0, 1, 1, 2]
     s = ShadowDraft(**tree)
-    assert s.advance([8, 9]) and s.accepted == 1  # 9 is not 8's child
+    assert s.advance([8, 9]) and s.accepted(6) == 1  # 9 is not 8's child
     s = ShadowDraft(**tree)
-    assert s.advance([3]) and s.accepted == 0
+    assert s.advance([3]) and s.accepted(6) == 0 and s.accepted(2) == 0
 
 
 class _Recorder:
@@ -1058,19 +1063,33 @@ def test_feedback_prices_by_class_observes_verified_steps_and_follows_one_shadow
     rec.seen.clear()
     rec.batches.clear()
     # One shadow per request at a time, observed when its walk ends (2 accepted: the third token misses).
-    fb.shadow("a", KnownShadow(2.0, 2, 4), "sampled", batch=3)
+    fb.shadow("a", KnownShadow({4: 2.0}, {4: 2}, 4), "sampled", batch=3)
     assert fb.shadowing("a") and not fb.shadowing("b")
     fb.advanced("a", [7, 8])
     assert rec.seen == []
     fb.advanced("a", [9])
     assert rec.seen == [(2.0, 2, True, "sampled", 4)] and rec.batches == [3] and not fb.shadowing("a")
     # A request that ends on its draft counts as far as it got; one dropped (rewound) counts nothing.
-    fb.shadow("b", KnownShadow(1.0, 5, 4), None)
+    fb.shadow("b", KnownShadow({4: 1.0}, {4: 5}, 4), None)
     fb.advanced("b", [1, 2])
     fb.finished("b")
-    fb.shadow("c", KnownShadow(1.0, 5, 4), None)
+    fb.shadow("c", KnownShadow({4: 1.0}, {4: 5}, 4), None)
     fb.finished("c", complete=False)
     assert rec.seen[1:] == [(1.0, 2, True, None, 4)]
+    rec.seen.clear()
+    # One walk measures every width it names: its walk ends after the most any width accepts; the
+    # width the plain step's policy named counts in the class's calibration, the others beside it.
+    fb.shadow("d", KnownShadow({2: 0.5, 4: 1.5, 8: 2.5}, {2: 1, 4: 1, 8: 3}, 4), "greedy", batch=2)
+    fb.advanced("d", [1, 2])
+    assert fb.shadowing("d")
+    fb.advanced("d", [3, 4])
+    assert sorted(rec.seen) == [(0.5, 1, True, "greedy", 2, True), (1.5, 1, True, "greedy", 4),
+                                (2.5, 3, True, "greedy", 8, True)]
+    rec.seen.clear()
+    # Beside a verified step (no width named) every width speaks for itself only.
+    fb.shadow("e", KnownShadow({2: 0.5, 8: 2.5}, {2: 0, 8: 0}, None), "greedy", batch=2)
+    fb.advanced("e", [1])
+    assert sorted(rec.seen) == [(0.5, 0, True, "greedy", 2, True), (2.5, 0, True, "greedy", 8, True)]
 
 
 def test_simulator_follows_plain_steps_drafts_as_the_engine_does():

@@ -237,6 +237,42 @@ def test_a_request_that_has_ended_gets_no_draft(control):
     assert dr.totals.request_steps == 1 and dr.totals.steps == 2
 
 
+def test_shadow_drafts_measure_every_width_but_the_one_verified():
+    """Under the default policy each request's widest draft is followed along the tokens it goes on
+    to produce and measured at every width but the step's: beside a step verified at d, what the
+    narrower widths (its most probable nodes) would have accepted; beside a plain step, every width,
+    the one the policy names counting in the class's calibration too."""
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    prompt = [5, 6, 7]
+    answer = list(range(100, 140))
+    dr.add_finished(prompt, answer, group=3)
+    seen: list[tuple] = []
+    observe = dr.feedback.policy.observe
+
+    def spy(promised, accepted, requests=0, *, shadow=False, klass=None, width=None, beside=False, batch=None):
+        if shadow:
+            seen.append((width, accepted, beside, klass, batch, promised > 0))
+        observe(promised, accepted, requests, shadow=shadow, klass=klass, width=width, beside=beside, batch=batch)
+
+    dr.feedback.policy.observe = spy  # type: ignore[method-assign]
+    dr.sync_batch([("a", prompt, answer[:10], [], 3)])
+    step = dr.draft(["a"], ["greedy"], width=d)
+    assert step.tokens.tolist() == answer[9:9 + d] and seen == []
+    dr.observe_step([d - 1])
+    # The step accepted its whole chain and the target's token after it: the walk ends at the leaf.
+    dr.sync_batch([("a", prompt, answer[:10 + d], [], 3)])
+    assert sorted(seen) == [(2, 1, True, "greedy", 1, True), (4, 3, True, "greedy", 1, True)], seen
+    seen.clear()
+    plain = dr.draft(["a"], ["greedy"], width=1)
+    assert plain.width == 1
+    # Two tokens on the chain, then one off it.
+    dr.sync_batch([("a", prompt, answer[:10 + d] + answer[10 + d:12 + d] + [1], [], 3)])
+    named = dr.feedback.policy.shadow_width()
+    assert sorted(w for w, *_ in seen) == [2, 4, 8], seen
+    assert {w: (acc, beside) for w, acc, beside, *_ in seen} == {w: (min(w - 1, 2), w != named) for w in (2, 4, 8)}
+
+
 def test_drafter_lifecycle_retraction_plain_steps_and_history_io(tmp_path):
     d = 6
     dr = BatchDrafter(d, FIXED)
