@@ -4,7 +4,10 @@ continuations and the chi-square test that they are distributed as plain decodin
 
 from __future__ import annotations
 
+import contextlib
+import random
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +83,19 @@ def same_distribution(a: list[tuple[int, ...]], b: list[tuple[int, ...]], ks: tu
         rows = np.array([[c[x] for x in keys] + [n - sum(c[x] for x in keys)] for c, n in ((ca, len(a)), (cb, len(b)))])
         ps.append(float(chi2_contingency(rows[:, rows.sum(axis=0) > 0])[1]))
     return ps
+
+
+def random_prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab - 1) for _ in range(rng.randrange(12, 40))] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def broken_verify(switch: Path, kind: str) -> Iterator[None]:
+    """Breaks one piece of the CPU verify (``CPU_ENGINE_BROKEN_FILE``, read at every step) of the
+    servers started with ``switch``, until the block ends."""
+    switch.write_text(kind)
+    try:
+        yield
+    finally:
+        switch.write_text("")
