@@ -98,8 +98,6 @@ class StepPlan:
     #: shadow drafts count in their request class's calibration too (1: none, as beside a verified
     #: step, whose own drafts count there).
     shadow: int = 1
-    #: The shadows stand beside a verified step (they speak for their widths only).
-    beside: bool = False
     #: The requests (rows of the batch) whose widest draft starts being followed as a shadow draft.
     shadowed: tuple[int, ...] = ()
     #: The batch's calibrated promise at each width the policy may choose (what it chose from).
@@ -151,7 +149,7 @@ def plan_step(policy: StepPolicy, feedback: Feedback, by_width: Mapping[int, np.
         rows = tuple(b for b in np.flatnonzero(drafted).tolist() if not feedback.shadowing(keys[b]))
     if not rows:
         measured, shadow = (), 1
-    return StepPlan(width, per_request, shadow if shadow in measured else 1, width > 1, rows, promised, measured)
+    return StepPlan(width, per_request, shadow if shadow in measured else 1, rows, promised, measured)
 
 
 @dataclass
