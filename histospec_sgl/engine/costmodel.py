@@ -353,7 +353,8 @@ class EngineControl(Timed):
         self.widths = tuple(sorted(set(self.widths))) if self.widths else verify_widths(self.d)
         if any(w < 2 or w > self.d for w in self.widths):
             raise ValueError(f"verify widths must be in [2, {self.d}], got {self.widths}")
-        self.explore = tuple(self.explore) if self.explore else (self.widths[-1], 1)
+        # At d = 1 there is no width to verify at: every step is decoded plainly.
+        self.explore = tuple(self.explore) if self.explore else (self.widths[-1], 1) if self.widths else (1,)
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
         self.model = CostModel.measuring_shadows(self.clock, list(self.widths), self.forget_after)
 
@@ -423,7 +424,7 @@ class EngineControl(Timed):
     def shadow_width(self) -> int:
         """After a plain step, the width whose drafts are measured as shadow drafts: the one that
         came closest to paying."""
-        return self.model.candidate if self.model.candidate > 1 else self.widths[-1]
+        return self.model.candidate if self.model.candidate > 1 else max(self.widths, default=1)
 
     def costs(self) -> dict[int, dict[int, float]]:
         """Each width's measured step cost over plain decoding's, by batch-size bucket."""

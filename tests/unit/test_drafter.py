@@ -237,6 +237,20 @@ def test_a_request_that_has_ended_gets_no_draft(control):
     assert dr.totals.request_steps == 1 and dr.totals.steps == 2
 
 
+def test_one_draft_token_decodes_every_step_plainly_under_the_default_policy():
+    """``--speculative-num-draft-tokens 1`` leaves no width to verify at: the default policy (which
+    once failed to start there) chooses plain decoding at every step, with each request's root."""
+    dr = BatchDrafter(1)
+    prompt, answer = [5, 6, 7], list(range(100, 140))
+    dr.add_finished(prompt, answer, group=3)
+    dr.sync_batch([("a", prompt, answer[:10], [], 3), ("b", prompt, answer[:20], [], 3)])
+    for _ in range(12):
+        step = dr.draft(["a", "b"], ["greedy", "sampled"], caps=[64, 64])
+        assert (step.width, step.drafted) == (1, False)
+        assert step.roots.tolist() == [answer[9], answer[19]] and step.tokens.tolist() == step.roots.tolist()
+    assert dr.totals.width_steps == {1: 12}
+
+
 def test_shadow_drafts_measure_every_width_but_the_one_verified():
     """Under the default policy each request's widest draft is followed along the tokens it goes on
     to produce and measured at every width but the step's: beside a step verified at d, what the
