@@ -353,8 +353,8 @@ class EngineControl(Timed):
         self.widths = tuple(sorted(set(self.widths))) if self.widths else verify_widths(self.d)
         if any(w < 2 or w > self.d for w in self.widths):
             raise ValueError(f"verify widths must be in [2, {self.d}], got {self.widths}")
-        # At d = 1 there is no width to verify at: every step is decoded plainly.
-        self.explore = tuple(self.explore) if self.explore else (self.widths[-1], 1) if self.widths else (1,)
+        # The widest width and plain decoding; plain decoding alone at d = 1 (no width to verify at).
+        self.explore = tuple(self.explore) if self.explore else (*self.widths[-1:], 1)
         # No probes: the drafts of plain steps are measured as shadow drafts (:class:`ShadowDraft`).
         self.model = CostModel.measuring_shadows(self.clock, list(self.widths), self.forget_after)
 
