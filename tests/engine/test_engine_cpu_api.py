@@ -68,11 +68,11 @@ def test_greedy_engine_api_history_equals_plain_and_ngram(sglang_py, greedy_mode
 
 @pytest.mark.memory(4.5)
 def test_greedy_engine_api_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, tmp_path):
-    """``sgl.Engine`` on 0.5.23: HISTORY equals plain decoding (NGRAM's equality on 0.5.23 is checked over
-    HTTP above), with the collective RPCs and flush_cache."""
+    """``sgl.Engine`` on 0.5.23: HISTORY and NGRAM (the ``ngram_corpus`` benchmark peer's code) equal
+    plain decoding, with the collective RPCs and flush_cache (the HTTP server on 0.5.23: test_lossless.py)."""
     res = _engine_api(sglang_py, greedy_model, tmp_path, {"PYTHONPATH": str(sglang_0523),
                                                           "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"},
-                      methods=("plain", "history"), reload=False)
+                      reload=False)
     assert res["sglang"] == "0.5.23"
     _check_engine_api(res)
 

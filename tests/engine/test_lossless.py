@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _engine_checks import FIXED, server
+from _engine_checks import FIXED, greedy_passes, random_prompts, server
 from _overlap import mismatches, requests, run
 
 from histospec_sgl.bench.engine_server import EngineServer, running, verify_steps, width_steps
@@ -100,15 +100,28 @@ def test_history_under_the_overlap_scheduler_equals_plain_decoding(sglang_py, gr
 def test_history_under_the_overlap_scheduler_on_sglang_0_5_23(sglang_py, sglang_0523, greedy_model, plain,
                                                              tmp_path):
     """The same scenario on SGLang 0.5.23 (laid over the 0.5.17 environment), default step policy with
-    test retraction: every response equals plain decoding's (0.5.17's), no context mismatch."""
+    test retraction: every response equals plain decoding's (0.5.17's), no context mismatch. Then
+    greedy passes at batch 1 and 8 with each token's log-prob, as a trainer asks for them: tokens and
+    log-probs equal plain decoding's, and the pass after ``flush_cache`` (a weight update) still
+    drafts from the history kept."""
     env = {"PYTHONPATH": str(sglang_0523), "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
            "SGLANG_TEST_RETRACT": "1"}
+    prompts = random_prompts(8, seed=1)
     with _history(sglang_py, greedy_model, tmp_path, "0.5.23", env) as srv:
         passes = _check_scenario(srv, plain)
         assert _counter(srv, "sglang:num_retracted_requests_total") > 0
         assert _tokens_per_step(passes[1]) > 2.0
         with urllib.request.urlopen(srv.url + "/server_info", timeout=30) as r:
             assert json.loads(r.read())["version"] == "0.5.23"
+        want = greedy_passes(plain, prompts, passes=1)[0]
+        got = greedy_passes(srv, prompts)
+        assert _counter(srv, "histospec:context_mismatches_total") == 0
+    for i, p in enumerate(got):
+        assert p["outputs"] == want["outputs"], f"pass {i + 1}"
+        assert np.abs(np.concatenate(p["logprobs"]) - np.concatenate(want["logprobs"])).max() < 1e-4, i
+    # Pass 3 follows flush_cache: the history of passes 1 and 2 drafts it (the default policy may
+    # verify narrower than d, so fewer than d tokens a step).
+    assert got[2]["tokens"] / got[2]["steps"] > 2.0, got[2]
 
 
 def _disallowed_tokens_processor(py: Path) -> str:
