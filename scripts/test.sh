@@ -27,7 +27,8 @@ fi
 echo "[test] lint: ruff, mypy, stubtest"
 bash scripts/lint_python.sh
 echo "[test] Python"
-# Two workers, a module (or class) whole on one, the longest modules first (tests/conftest.py); tests
-# that start servers wait for memory the other worker holds (tests/helpers/_lanes.py).
+# Three workers on the two cores (a test often waits on a server it started, or on memory), a module
+# (or class) whole on one, the longest modules first (tests/conftest.py); tests that start servers
+# wait for memory the other workers hold (tests/helpers/_lanes.py).
 # The 25 slowest tests are listed before the summary, to see where the time goes.
-.venv/bin/python -m pytest tests -n 2 --dist loadscope --no-loadscope-reorder --record-durations --durations=25 "$@"
+.venv/bin/python -m pytest tests -n 3 --dist loadscope --no-loadscope-reorder --record-durations --durations=25 "$@"

@@ -13,7 +13,7 @@ import pytest
 from _lanes import MemoryGate
 
 # Every process the tests start (SGLang servers, trainer drivers, Ray actors) computes on one thread:
-# tests run several servers side by side and scripts/test.sh runs two workers, on two cores, where
+# tests run several servers side by side and scripts/test.sh runs three workers, on two cores, where
 # torch's default of one thread per core leaves threads spinning against the other processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -40,7 +40,7 @@ SGLANG_FIXTURES = frozenset({"sglang_py", "sglang_0523", "greedy_model", "text_m
 
 #: Each module's measured run time (seconds, setup and teardown included) in the last full run of
 #: scripts/test.sh, which rewrites it (``--record-durations``). The longest modules run first, so
-#: that two workers (``-n 2 --dist loadscope --no-loadscope-reorder``) finish together; a module not
+#: that the workers (``-n 3 --dist loadscope --no-loadscope-reorder``) finish together; a module not
 #: measured yet runs after the measured ones, in collection order.
 DURATIONS = Path(__file__).with_name("durations.json")
 

@@ -1,4 +1,4 @@
-"""The memory budget two pytest workers share (tests/helpers/_lanes.py): a test waits only while the other
+"""The memory budget pytest workers share (tests/helpers/_lanes.py): a test waits only while another
 worker holds memory it would not fit beside, a worker that asked first goes first, and a dead
 worker's reservation is dropped."""
 
