@@ -158,7 +158,8 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     known lengths: its history and its siblings that finished in this step
     (:func:`~histospec_sgl.length.expected_longest`); ``predicted`` for a group with none.
     Without ``siblings``, ``predicted`` alone. A request's first token comes from its prefill, in
-    the step it joins, before that step's decode forward: the prefill passes of the requests
+    the step it joins, before that step's decode forward (a step where every request has just joined
+    is its prefill passes alone: nothing decodes in it): the prefill passes of the requests
     joining (:func:`prefill_passes`, at most ``prefill_chunk`` tokens a pass), each computing the
     prompt tokens no prefix in the radix cache covers (``cache``, updated as passes prefill; a fresh
     one, as after a weight update, if None), each pass priced by the profile as the step's
@@ -211,6 +212,22 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     counts = StepCounts()
     cache = PrefixCache() if cache is None else cache
     prefill_tokens = prefilled_passes = 0
+    def settle(now: float) -> list[int]:
+        """The step ending at ``now``: the lingering requests' answers are out, the requests that
+        reached their length end (lingering one step more under ``overlap``); returns those."""
+        finish.extend(now for _ in lingering)
+        ended = []
+        for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
+            running.remove(entry)
+            feedback.finished(entry[0])
+            if overlap:
+                ended.append(entry[0])
+            else:
+                finish.append(now)
+            finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
+            known.pop(reqs[entry[0]].group, None)
+        return ended
+
     while queue or running or lingering:
         joining: list[SimRequest] = []
         if length_first and queue and len(running) + len(lingering) < max_running:
@@ -229,6 +246,18 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         context = (sum(reqs[i].prompt_len + pos for i, pos in running)
                    + sum(reqs[i].prompt_len + reqs[i].length for i in lingering)) / bs
         decoding = [(i, pos) for i, pos in running if pos > 0]
+        if not decoding and not lingering:
+            # Every request of the batch has just joined (the first batch, or one after the last
+            # ended): SGLang runs their prefill passes alone, each request's first token comes from
+            # its own, and no decode forward runs before the next step.
+            policy.begin(t)
+            t += sum(profile.step_s(bs, 1, context, p) - profile.step_s(bs, 1, context) for p in passes)
+            for entry in running:
+                entry[1] = advance(0, reqs[entry[0]].length)
+                feedback.advanced(entry[0], range(entry[1]))
+            timeline.append((t, bs, 1, 1.0))
+            lingering = settle(t)
+            continue
         klasses: list[str | None] = ["sampled"] * len(decoding)
         by_width = {w: np.array([reqs[i].promised[w][pos] for i, pos in decoding], np.float64)
                     for w in policy.widths if w > 1}
@@ -275,17 +304,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         if decoding:
             feedback.verified(accepted)  # a plain step's entry is taken and measures nothing
         timeline.append((t, bs, w, emitted / bs))
-        finish.extend(t for _ in lingering)  # their answers are out once this step ends
-        lingering = []
-        for entry in [e for e in running if e[1] >= reqs[e[0]].length]:
-            running.remove(entry)
-            feedback.finished(entry[0])
-            if overlap:
-                lingering.append(entry[0])
-            else:
-                finish.append(t)
-            finished[reqs[entry[0]].group].append(reqs[entry[0]].length)
-            known.pop(reqs[entry[0]].group, None)
+        lingering = settle(t)
     policy.begin(t)
     finish.sort()
     tokens = sum(r.length for r in reqs)

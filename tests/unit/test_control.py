@@ -33,7 +33,8 @@ from histospec_sgl.simulate.step import (
 )
 
 #: A plain step costs 1 s at any batch size; a verify step at width 4 costs 2 s.
-FLAT = Measured("flat", "test: 1 s plain, 2 s at width 4", {1: [(1, 1.0), (64, 1.0)], 4: [(1, 2.0), (64, 2.0)]})
+FLAT = Measured("flat", "test: 1 s plain, 2 s at width 4, 1 s a prefill pass", {1: [(1, 1.0), (64, 1.0)], 4: [(1, 2.0), (64, 2.0)]},
+                prefill_s_fixed=1.0)
 
 
 def _req(length: int, accepted4: list[int] | None = None, promised4: list[float] | None = None,
@@ -266,12 +267,12 @@ def test_two_request_step_makespan_by_hand():
     # A: 5 tokens; at position 1 a width-4 draft gets 2 accepted. B: 2 tokens, nothing accepted.
     a = _req(5, accepted4=[0, 2, 0, 0, 0])
     b = _req(2)
-    # Width 4, both running: step 1 prefills both (A at 1, B at 1) in 2 s; step 2: A 1+2 -> 4, B -> 2
-    # (done, t=4); step 3: A alone -> 5 (done, t=6).
+    # Width 4: one prefill pass, alone (no decode step: both just joined), gives A and B their first
+    # tokens (t=1); decode step 1: A 1+2 -> 4, B -> 2 (done, t=3); step 2: A alone -> 5 (done, t=5).
     spec = run_step([a, b], FLAT, max_running=2, length_first=False, policy=Fixed(4))
-    assert (spec.makespan_s, spec.steps, spec.finish_s) == (6.0, 3, [4.0, 6.0])
-    assert spec.tokens_per_s == pytest.approx(7 / 6)
-    # Plain decoding: A needs 5 steps of 1 s; B is done after its second.
+    assert (spec.makespan_s, spec.steps, spec.finish_s) == (5.0, 2, [3.0, 5.0])
+    assert spec.tokens_per_s == pytest.approx(7 / 5)
+    # Plain decoding: the prefill, then A's 4 decode steps of 1 s; B is done after its first.
     plain = run_step([a, b], FLAT, max_running=2, length_first=False)
     assert (plain.makespan_s, plain.finish_s) == (5.0, [2.0, 5.0])
     # The tail is the time from the 90th-percentile finish to the last: here the last alone.
@@ -284,29 +285,31 @@ def test_under_the_overlap_scheduler_a_request_runs_one_step_past_its_end():
     answer is out when the step ends. The by-hand step above, and one slot for two requests."""
     a = _req(5, accepted4=[0, 2, 0, 0, 0])
     b = _req(2)
-    # Width 4: B ends at step 2 (t=4) and rides along in step 3 (out at 6); A ends at step 3 (t=6) and
-    # stays for step 4, alone (out at 8).
+    # Width 4: after the prefill (t=1), B ends at decode step 1 (t=3) and rides along in step 2 (out
+    # at 5); A ends at step 2 (t=5) and stays for step 3, alone (out at 7).
     spec = run_step([a, b], FLAT, max_running=2, length_first=False, policy=Fixed(4), overlap=True)
-    assert (spec.makespan_s, spec.steps, spec.finish_s) == (8.0, 4, [6.0, 8.0])
-    # One slot, plain: A's 5 steps and its extra one before B's slot frees; then B's 2 and one more.
+    assert (spec.makespan_s, spec.steps, spec.finish_s) == (7.0, 3, [5.0, 7.0])
+    # One slot, plain: A's prefill, 4 decode steps and its extra one before B's slot frees (out at
+    # 6); then B's prefill, 1 decode step and one more (out at 9): 7 decode steps.
     one = run_step([a, b], FLAT, max_running=1, length_first=False, overlap=True)
-    assert (one.makespan_s, one.steps, one.finish_s) == (9.0, 9, [6.0, 9.0])
+    assert (one.makespan_s, one.steps, one.finish_s) == (9.0, 7, [6.0, 9.0])
     assert run_step([a, b], FLAT, max_running=1, length_first=False).makespan_s == 7.0
 
 
 def test_length_first_admits_the_longest_predicted_first():
-    # One slot; lengths 1, 1, 4 submitted in that order. FCFS: finishes at 1, 2, 6. Longest
-    # predicted first: 4 first (t=4), then the short ones (5, 6). Same makespan, and the tail (from
-    # the 90% finish, here the third, to the last) is the same; the order is what changes.
-    reqs = [_req(1, predicted=1, group="a"), _req(1, predicted=1, group="b"), _req(4, predicted=4, group="c")]
+    # One slot; lengths 2, 2, 4 submitted in that order (a prefill pass and a decode step: 1 s each).
+    # FCFS: finishes at 2, 4, 8. Longest predicted first: 4 first (t=4), then the short ones (6, 8).
+    # Same makespan, and the tail (from the 90% finish, here the third, to the last) is the same; the
+    # order is what changes.
+    reqs = [_req(2, predicted=2, group="a"), _req(2, predicted=2, group="b"), _req(4, predicted=4, group="c")]
     fcfs = run_step(reqs, FLAT, max_running=1, length_first=False)
     lf = run_step(reqs, FLAT, max_running=1, length_first=True)
-    assert fcfs.finish_s == [1.0, 2.0, 6.0] and lf.finish_s == [4.0, 5.0, 6.0]
-    # Two slots: FCFS runs the short pair first and the long one alone at the end (makespan 5);
-    # longest first overlaps it with the short ones (makespan 4).
+    assert fcfs.finish_s == [2.0, 4.0, 8.0] and lf.finish_s == [4.0, 6.0, 8.0]
+    # Two slots: FCFS runs the short pair first and the long one alone at the end (makespan 6);
+    # longest first decodes it beside the short ones (makespan 5).
     fcfs2 = run_step(reqs, FLAT, max_running=2, length_first=False)
     lf2 = run_step(reqs, FLAT, max_running=2, length_first=True)
-    assert (fcfs2.makespan_s, lf2.makespan_s) == (5.0, 4.0)
+    assert (fcfs2.makespan_s, lf2.makespan_s) == (6.0, 5.0)
 
 
 def test_length_first_learns_from_siblings_that_finished():
@@ -343,7 +346,7 @@ def test_groups_spread_over_engines_end_with_the_last_engine():
     assert two["baseline"].finish_s == [2.0, 4.0, 5.0] and two["baseline"].makespan_s == 5.0
     assert one["baseline"].finish_s == [2.0, 5.0, 9.0]
     assert two["baseline"].tokens_per_s == pytest.approx(9 / 5)
-    assert two["baseline"].steps == 5 + 4  # both engines' steps
+    assert two["baseline"].steps == 3 + 3  # both engines' decode steps (a prefill pass alone is none)
     with pytest.raises(ValueError):
         run_policies(reqs, FLAT, max_running=1, widths=[4], fixed_width=4, engines=0)
 
@@ -953,11 +956,11 @@ def test_a_prompt_the_radix_cache_holds_prefills_one_token():
                     {1: [(1, 1.0), (64, 1.0)]}, prefill_s_per_token=0.01, prefill_s_fixed=0.5)
     a1, a2, a3 = (_req(2, group="a") for _ in range(3))
     b = _req(2, group="b")
-    # Two slots: a1 and a2 join together (3 + 3 tokens: 0.56 s besides the step's 1 s), then one
-    # step; a3 and b join next (1 + 3 tokens: 0.54 s), then one step.
+    # Two slots: a1 and a2 join together (3 + 3 tokens: a pass of 0.56 s, alone: nothing decodes
+    # yet), then one decode step; a3 and b join next (1 + 3 tokens: 0.54 s), then one step.
     out = run_step([a1, a2, a3, b], prof, max_running=2, length_first=False)
     assert (out.prefill_tokens, out.prefill_passes) == (10, 2)
-    assert out.makespan_s == pytest.approx(1.56 + 1 + 1.54 + 1)
+    assert out.makespan_s == pytest.approx(0.56 + 1 + 0.54 + 1)
     # A cache that holds both prompts already: one token each.
     cache = PrefixCache()
     run_step([a1, b], prof, max_running=2, length_first=False, cache=cache)
@@ -968,7 +971,7 @@ def test_a_prompt_the_radix_cache_holds_prefills_one_token():
     # prompt, cached, covers the rest).
     cut = run_step([a1, a2], prof, max_running=2, length_first=False, prefill_chunk=4)
     assert (cut.prefill_tokens, cut.prefill_passes) == (5, 2)
-    assert cut.makespan_s == pytest.approx(1.0 + 0.54 + 0.51 + 1)
+    assert cut.makespan_s == pytest.approx(0.54 + 0.51 + 1)
 
 
 def test_prefill_passes_match_prefixes_and_cut_at_the_chunk_as_sglang_schedules_them():
