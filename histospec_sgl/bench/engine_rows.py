@@ -1,12 +1,16 @@
 """A ``bench engine`` row from its runs, and what compares the rows with each other: the medians of
-a row's repeats (:func:`median_row`), its ratios over plain decoding's row (:func:`ratios`),
-whether a greedy row's outputs are plain decoding's (:func:`identical`), and the default policy's
-verified-step tallies summed over runs (:func:`tallies`)."""
+a row's repeats (:func:`median_row`; its clock as each run left it,
+:func:`~histospec_sgl.simulate.profile.at_median_run`),
+its ratios over plain decoding's row (:func:`ratios`), whether a greedy row's outputs are plain
+decoding's (:func:`identical`), and the default policy's verified-step tallies summed over runs
+(:func:`tallies`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Any
+
+from histospec_sgl.simulate.profile import CLOCK
 
 #: Row keys that are per-request outputs, compared across methods and then dropped from the rows.
 OUTPUTS = "_outputs"
@@ -21,8 +25,9 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[k] = dict(sorted(total.items(), key=lambda x: int(x[0])))
             out["width_steps_runs"] = [r[k] for r in runs]
             continue
-        if k in ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token"):  # by the last run
+        if k in CLOCK:  # by the last run (the clock as the row left it), and as each run left it
             out[k] = runs[-1][k]
+            out[f"{k}_runs"] = [r[k] for r in runs]
             continue
         if k == OUTPUTS:  # every run's outputs, in order
             out[k] = [o for r in runs for o in r[k]]
@@ -43,6 +48,11 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if all(isinstance(v, int) for v in vals):
             out[k] = int(out[k])
     out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    # The run whose wall time is the row's median (of two middle ones, the faster): its clock prices
+    # the time the row reports (simulate --check), where the host drifts from run to run.
+    if all("wall_s" in r for r in runs):
+        walls = sorted(range(len(runs)), key=lambda i: runs[i]["wall_s"])
+        out["median_run"] = walls[(len(runs) - 1) // 2]
     return out
 
 

@@ -16,6 +16,10 @@ from typing import Any
 
 from histospec_sgl.engine.policy import PrefillCost, Profile, interpolate
 
+#: ``bench engine`` row keys that are a server's clock as a run left it: step costs per width and
+#: batch bucket, and what a prefill pass costs (each run's too, ``{key}_runs``).
+CLOCK = ("step_seconds", "step_seconds_mean", "prefill_s_fixed", "prefill_s_per_token")
+
 __all__ = ["ANALYTIC", "H100_8B", "Analytic", "Measured", "Profile", "from_engine_bench", "resolve"]
 
 
@@ -201,6 +205,16 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
         out["prefill_s_fixed"] = float(prefill[-1].get("prefill_s_fixed") or 0.0)
         out["description"] += ", prefill timed per pass and prompt token"
     return out
+
+
+def at_median_run(row: dict[str, Any]) -> dict[str, Any]:
+    """A ``bench engine`` row with its clock (:data:`CLOCK`) as its median run left it
+    (``median_run``: the run whose wall time is the row's), not as its last run did; unchanged where
+    the row keeps no run's clock (results from before they were kept)."""
+    i = row.get("median_run")
+    if i is None:
+        return row
+    return {**row, **{k: row[f"{k}_runs"][i] for k in CLOCK if f"{k}_runs" in row}}
 
 
 def with_row_clock(profile: dict[str, Any], row: dict[str, Any], width: int) -> dict[str, Any]:

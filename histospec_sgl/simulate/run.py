@@ -131,7 +131,8 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     """The simulator checked against a trace-mode ``bench engine`` result: a measured profile built
     from the result itself (the step costs the engine's clock measured,
     :func:`~histospec_sgl.simulate.profile.from_engine_clock`, as they stood at the end of the
-    default policy's row of the batch size checked, or else the rows' averages,
+    median run of the default policy's row of the batch size checked (its last run, in results
+    that keep no run's clock), or else the rows' averages,
     :func:`~histospec_sgl.simulate.profile.from_engine_bench`; plain decoding by the plain server's
     own steps where trace mode timed them, a fixed width's by its own server's), the same
     logged step rebuilt with the model's tokenizer (:mod:`histospec_sgl.simulate.trace`), and
@@ -141,6 +142,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     from histospec_sgl.simulate import trace as et
     from histospec_sgl.simulate.profile import (
         Measured,
+        at_median_run,
         from_engine_bench,
         from_engine_clock,
         row_control,
@@ -150,6 +152,10 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
     settings = engine.get("settings", {})
     if settings.get("mode") != "trace":
         raise ValueError("simulate --check needs a trace-mode bench engine result (bench engine --trace grpo)")
+    # Each row priced by the clock its median run left, the run whose time the row reports: the
+    # host drifts from run to run, and the last run's clock (the row's ``step_seconds``) may be
+    # faster or slower than the run measured.
+    engine = {**engine, "rows": [at_median_run(r) for r in engine["rows"]]}
     # The engine's own step clock where the result has it (the default policy's rows): a cost per
     # decode step at the batch running, every width it ran. Else the rows' averages.
     clock = from_engine_clock(engine)

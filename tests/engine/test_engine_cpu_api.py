@@ -166,6 +166,20 @@ def test_bench_engine_methods_and_their_ratios():
                          {"4": {"8": [2.0, 1.0], "64": [3.0, 1.0]}, "8": {"8": [2.0, 2.0]}}) == {"4": {"8": [10.0, 6.0]}}
     runs = [{"tokens_per_s": t, "verified_tokens": {"4": {"8": [10.0, 6.0]}}} for t in (1.0, 2.0)]
     assert rows_.median_row(runs)["verified_tokens"] == {"4": {"8": [20.0, 12.0]}}
+    # Each run's clock is kept, and simulate --check prices the row by its median run's (here the
+    # second: walls 12, 10 and 9), not by the last run's, which stays the row's own.
+    from histospec_sgl.simulate.profile import at_median_run
+
+    runs = [{"tokens_per_s": 40 / w, "wall_s": w, "step_seconds": {"8": {"1": c}}, "prefill_s_fixed": f}
+            for w, c, f in ((12.0, 0.3, 0.03), (10.0, 0.25, None), (9.0, 0.2, 0.02))]
+    row = rows_.median_row(runs)
+    assert row["median_run"] == 1 and row["step_seconds"] == {"8": {"1": 0.2}} and row["wall_s"] == 10.0
+    assert row["step_seconds_runs"] == [{"8": {"1": c}} for c in (0.3, 0.25, 0.2)]
+    priced = at_median_run(row)
+    assert priced["step_seconds"] == {"8": {"1": 0.25}} and priced["prefill_s_fixed"] is None
+    row["median_run"] = 0
+    assert at_median_run(row)["step_seconds"] == {"8": {"1": 0.3}} and at_median_run(row)["prefill_s_fixed"] == 0.03
+    assert at_median_run({"step_seconds": {"8": {"1": 0.3}}}) == {"step_seconds": {"8": {"1": 0.3}}}
     assert rows[1]["vs_plain"] == 1.05 and rows[1]["vs_plain_sync"] == 1.0
     assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
     greedy = {"pass": 1, "batch_size": 2, "temperature": 0.0, "siblings": 1}
