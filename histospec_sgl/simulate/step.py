@@ -212,6 +212,7 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
     counts = StepCounts()
     cache = PrefixCache() if cache is None else cache
     prefill_tokens = prefilled_passes = 0
+
     def settle(now: float) -> list[int]:
         """The step ending at ``now``: the lingering requests' answers are out, the requests that
         reached their length end (lingering one step more under ``overlap``); returns those."""
