@@ -231,10 +231,11 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         row["verified_tokens"] = tallies([verified_tokens(srv) or {}], verified_before)
         row["step_seconds"] = step_seconds(srv)  # a fixed-width server's: the widths it ran
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
-        # What the policy timed a prefill pass to cost (None at a fixed width).
+        # What the server's step policy timed a prefill pass to cost (a fixed width's too).
         row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
-    elif own := step_seconds(srv):  # a plain server in trace mode: its decode steps, timed by the trace model
+    elif own := step_seconds(srv):  # a plain server in trace mode: its passes, timed by the trace model
         row["step_seconds"], row["step_seconds_mean"] = own, step_seconds(srv, mean=True)
+        row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
     return row
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from histospec_sgl import procs
+from histospec_sgl.engine.clock import StepClock
 from histospec_sgl.engine.policy import PrefillCost
 
 METHODS = ("plain", "ngram", "history")
@@ -389,11 +390,13 @@ def host_seconds(srv: EngineServer) -> float | None:
 
 
 def prefill_cost(srv: EngineServer) -> PrefillCost | None:
-    """A HISTORY server's prefill forward pass cost as its step policy timed it, seconds a pass and
-    seconds a prompt token (``histospec:prefill_seconds_fixed`` and
-    ``histospec:prefill_seconds_per_token``, with ``--enable-metrics``); None where it has none."""
+    """A server's prefill forward pass cost, seconds a pass and seconds a prompt token: a HISTORY
+    server's as its step policy timed it (``histospec:prefill_seconds_fixed`` and
+    ``histospec:prefill_seconds_per_token``, with ``--enable-metrics``), a plain server's in trace
+    mode as the trace model timed it on the same clock (:func:`trace_clock`); None where it has none."""
     if srv.method != "history":
-        return None
+        clock = trace_clock(srv)
+        return None if clock is None else clock.prefill()
     text = srv.metrics()
     found = {name: value for name in ("histospec:prefill_seconds_fixed", "histospec:prefill_seconds_per_token")
              for _, value in _samples(text, name)}
@@ -402,24 +405,34 @@ def prefill_cost(srv: EngineServer) -> PrefillCost | None:
     return PrefillCost(found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"])
 
 
+def trace_clock(srv: EngineServer) -> StepClock | None:
+    """A plain server's passes in trace mode, as the trace model timed them (``TRACE_MODE_CLOCK``: a
+    ``batch seconds`` line a decode step, a ``prefill tokens seconds`` line a prefill pass), on the
+    step policy's clock (width 1 alone); None for another server."""
+    log = srv.env.get("TRACE_MODE_CLOCK")
+    if not log or not Path(log).exists():
+        return None
+    clock = StepClock()
+    for line in Path(log).read_text().splitlines():
+        *prefill, size, seconds = line.split()
+        if prefill:
+            clock.record_prefill(int(size), float(seconds))
+        else:
+            clock.record(int(size), 1, float(seconds))
+    return clock
+
+
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
     width -> batch-size bucket -> seconds (a fixed-width server's: the widths it ran). A plain server
     in trace mode has its steps timed by the trace model (``TRACE_MODE_CLOCK``: a ``batch seconds``
-    line a step), put here on the same clock (width 1 alone); another server has none."""
+    line a step), put here on the same clock (width 1 alone, :func:`trace_clock`); another server has
+    none."""
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
-        log = srv.env.get("TRACE_MODE_CLOCK")
-        if not log or not Path(log).exists():
-            return out
-        from histospec_sgl.engine.clock import StepClock
-
-        clock = StepClock()
-        for line in Path(log).read_text().splitlines():
-            batch, seconds = line.split()
-            clock.record(int(batch), 1, float(seconds))
-        table = clock.means if mean else clock.table
+        clock = trace_clock(srv)
+        table = {} if clock is None else clock.means if mean else clock.table
         return {"1": {str(b): v for (_, b), v in sorted(table.items())}} if table else out
     for labels, value in _samples(srv.metrics(), "histospec:step_seconds_mean" if mean else "histospec:step_seconds"):
         out.setdefault(labels["width"], {})[labels["batch"]] = value

@@ -222,15 +222,22 @@ def with_row_clock(profile: dict[str, Any], row: dict[str, Any], width: int) -> 
     replaced by the ones a fixed-width row's own server timed (the row's ``step_seconds_mean``, else
     ``step_seconds``), where it has them: each server runs at its own pace on a shared host, and a
     fixed row's verify steps are its server's, not the default's; and a plain row's steps (width 1)
-    its own server's, where trace mode's model timed them (``TRACE_MODE_CLOCK``)."""
+    its own server's, where trace mode's model timed them (``TRACE_MODE_CLOCK``). Its prefill
+    passes likewise, where the row's server timed them (``prefill_s_fixed``, ``prefill_s_per_token``):
+    at a large batch they are much of the row's time."""
     own = row.get("step_seconds_mean") or row.get("step_seconds") or {}
     mine = {int(b): float(v) for b, v in (own.get(str(width)) or {}).items()}
     if not mine:
         return profile
     points = [p for p in profile["points"] if not (p["width"] == width and p["batch"] in mine)]
     points += [{"batch": b, "width": width, "step_s": v} for b, v in mine.items()]
-    return {**profile, "points": sorted(points, key=lambda p: (p["width"], p["batch"])),
-            "description": f"{profile['description']}; width {width} as the row's own server timed it"}
+    out = {**profile, "points": sorted(points, key=lambda p: (p["width"], p["batch"])),
+           "description": f"{profile['description']}; width {width} as the row's own server timed it"}
+    if row.get("prefill_s_per_token"):
+        out["prefill_s_per_token"] = float(row["prefill_s_per_token"])
+        out["prefill_s_fixed"] = float(row.get("prefill_s_fixed") or 0.0)
+        out["description"] += ", its prefill passes too"
+    return out
 
 
 def _measured_json(result: dict[str, Any], times: dict[tuple[int, int], float], name: str | None, suffix: str,

@@ -193,6 +193,30 @@ def test_bench_engine_methods_and_their_ratios():
     assert all("_outputs" not in r for r in rows)
 
 
+def test_a_plain_servers_trace_clock_times_its_steps_and_prefill_passes(tmp_path):
+    """A plain server in trace mode is timed by the trace model (``TRACE_MODE_CLOCK``): its decode
+    steps (``batch seconds``) per batch bucket on the step policy's clock, width 1 alone, and its
+    prefill passes (``prefill tokens seconds``) as a fixed part and a part per prompt token, the
+    first pass left out as a fresh server's warm-up, as the policy's clock does; the bench puts both
+    on the plain row, so that ``simulate --check`` prices plain decoding by its own server."""
+    from types import SimpleNamespace
+
+    from histospec_sgl.bench.engine_server import prefill_cost, step_seconds
+
+    log = tmp_path / "clock-plain.log"
+    srv = SimpleNamespace(method="plain", env={"TRACE_MODE_CLOCK": str(log)})
+    assert step_seconds(srv) == {} and prefill_cost(srv) is None  # nothing timed yet
+    # 50 ms a pass and 2 ms a token; each shape's first timing is warm-up.
+    log.write_text("".join(f"prefill {n} {s!r}\n" for n, s in ((100, 5.0), (100, 0.25), (300, 0.65), (1, 0.052)))
+                   + "".join(f"{b} {s!r}\n" for b, s in ((1, 9.0), (1, 0.1), (1, 0.1), (4, 3.0), (4, 0.2), (3, 0.18))))
+    cost = prefill_cost(srv)
+    assert cost is not None and cost.fixed_s == pytest.approx(0.05) and cost.per_token_s == pytest.approx(0.002)
+    assert step_seconds(srv)["1"]["1"] == pytest.approx(0.1) and set(step_seconds(srv)) == {"1"}
+    assert set(step_seconds(srv)["1"]) == {"1", "4"}
+    assert step_seconds(SimpleNamespace(method="ngram", env={})) == {}
+    assert prefill_cost(SimpleNamespace(method="ngram", env={})) is None
+
+
 @pytest.mark.memory(5)
 def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
     """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a

@@ -85,6 +85,8 @@ def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py
             # batch bucket the row ran, and not the idle time after a batch's last step.
             assert set(x["step_seconds"]) == {"1"} and str(b) in x["step_seconds"]["1"], x["step_seconds"]
             assert 0 < max(x["step_seconds_mean"]["1"].values()) < 5 * x["step_ms"] / 1000, x["step_seconds_mean"]
+            # ...and its prefill passes, a part per prompt token (the row's prompts are whole ones).
+            assert 0 < x["prefill_s_per_token"] < x["step_ms"] / 1000, x
         if m == HIST:
             assert x["tokens_per_step"] > 2.0, x
             # Steps per width, each run's and summed over the runs.

@@ -884,6 +884,15 @@ def test_the_engines_own_step_clock_becomes_a_measured_profile(tmp_path):
     plain = {"method": "plain", "batch_size": 4, "step_seconds": {"1": {"4": 0.026}}}
     own = {(x["width"], x["batch"]): x["step_s"] for x in with_row_clock(prof, plain, 1)["points"]}
     assert own == {(1, 1): 0.011, (1, 4): 0.026, (2, 4): 0.040, (8, 1): 0.020, (8, 4): 0.080}
+    # ...and its prefill passes by its own server's, where it timed them (at batch 64 about half a
+    # row's time): the profile's otherwise.
+    timed = with_row_clock({**prof, "prefill_s_per_token": 0.002, "prefill_s_fixed": 0.1},
+                           {**plain, "prefill_s_per_token": 0.0025, "prefill_s_fixed": 0.05}, 1)
+    assert (timed["prefill_s_per_token"], timed["prefill_s_fixed"]) == (0.0025, 0.05)
+    assert "prefill" in timed["description"]
+    kept = with_row_clock({**prof, "prefill_s_per_token": 0.002, "prefill_s_fixed": 0.1},
+                          {**plain, "prefill_s_per_token": None}, 1)
+    assert (kept["prefill_s_per_token"], kept["prefill_s_fixed"]) == (0.002, 0.1)
     # A row pays every step, the slow ones too: where the result has the means of the clock's timings
     # (step_seconds_mean), they price the steps, not the medians the policy chose by.
     means = [{**r, "step_seconds_mean": {w: {b: 2 * s for b, s in by.items()} for w, by in r["step_seconds"].items()}}

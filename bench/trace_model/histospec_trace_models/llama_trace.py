@@ -25,10 +25,13 @@ verify rows gather from it with tensor operations only, so CUDA graphs capture t
 With ``TRACE_MODE_CLOCK`` set (``bench engine`` sets it for a plain server, which has no step policy
 to time its steps), the model times its decode steps: from one decode forward's start to the next's,
 at the batch size running; an interval that a prefill or any other pass interrupts is not a decode
-step's and is not kept. Each timing is appended to that file as a line ``batch seconds`` (one write,
-a few microseconds); the bench puts them on the step policy's own clock
-(:func:`histospec_sgl.bench.engine_server.step_seconds`), so that ``simulate --check`` prices the
-plain row by its own server's steps.
+step's and is not kept. It times its prefill passes as the step policy does: from the pass's start
+to the next forward's, with the prompt tokens it computed. Each timing is appended to that file as a
+line, ``batch seconds`` for a decode step and ``prefill tokens seconds`` for a prefill pass (one
+write, a few microseconds); the bench puts them on the step policy's own clock
+(:func:`histospec_sgl.bench.engine_server.step_seconds`,
+:func:`~histospec_sgl.bench.engine_server.prefill_cost`), so that ``simulate --check`` prices the
+plain row by its own server's steps and prefill passes.
 """
 
 from __future__ import annotations
@@ -74,8 +77,9 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         clock = os.environ.get("TRACE_MODE_CLOCK")
         # Open for the server's life, line-buffered: each timing reaches the file in one write.
         self.trace_clock = open(clock, "a", buffering=1) if clock else None
-        #: The decode forward before this one: its batch size and start; None after any other pass.
-        self.trace_last_decode: tuple[int, float] | None = None
+        #: The timed forward before this one: whether a prefill, its batch size (a prefill's tokens) and
+        #: start; None after any other pass.
+        self.trace_last_pass: tuple[bool, int, float] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any, *args: Any,
                 **kwargs: Any) -> Any:
@@ -111,16 +115,19 @@ class HistospecTraceLlamaForCausalLM(LlamaForCausalLM):
         return out
 
     def _time_step(self, forward_batch: Any) -> None:
-        """The decode step before this forward took the time since it started, if this one is a
-        decode step too (:data:`TRACE_MODE_CLOCK <histospec_trace_models.llama_trace>`)."""
+        """The pass before this forward took the time since it started: kept if it was a prefill, or a
+        decode step followed by another (:data:`TRACE_MODE_CLOCK <histospec_trace_models.llama_trace>`)."""
         now = time.perf_counter()
-        last, self.trace_last_decode = self.trace_last_decode, None
+        last, self.trace_last_pass = self.trace_last_pass, None
         mode = forward_batch.forward_mode
-        if not mode.is_decode() or mode.is_target_verify():
-            return
-        if last is not None:
-            self.trace_clock.write(f"{last[0]} {now - last[1]!r}\n")
-        self.trace_last_decode = (int(forward_batch.batch_size), now)
+        decode = mode.is_decode() and not mode.is_target_verify()
+        if last is not None and (last[0] or decode):
+            prefill, size, start = last
+            self.trace_clock.write(f"{'prefill ' if prefill else ''}{size} {now - start!r}\n")
+        if decode:
+            self.trace_last_pass = (False, int(forward_batch.batch_size), now)
+        elif mode.is_extend() and not mode.is_mixed() and forward_batch.extend_num_tokens:
+            self.trace_last_pass = (True, int(forward_batch.extend_num_tokens), now)
 
     def _assign(self, forward_batch: Any) -> None:
         """At prefill: each traced request's forced tokens into its slot."""
