@@ -210,11 +210,26 @@ def from_engine_clock(result: dict[str, Any]) -> dict[str, Any] | None:
 def at_median_run(row: dict[str, Any]) -> dict[str, Any]:
     """A ``bench engine`` row with its clock (:data:`CLOCK`) as its median run left it
     (``median_run``: the run whose wall time is the row's), not as its last run did; unchanged where
-    the row keeps no run's clock (results from before they were kept)."""
+    the row keeps no run's clock (results from before they were kept). A step cost that run's clock
+    had not timed yet (a width in a batch bucket the server first timed in a later run: the first
+    timing of each is warm-up) is the nearest run's that had, the later of two as near: the server
+    paid it all the same."""
     i = row.get("median_run")
     if i is None:
         return row
-    return {**row, **{k: row[f"{k}_runs"][i] for k in CLOCK if f"{k}_runs" in row}}
+    out = {**row, **{k: row[f"{k}_runs"][i] for k in CLOCK if f"{k}_runs" in row}}
+    for k in ("step_seconds", "step_seconds_mean"):
+        runs = row.get(f"{k}_runs")
+        if not runs or out.get(k) is None:
+            continue
+        table = {w: dict(by) for w, by in out[k].items()}
+        for j in sorted(range(len(runs)), key=lambda j: (abs(j - i), -j)):
+            for w, by in (runs[j] or {}).items():
+                for b, v in by.items():
+                    table.setdefault(w, {}).setdefault(b, v)
+        out[k] = {w: dict(sorted(by.items(), key=lambda x: int(x[0])))
+                  for w, by in sorted(table.items(), key=lambda x: int(x[0]))}
+    return out
 
 
 def with_row_clock(profile: dict[str, Any], row: dict[str, Any], width: int) -> dict[str, Any]:

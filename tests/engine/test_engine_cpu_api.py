@@ -180,6 +180,19 @@ def test_bench_engine_methods_and_their_ratios():
     row["median_run"] = 0
     assert at_median_run(row)["step_seconds"] == {"8": {"1": 0.3}} and at_median_run(row)["prefill_s_fixed"] == 0.03
     assert at_median_run({"step_seconds": {"8": {"1": 0.3}}}) == {"step_seconds": {"8": {"1": 0.3}}}
+    # A cost the median run's clock had not timed yet (a width first timed in a bucket in a later
+    # run) is the nearest run's that had, the later of two as near; the median run's own stay.
+    runs = [{"tokens_per_s": 40 / w, "wall_s": w, "step_seconds": st}
+            for w, st in ((10.0, {"8": {"1": 0.3}, "2": {"1": 0.2}}), (12.0, {"8": {"1": 0.31, "8": 0.5}, "4": {"8": 0.45}}),
+                          (9.0, {"8": {"1": 0.29, "8": 0.6}, "4": {"8": 0.4}, "2": {"8": 0.35}}))]
+    row = rows_.median_row(runs)
+    assert row["median_run"] == 0
+    assert at_median_run(row)["step_seconds"] == {"2": {"1": 0.2, "8": 0.35}, "4": {"8": 0.45},
+                                                  "8": {"1": 0.3, "8": 0.5}}
+    row["median_run"] = 1
+    runs[2]["step_seconds"]["2"]["1"] = 0.25
+    assert at_median_run(rows_.median_row(runs) | {"median_run": 1})["step_seconds"] == {
+        "2": {"1": 0.25, "8": 0.35}, "4": {"8": 0.45}, "8": {"1": 0.31, "8": 0.5}}
     assert rows[1]["vs_plain"] == 1.05 and rows[1]["vs_plain_sync"] == 1.0
     assert "vs_plain" not in rows[3] and "vs_plain_sync" not in rows[3]  # no plain row at batch 16
     greedy = {"pass": 1, "batch_size": 2, "temperature": 0.0, "siblings": 1}
