@@ -68,9 +68,11 @@ from histospec_sgl.bench.engine_server import (
     EngineServer,
     context_mismatches,
     host_seconds,
+    plain_steps,
     prefill_cost,
     running,
     step_seconds,
+    trace_clock,
     verified_tokens,
     verify_steps,
     width_steps,
@@ -233,9 +235,10 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the server's step policy timed a prefill pass to cost (a fixed width's too).
         row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
-    elif own := step_seconds(srv):  # a plain server in trace mode: its passes, timed by the trace model
-        row["step_seconds"], row["step_seconds_mean"] = own, step_seconds(srv, mean=True)
-        row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
+    elif (clock := trace_clock(srv)) is not None and clock.table:
+        # A plain server in trace mode: its passes, timed by the trace model (its file read once).
+        row["step_seconds"], row["step_seconds_mean"] = plain_steps(clock.table), plain_steps(clock.means)
+        row["prefill_s_fixed"], row["prefill_s_per_token"] = clock.prefill() or (None, None)
     return row
 
 

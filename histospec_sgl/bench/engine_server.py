@@ -422,6 +422,12 @@ def trace_clock(srv: EngineServer) -> StepClock | None:
     return clock
 
 
+def plain_steps(table: dict[tuple[int, int], float]) -> dict[str, dict[str, float]]:
+    """A trace clock's table (:func:`trace_clock`) as :func:`step_seconds` gives costs: width 1 ->
+    batch-size bucket -> seconds."""
+    return {"1": {str(b): v for (_, b), v in sorted(table.items())}} if table else {}
+
+
 def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, float]]:
     """A HISTORY server's decode step costs as its step policy measured them
     (``histospec:step_seconds``, with ``--enable-metrics``; ``mean``: ``histospec:step_seconds_mean``):
@@ -432,8 +438,7 @@ def step_seconds(srv: EngineServer, mean: bool = False) -> dict[str, dict[str, f
     out: dict[str, dict[str, float]] = {}
     if srv.method != "history":
         clock = trace_clock(srv)
-        table = {} if clock is None else clock.means if mean else clock.table
-        return {"1": {str(b): v for (_, b), v in sorted(table.items())}} if table else out
+        return {} if clock is None else plain_steps(clock.means if mean else clock.table)
     for labels, value in _samples(srv.metrics(), "histospec:step_seconds_mean" if mean else "histospec:step_seconds"):
         out.setdefault(labels["width"], {})[labels["batch"]] = value
     return {w: dict(sorted(by.items(), key=lambda x: int(x[0]))) for w, by in sorted(out.items(), key=lambda x: int(x[0]))}

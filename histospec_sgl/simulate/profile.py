@@ -222,8 +222,8 @@ def at_median_run(row: dict[str, Any]) -> dict[str, Any]:
         runs = row.get(f"{k}_runs")
         if not runs or out.get(k) is None:
             continue
-        table = {w: dict(by) for w, by in out[k].items()}
-        for j in sorted(range(len(runs)), key=lambda j: (abs(j - i), -j)):
+        table: dict[str, dict[str, float]] = {}
+        for j in sorted(range(len(runs)), key=lambda j: (abs(j - i), -j)):  # the median run first
             for w, by in (runs[j] or {}).items():
                 for b, v in by.items():
                     table.setdefault(w, {}).setdefault(b, v)
