@@ -36,9 +36,17 @@ from histospec_sgl.engine.config import HistoryConfig
 from histospec_sgl.engine.costmodel import EngineControl, ShadowDraft, TimedFixed
 from histospec_sgl.engine.draft import clear_rows, tree_parents_batch
 from histospec_sgl.engine.feedback import Feedback
-from histospec_sgl.engine.plan import StepCounts, StepPlan, plan_step, sure_conditional, width_promises
+from histospec_sgl.engine.plan import (
+    StepCounts,
+    StepPlan,
+    greedy_classes,
+    plan_step,
+    sure_conditional,
+    width_promises,
+)
 from histospec_sgl.engine.policy import StepPolicy
 from histospec_sgl.engine.remaining import GroupLengths
+from histospec_sgl.engine.remaining import room as cap_room
 from histospec_sgl.hugepages import TUNABLE, huge_pages
 
 logger = logging.getLogger("histospec_sgl.plugin")
@@ -108,11 +116,6 @@ class StepDraft(NamedTuple):
         """Each request's root: its last accepted token, the one a plain step decodes."""
         return self.tokens[:: self.width]
 
-
-#: A greedy request's class at a step whose chain promises less than this share of a whole one (its
-#: match is short): calibrated apart from greedy chains behind long matches (:meth:`BatchDrafter.draft`).
-SURE_SHARE = 0.75
-SHORT_GREEDY = "greedy-short"
 
 
 class BatchDrafter:
@@ -376,18 +379,14 @@ class BatchDrafter:
             probs = self._probs[: bs * d]
             nonempty = self._index_drafts(iids, tokens, mask, counts, gone, probs)
             # Each request's nodes by path probability, most probable first (pads have probability 0),
-            # and what they promise at each width (cum[:, w-2]).
+            # and what they promise at each width (cum[:, w-2]); nodes past a request's cap promise nothing.
             greedy = np.fromiter((k == "greedy" for k in klasses), dtype=bool, count=bs)
-            order, cum = width_promises(probs.reshape(bs, d), mask, greedy, self._sure)
+            room = cap_room(caps, [lv.known for lv in lives])
+            order, cum = width_promises(probs.reshape(bs, d), mask, greedy, self._sure, room)
             by_width = {w: cum[:, w - 2] for w in range(2, d + 1)}
-            if d > 1:
-                # A greedy chain behind a long match is accepted whole and one behind a short match
-                # seldom: calibrated apart, so that a repeated pass's acceptance does not price the
-                # next first pass's drafts (or the other way round).
-                short = greedy & (cum[:, -1] < SURE_SHARE * (d - 1))
-                klasses = [SHORT_GREEDY if sh else k for k, sh in zip(klasses, short.tolist())]
+            klasses = greedy_classes(klasses, greedy, cum, room)
         else:
-            order, cum, by_width = None, None, {}
+            order, cum, by_width, room = None, None, {}, None
             counts[:] = 0  # drafted below, once the width is known
         for lv, k in zip(lives, klasses):
             lv.klass = k
@@ -408,7 +407,7 @@ class BatchDrafter:
         drafting = width > 1
         self.drafting = drafting
         self.width = width
-        self.feedback.drafted(width, plan.promises.tolist(), klasses)
+        self.feedback.drafted(width, plan.promises.tolist(), klasses, room)
         if not drafting:
             # A plain step: each request's root alone.
             roots = np.fromiter((lv.last for lv in lives), dtype=np.int64, count=bs)

@@ -81,9 +81,9 @@ class Feedback:
         """``width``: what a verified step nothing was drafted for counts as (the widest)."""
         self.policy = policy
         self.width = width
-        # Each drafted-for step not yet verified: its width (1: plain), and per request class what its
-        # drafts promised and which requests it held.
-        self._steps: collections.deque[tuple[int, dict[str, float], list[str | None]]] = \
+        # Each drafted-for step not yet verified: its width (1: plain), per request class what its
+        # drafts promised, which requests it held and how many draft tokens each could still emit.
+        self._steps: collections.deque[tuple[int, dict[str, float], list[str | None], list[float] | None]] = \
             collections.deque(maxlen=pending_steps)
         self._shadows: dict[Hashable, tuple[Shadow, str | None, int | None]] = {}
 
@@ -118,24 +118,29 @@ class Feedback:
             out[w] = (float(np.sum(per)), slowest)
         return out
 
-    def drafted(self, width: int, per_request: Sequence[float], klasses: Sequence[str | None]) -> None:
-        """A step drafted at ``width`` (1: plain), each request's promise at it."""
+    def drafted(self, width: int, per_request: Sequence[float], klasses: Sequence[str | None],
+                room: Sequence[float] | np.ndarray | None = None) -> None:
+        """A step drafted at ``width`` (1: plain), each request's promise at it; ``room``: the draft
+        tokens each could still emit (:func:`~histospec_sgl.engine.remaining.room`; None: no cap),
+        which its promise kept to and which the tokens it is found to accept are cut to."""
         by_class: dict[str, float] = {}
         for k, v in zip(klasses, per_request):
             by_class[k or ""] = by_class.get(k or "", 0.0) + float(v)
-        self._steps.append((width, by_class, list(klasses)))
+        self._steps.append((width, by_class, list(klasses), None if room is None else list(room)))
 
     def verified(self, accepted: Iterable[int]) -> None:
         """Accepted draft tokens per request of the oldest drafted step, observed by class (a step
         verified without drafts measures nothing)."""
         acc = list(accepted)
-        width, promised, klasses = (self._steps.popleft() if self._steps
-                                    else (self.width, {"": 0.0}, [None] * len(acc)))
+        width, promised, klasses, room = (self._steps.popleft() if self._steps
+                                          else (self.width, {"": 0.0}, [None] * len(acc), None))
         if width <= 1:
             return
         if len(klasses) != len(acc):  # not the step drafted for: count it as one class
             klasses = [None for _ in acc]
             promised = {"": sum(promised.values())}
+        elif room is not None:  # SGLang's verify counts drafts past a request's cap; its end cuts them
+            acc = [a if a <= r else int(r) for a, r in zip(acc, room)]  # r may be inf (no cap)
         by_class: dict[str, list[float]] = {}
         for k, a in zip(klasses, acc):
             e = by_class.setdefault(k or "", [0.0, 0.0])

@@ -31,8 +31,8 @@ def sure_conditional(draft_config: Mapping[str, Any]) -> float:
     return ((1.0 - a) + a * (1.0 - beta)) / (1.0 + float(draft_config["escape"]))
 
 
-def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
-                   greedy: np.ndarray | None = None, sure: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+def width_promises(probs: np.ndarray, masks: np.ndarray | None = None, greedy: np.ndarray | None = None,
+                   sure: float | None = None, room: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What each request's draft promises at each width, the one definition the engine's drafter and
     the simulator use. ``probs[bs, d]``: each draft's path probabilities in SGLang's layout (node 0
     the root, pads 0), ``masks`` its flat ancestor masks (``[bs*d*d]``: a node is taken as at most as
@@ -52,7 +52,11 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
     (:func:`sure_conditional`): a chain node's conditional probability (its over its parent's) at
     which it counts whole; one below counts that share of it, times its parent's, so a chain behind
     a one-token match (conditionals near half of ``sure``) promises a token or two, not w - 1, while
-    a repeated response still promises its whole chain (None: every chain node counts whole)."""
+    a repeated response still promises its whole chain (None: every chain node counts whole).
+    ``room[b]`` (with ``masks``): the draft tokens request b can still emit, its ``max_new_tokens``
+    less the tokens it has and the step's own (:func:`~histospec_sgl.engine.remaining.room`); a node
+    deeper than that promises nothing, and comes after every node that does, so a narrower width keeps
+    the nodes the request can use (None: no cap)."""
     bs, d = probs.shape
     rows = np.arange(bs)
     full = probs.astype(np.float64)
@@ -61,9 +65,13 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
         # No node above its parent (rounding, or a source that does not keep to it), so that the most
         # probable nodes, ties going to the lower index (a parent's), always form a subtree.
         bound = np.full(bs, np.inf)
+        depth = np.zeros((bs, d), dtype=np.int64)
         for i in range(1, d):  # BFS order: a parent comes before its children
             par = parents[:, i]
             full[:, i] = np.minimum(full[:, i], np.where(par == 0, bound, full[rows, par]))
+            depth[:, i] = depth[rows, par] + 1
+        if room is not None:
+            full[depth > np.asarray(room, dtype=np.float64)[:, None]] = 0.0
     p = full[:, 1:]
     order = np.argsort(-p, axis=1, kind="stable")
     per_node = p
@@ -84,6 +92,26 @@ def width_promises(probs: np.ndarray, masks: np.ndarray | None = None,
         per_node = np.where(greedy[:, None], weight[:, 1:], p)
     cum = np.cumsum(np.take_along_axis(per_node, order, axis=1), axis=1)
     return order, cum
+
+
+#: A greedy request's class at a step whose chain promises less than this share of a whole one (its
+#: match is short): calibrated apart from greedy chains behind long matches (:func:`greedy_classes`).
+SURE_SHARE = 0.75
+SHORT_GREEDY = "greedy-short"
+
+
+def greedy_classes(klasses: list[str | None], greedy: np.ndarray, cum: np.ndarray,
+                   room: np.ndarray | None = None) -> list[str | None]:
+    """The request classes with :data:`SHORT_GREEDY` for each greedy request whose widest draft
+    (``cum[:, -1]``, :func:`width_promises`) promises less than :data:`SURE_SHARE` of a whole chain,
+    one as long as the draft or as its ``room`` (what it can still emit). A greedy chain behind a long
+    match is accepted whole and one behind a short match seldom: calibrated apart, so that a repeated
+    pass's acceptance does not price the next first pass's drafts (or the other way round)."""
+    if cum.shape[1] == 0:
+        return klasses
+    whole = cum.shape[1] if room is None else np.minimum(room, cum.shape[1])
+    short = greedy & (cum[:, -1] < SURE_SHARE * whole)
+    return [SHORT_GREEDY if sh else k for k, sh in zip(klasses, short.tolist())]
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from histospec_sgl.length import Lengths
 
 
@@ -31,6 +33,16 @@ def remaining(lengths: Lengths | None, progress: int, cap: float | None = None) 
     else:
         return math.nan
     return max(end - progress, 1.0)
+
+
+def room(caps: Sequence[float | None] | None, progress: Sequence[int]) -> np.ndarray | None:
+    """The draft tokens each request can still emit: its cap (``max_new_tokens``) less the tokens it
+    has generated (``progress``) and the one a verify step emits after its accepted drafts (at least
+    0; inf: no cap). None where no request has a cap. A verify step's accepted drafts beyond it are
+    cut off by the request's end: they neither promise nor count as accepted."""
+    if caps is None or all(c is None for c in caps):
+        return None
+    return np.array([math.inf if c is None else max(float(c) - k - 1, 0.0) for c, k in zip(caps, progress)])
 
 
 class GroupLengths:

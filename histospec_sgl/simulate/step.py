@@ -33,11 +33,12 @@ from typing import Any
 import numpy as np
 
 from histospec_sgl.engine.costmodel import EngineControl
-from histospec_sgl.engine.draft import advance
+from histospec_sgl.engine.draft import advance, tree_mask
 from histospec_sgl.engine.feedback import Feedback, KnownShadow
 from histospec_sgl.engine.plan import StepCounts, plan_step, width_promises
 from histospec_sgl.engine.policy import Fixed, Profile, StepPolicy
 from histospec_sgl.engine.remaining import remaining
+from histospec_sgl.engine.remaining import room as cap_room
 from histospec_sgl.length import Lengths, expected_longest
 from histospec_sgl.replay.measure import Track, accept_greedy, replay
 from histospec_sgl.replay.methods import Ours
@@ -84,14 +85,15 @@ def draft_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
 
 
 def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], responses: Sequence[Sequence[int]],
-                 widths: Sequence[int], siblings: bool = True) -> list[Traces]:
+                 widths: Sequence[int], siblings: bool = True, cap: int | None = None) -> list[Traces]:
     """:func:`draft_traces` for a group's samples decoding together, as the engine runs them: the
     samples start at once and advance in lockstep, one logged token a step, through the replay's
     loop (:func:`~histospec_sgl.replay.measure.replay`) on the engine's drafter
     (:class:`~histospec_sgl.replay.methods.Ours` with each draft's path probabilities). With
     ``siblings`` each drafts from the others' tokens so far (and a sample that finished is history
     of the group, as the engine keeps it); without, each sees the history alone. A width-w draft is
-    the full draft's w - 1 most probable nodes (the engine's narrowing), accepted greedily."""
+    the full draft's w - 1 most probable nodes (the engine's narrowing), accepted greedily; with a
+    ``cap`` (``max_new_tokens``), nodes past it promise nothing, as in the engine."""
     top = max(widths)
     out: list[Traces] = [({w: np.zeros(len(r), np.int32) for w in widths},
                           {w: np.zeros(len(r), np.float32) for w in widths}) for r in responses]
@@ -113,7 +115,9 @@ def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
                 p, (toks, parents, probs) = s.track.pos, s.draft
                 # Nodes by probability (parents first among equals: a parent's index is smaller), and
                 # their promise at each width, as the engine's drafter reads them (sampled requests).
-                order, cum = width_promises(np.asarray(probs, np.float64)[None, :])
+                room = cap_room(None if cap is None else [cap], [p])
+                order, cum = width_promises(np.asarray(probs, np.float64)[None, :], tree_mask(parents, len(toks)),
+                                            room=room)
                 for w in widths:
                     keep = set((order[0, : w - 1] + 1).tolist())
                     promised[w][p] = cum[0, min(w - 1, cum.shape[1]) - 1] if cum.shape[1] else 0.0
@@ -280,7 +284,8 @@ def run_step(reqs: Sequence[SimRequest], profile: Profile, max_running: int, *, 
         t += cost
         counts.step(w, bs, waiting=len(queue))
         if decoding:
-            feedback.drafted(w, plan.promises.tolist(), klasses)
+            feedback.drafted(w, plan.promises.tolist(), klasses,
+                             cap_room([reqs[i].cap for i, _ in decoding], [pos for _, pos in decoding]))
             for b in plan.shadowed:
                 # Each request's drafts at every width but the one verified, followed as shadow
                 # drafts, their outcome known from the log.
@@ -460,7 +465,7 @@ def group_requests(key: Hashable, prompt: Sequence[int], history: Sequence[Seque
     """A group's requests with their draft traces (:func:`group_traces`), asked for at most ``cap``
     tokens each."""
     lengths = tuple(len(h) for h in history)
-    traces = group_traces(history, prompt, samples, widths, siblings=siblings)
+    traces = group_traces(history, prompt, samples, widths, siblings=siblings, cap=cap)
     return [SimRequest(key, len(s), len(prompt), float(np.mean(lengths)) if lengths else 0.0, lengths, acc, prom,
                        tuple(prompt), cap)
             for s, (acc, prom) in zip(samples, traces)]

@@ -432,6 +432,14 @@ def test_group_traces_draft_from_siblings_decoding_alongside():
     single = group_traces([[5, 6, 7, 8]], [1, 2], [[5, 6, 7, 9]], widths=[2, 4])[0]
     assert all((single[0][w] == draft_traces([[5, 6, 7, 8]], [1, 2], [5, 6, 7, 9], [2, 4])[0][w]).all()
                for w in (2, 4))
+    # Asked for at most 10 tokens, a response repeating its history can use 2 draft tokens at position 7,
+    # 1 at 8 and none at 9 (the engine's room): its width-4 drafts promise less there than uncapped,
+    # the same before.
+    hist = [list(range(20, 40))]
+    free = group_traces(hist, [1, 2], hist, widths=[4])[0][1][4]
+    capped = group_traces(hist, [1, 2], hist, widths=[4], cap=10)[0][1][4]
+    assert (capped[:7] == free[:7]).all() and free[7] > capped[7] > capped[8] > capped[9] == 0.0
+    assert capped[8] <= 1.0 < capped[7] <= 2.0
 
 
 # -- the commands on the logs -----------------------------------------------------------------------
@@ -1406,7 +1414,8 @@ def test_a_greedy_chain_behind_a_short_match_is_calibrated_apart():
     both greedy, but their chains are not alike: the short one's class is ``greedy-short``, and its
     low acceptance does not lower what the repeated response's drafts are trusted with."""
     from histospec_sgl.engine.config import HistoryConfig
-    from histospec_sgl.engine.drafter import SHORT_GREEDY, BatchDrafter
+    from histospec_sgl.engine.drafter import BatchDrafter
+    from histospec_sgl.engine.plan import SHORT_GREEDY
 
     d = 8
     dr = BatchDrafter(d, HistoryConfig(control="cost"))
@@ -1533,3 +1542,65 @@ def test_a_fixed_width_engine_times_its_steps_as_the_default_does():
         t += 31.0
     assert abs(p.step_costs()[(4, 8)] - 0.2) < 1e-9 and abs(p.step_costs(mean=True)[(4, 8)] - 0.2) < 1e-9
     assert Fixed(4).step_costs() == {} and Fixed(4).prefill_cost() is None
+
+
+def test_draft_nodes_past_a_requests_cap_promise_nothing_and_their_acceptance_does_not_count():
+    """A request with ``max_new_tokens`` left for r more drafts (``room``) can use no node deeper than
+    r: such nodes promise nothing, a narrower width keeps the nodes it can use, the tokens SGLang's
+    verify reports past its cap are cut off before they calibrate, and a repeated greedy response that
+    near its cap is verified at a narrower width, still calibrated as a whole chain."""
+    from histospec_sgl.engine.config import HistoryConfig
+    from histospec_sgl.engine.draft import tree_mask
+    from histospec_sgl.engine.drafter import BatchDrafter
+    from histospec_sgl.engine.feedback import Feedback
+    from histospec_sgl.engine.plan import SHORT_GREEDY, greedy_classes, width_promises
+    from histospec_sgl.engine.remaining import room
+
+    assert room([64, None, 10], [60, 5, 10]).tolist() == [3.0, math.inf, 0.0]
+    assert room([None, None], [1, 2]) is None and room(None, [1]) is None
+    # A chain 1-2-3-4 with a side branch: 5 under the root (7 under it), 6 under node 1.
+    par = [-1, 0, 1, 2, 3, 0, 1, 5]
+    pr = np.array([[1.0, 0.9, 0.8, 0.7, 0.6, 0.05, 0.1, 0.04]])
+    mask = tree_mask(par, 8).reshape(-1)
+    order, whole = width_promises(pr, mask)
+    assert (order[0, :3] + 1).tolist() == [1, 2, 3]
+    for r in (math.inf, 7.0):
+        o, c = width_promises(pr, mask, room=np.array([r]))
+        assert o.tolist() == order.tolist() and c.tolist() == whole.tolist()
+    order2, two = width_promises(pr, mask, room=np.array([2.0]))
+    assert (order2[0, :3] + 1).tolist() == [1, 2, 6]  # width 4 keeps the nodes it can use
+    assert two[0, -1] == pytest.approx(0.9 + 0.8 + 0.05 + 0.1 + 0.04)
+    _, greedy = width_promises(pr, mask, np.array([True]), room=np.array([2.0]))
+    assert greedy[0].tolist() == [1, 2, 2, 2, 2, 2, 2]
+    # A chain cut by its room is a whole one as far as the request can go: not a short match's.
+    assert greedy_classes(["greedy"], np.array([True]), greedy, np.array([2.0])) == ["greedy"]
+    assert greedy_classes(["greedy"], np.array([True]), greedy) == [SHORT_GREEDY]
+
+    rec = _Recorder()
+    fb = Feedback(rec, 4)
+    fb.drafted(4, [1.0, 2.0], ["greedy", "greedy"], np.array([1.0, math.inf]))
+    fb.verified([3, 3])  # SGLang counts 3 for both; the first request ended after 1 of them
+    assert rec.seen == [(3.0, 4, False, "greedy", 4)]
+
+    d = 8
+    dr = BatchDrafter(d, HistoryConfig(control="cost"))
+    ec = dr.policy
+    for w, s in ((1, 1.0), (2, 1.2), (4, 1.4), (8, 2.0)):
+        _time_steps(ec, 1, w, s)
+    prompt, answer = [1, 2, 3], list(range(10, 50))
+    dr.add_finished(prompt, answer)
+    for known in (2, 10, 18, 26):  # repeating the history: 7 drafts and the step's token a step
+        dr.sync("again", prompt, answer[:known])
+        dr.draft(["again"], ["greedy"], caps=[37])
+        assert dr.width == d
+        dr.observe_step([d - 1])
+    # Three tokens left under its cap: 2 drafts and the step's own token; width 4 holds them, at the
+    # greedy chain's calibration.
+    dr.sync("again", prompt, answer[:34])
+    dr.draft(["again"], ["greedy"], caps=[37])
+    assert dr.width == 4
+    dr.observe_step([3])  # SGLang counts all 3; the request used 2
+    assert ec.calibration("greedy", 4, 1) == pytest.approx(1.0)
+    for cap, width in ((36, 2), (35, 1)):  # one draft token left: width 2; none: a plain step
+        dr.draft(["again"], ["greedy"], caps=[cap])
+        assert dr.width == width
