@@ -73,6 +73,7 @@ from histospec_sgl.bench.engine_server import (
     running,
     step_seconds,
     trace_clock,
+    trace_passes,
     verified_tokens,
     verify_steps,
     width_steps,
@@ -190,7 +191,7 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
     (a trace run whose outputs differ from the log's would measure something else)."""
     widths_before, verified_before = width_steps(srv), verified_tokens(srv)
     mismatches_before = context_mismatches(srv)
-    host_before = host_seconds(srv)
+    host_before, passes_before = host_seconds(srv), trace_passes(srv)
     t0 = time.perf_counter()
     tokens, steps, passes, outputs, prompt, cached = 0, [], 0, [], 0, 0
     for k in range(0, len(ids), batch):
@@ -235,8 +236,8 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
         row["step_seconds_mean"] = step_seconds(srv, mean=True)
         # What the server's step policy timed a prefill pass to cost (a fixed width's too).
         row["prefill_s_fixed"], row["prefill_s_per_token"] = prefill_cost(srv) or (None, None)
-    elif (clock := trace_clock(srv)) is not None and clock.table:
-        # A plain server in trace mode: its passes, timed by the trace model (its file read once).
+    elif (clock := trace_clock(srv, since=passes_before)) is not None and clock.table:
+        # A plain server in trace mode: this run's passes, timed by the trace model (its file read once).
         row["step_seconds"], row["step_seconds_mean"] = plain_steps(clock.table), plain_steps(clock.means)
         row["prefill_s_fixed"], row["prefill_s_per_token"] = clock.prefill() or (None, None)
     return row

@@ -405,15 +405,28 @@ def prefill_cost(srv: EngineServer) -> PrefillCost | None:
     return PrefillCost(found.get("histospec:prefill_seconds_fixed", 0.0), found["histospec:prefill_seconds_per_token"])
 
 
-def trace_clock(srv: EngineServer) -> StepClock | None:
+def trace_passes(srv: EngineServer) -> int | None:
+    """How many passes a plain server in trace mode has timed so far (lines of its
+    ``TRACE_MODE_CLOCK``, :func:`trace_clock`); None for another server."""
+    log = srv.env.get("TRACE_MODE_CLOCK")
+    if not log:
+        return None
+    return len(Path(log).read_text().splitlines()) if Path(log).exists() else 0
+
+
+def trace_clock(srv: EngineServer, since: int | None = None) -> StepClock | None:
     """A plain server's passes in trace mode, as the trace model timed them (``TRACE_MODE_CLOCK``: a
     ``batch seconds`` line a decode step, a ``prefill tokens seconds`` line a prefill pass), on the
-    step policy's clock (width 1 alone); None for another server."""
+    step policy's clock (width 1 alone); None for another server. ``since``: the passes from that
+    count on (:func:`trace_passes` before a run), every one of them kept, so that the clock says what
+    that run's steps cost on average, not what its last few did (only a fresh server's first passes
+    are left out as warm-up); None: every pass, kept as the step policy's clock keeps them."""
     log = srv.env.get("TRACE_MODE_CLOCK")
     if not log or not Path(log).exists():
         return None
-    clock = StepClock()
-    for line in Path(log).read_text().splitlines():
+    lines = Path(log).read_text().splitlines()[since or 0:]
+    clock = StepClock() if since is None else StepClock(window=len(lines) + 1, warmup=1 if since == 0 else 0)
+    for line in lines:
         *prefill, size, seconds = line.split()
         if prefill:
             clock.record_prefill(int(size), float(seconds))

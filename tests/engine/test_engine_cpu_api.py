@@ -214,7 +214,7 @@ def test_a_plain_servers_trace_clock_times_its_steps_and_prefill_passes(tmp_path
     on the plain row, so that ``simulate --check`` prices plain decoding by its own server."""
     from types import SimpleNamespace
 
-    from histospec_sgl.bench.engine_server import prefill_cost, step_seconds
+    from histospec_sgl.bench.engine_server import prefill_cost, step_seconds, trace_clock, trace_passes
 
     log = tmp_path / "clock-plain.log"
     srv = SimpleNamespace(method="plain", env={"TRACE_MODE_CLOCK": str(log)})
@@ -228,6 +228,19 @@ def test_a_plain_servers_trace_clock_times_its_steps_and_prefill_passes(tmp_path
     assert set(step_seconds(srv)["1"]) == {"1", "4"}
     assert step_seconds(SimpleNamespace(method="ngram", env={})) == {}
     assert prefill_cost(SimpleNamespace(method="ngram", env={})) is None
+    # A later run's passes alone (the bench's row of that run): every one kept, none as warm-up, so
+    # its 12 steps at batch 1 (three slow, then nine fast) average what the run paid, where the
+    # policy's clock keeps the last nine.
+    before = trace_passes(srv)
+    assert before == 10 and trace_passes(SimpleNamespace(method="ngram", env={})) is None
+    with log.open("a") as f:
+        f.write("".join(f"1 {s!r}\n" for s in [0.3] * 3 + [0.1] * 9) + "prefill 200 0.45\n")
+    run = trace_clock(srv, since=before)
+    assert run is not None and run.means[(1, 1)] == pytest.approx((3 * 0.3 + 9 * 0.1) / 12)
+    assert set(run.means) == {(1, 1)}  # the run ran no batch-4 steps
+    whole = trace_clock(srv)
+    assert whole is not None and whole.means[(1, 1)] == pytest.approx(0.1)
+    assert run.prefill() is not None and run.prefill().per_token_s == pytest.approx(0.45 / 200)
 
 
 @pytest.mark.memory(5)
