@@ -115,9 +115,13 @@ def group_traces(history: Sequence[Sequence[int]], prompt: Sequence[int], respon
                 p, (toks, parents, probs) = s.track.pos, s.draft
                 # Nodes by probability (parents first among equals: a parent's index is smaller), and
                 # their promise at each width, as the engine's drafter reads them (sampled requests).
+                # Near its cap a node may lie past what the request can emit: only then the tree's depths
+                # are needed (its mask), the draft's own nodes deeper than the room promising nothing.
                 room = cap_room(None if cap is None else [cap], [p])
-                order, cum = width_promises(np.asarray(probs, np.float64)[None, :], tree_mask(parents, len(toks)),
-                                            room=room)
+                if room is not None and room[0] >= len(toks) - 1:
+                    room = None
+                order, cum = width_promises(np.asarray(probs, np.float64)[None, :],
+                                            None if room is None else tree_mask(parents, len(toks)), room=room)
                 for w in widths:
                     keep = set((order[0, : w - 1] + 1).tolist())
                     promised[w][p] = cum[0, min(w - 1, cum.shape[1]) - 1] if cum.shape[1] else 0.0
