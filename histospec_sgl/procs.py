@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -34,6 +35,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def listen_port(host: str = "127.0.0.1", low: int = 20000, attempts: int = 64) -> int:
+    """A TCP port on ``host`` that nothing listens on right now, for a server that binds it later, drawn
+    at random below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``): the outgoing
+    connections of every process on the host take their source ports from that range, and so can take
+    a port :func:`free_port` returned before its server binds it (SGLang 0.5.17's torch.distributed
+    store, which binds its own pick from that range, died so). Another process drawing the same way may
+    still pick the same port (rarely). :func:`free_port` where the range leaves no room below it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0]) - 1
+    except (OSError, ValueError, IndexError):
+        high = 32767
+    if high - low < attempts:
+        return free_port(host)
+    for port in random.sample(range(low, high + 1), attempts):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def wait_port_free(port: int, timeout: float = 10.0, host: str = "127.0.0.1") -> None:

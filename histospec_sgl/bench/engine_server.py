@@ -130,7 +130,7 @@ class EngineServer:
                  startup_timeout: float = 300.0, port: int | None = None, tokenizer: bool = False):
         self.python = python or sys.executable
         self.method = method
-        self.port = port or procs.free_port()
+        self.port = port or procs.listen_port()
         self.args = server_args(model, method, port=self.port, device=device, draft_tokens=draft_tokens,
                                 dtype=dtype, max_running=max_running, max_total_tokens=max_total_tokens, tp=tp,
                                 extra=extra_args, tokenizer=tokenizer)
@@ -173,7 +173,7 @@ class EngineServer:
 
     def wait_ready(self) -> EngineServer:
         """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch).
-        A server whose port was taken between :func:`~histospec_sgl.procs.free_port` and its bind (by another process, or
+        A server whose port was taken between :func:`~histospec_sgl.procs.listen_port` and its bind (by another process, or
         another server starting beside it) does not exit; it is stopped and launched again on a new
         port, up to :data:`PORT_TRIES` times."""
         assert self.proc is not None, "launch() first"
@@ -184,7 +184,7 @@ class EngineServer:
             if attempt == PORT_TRIES:
                 raise EngineError(f"the {self.method} server found its port taken {PORT_TRIES} times:\n"
                                   f"{self.log_tail()}")
-            self.port = procs.free_port()
+            self.port = procs.listen_port()
             self.args[self.args.index("--port") + 1] = str(self.port)
             self.launch()
         return self

@@ -34,6 +34,15 @@ def _pass(engine, prompts: list[list[int]], sp: dict) -> dict:
     }
 
 
+def _engine(sgl, kw: dict):
+    """``sgl.Engine(**kw)`` with its torch.distributed port drawn below the ephemeral range: SGLang
+    0.5.17 draws it from that range, where another process's outgoing connection can take it before the
+    store binds it, and the engine then kills this process (0.5.23 draws it as :func:`listen_port` does)."""
+    from histospec_sgl.procs import listen_port
+
+    return sgl.Engine(**kw, nccl_port=listen_port())
+
+
 def main() -> None:
     import sglang as sgl
 
@@ -48,7 +57,7 @@ def main() -> None:
         kw = dict(base)
         if method != "plain":
             kw.update(speculative_algorithm=method.upper(), speculative_num_draft_tokens=spec["draft_tokens"])
-        engine = sgl.Engine(**kw)
+        engine = _engine(sgl, kw)
         try:
             run = {"passes": [_pass(engine, prompts, sp), _pass(engine, prompts, sp)]}
             if method == "history":
@@ -59,7 +68,7 @@ def main() -> None:
         finally:
             engine.shutdown()
         if method == "history" and spec.get("reload", True):
-            engine = sgl.Engine(**kw)
+            engine = _engine(sgl, kw)
             try:
                 run["fresh"] = _pass(engine, prompts[2:3], sp)
                 engine.collective_rpc("histospec_load", path=spec["snapshot"])

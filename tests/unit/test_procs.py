@@ -127,6 +127,46 @@ def test_free_port_and_wait_port_free():
     procs.wait_port_free(port, timeout=5)
 
 
+def test_listen_port_lies_below_the_ports_outgoing_connections_take(monkeypatch):
+    """Clients' source ports come from the kernel's ephemeral range; a port for a server that binds it
+    later is drawn below it, skipping one in use, and is free_port's where the range leaves no room."""
+    import socket
+    from pathlib import Path
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        clients = [socket.create_connection(server.getsockname()) for _ in range(32)]
+        try:
+            assert all(c.getsockname()[1] >= low for c in clients)
+            ports = {procs.listen_port() for _ in range(32)}
+            assert all(20000 <= p < low for p in ports), sorted(ports)
+            assert len(ports) > 1  # drawn at random, not the same for every caller
+        finally:
+            for c in clients:
+                c.close()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", procs.listen_port()))
+        taken = held.getsockname()[1]
+        spare = next(p for p in range(20000, low) if p != taken and _bindable(p))
+        monkeypatch.setattr(procs.random, "sample", lambda population, k: [taken, spare])
+        assert procs.listen_port() == spare
+    monkeypatch.undo()
+    assert procs.listen_port(low=low - 10) >= low  # no room below the range: free_port's pick
+
+
+def _bindable(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 #: An engine stood in for the harness (``EngineServer``): run as ``<python> -m sglang.launch_server
 #: ... --port N``; FAKE_ENGINE "taken" logs a bind failure on its first launch and stays up (as
 #: SGLang's launcher does), "exit" fails at once, otherwise it answers /health_generate.
