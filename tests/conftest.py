@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from _lanes import MemoryGate
+from _lanes import GateHooks, MemoryGate
 
 # Every process the tests start (SGLang servers, trainer drivers, Ray actors) computes on one thread:
 # tests run several servers side by side and scripts/test.sh runs three workers, on two cores, where
@@ -82,21 +82,9 @@ _GATE = MemoryGate.for_this_worker()
 TEXT_ENGINE_GB = 3.0
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test marked ``memory(gb)`` waits, before its fixtures start servers, until its peak fits
-    beside what the other workers' tests hold (tests/helpers/_lanes.py)."""
-    mark = item.get_closest_marker("memory")
-    if _GATE is not None and mark is not None:
-        waited = _GATE.acquire(float(mark.args[0]))
-        item.user_properties.append(("memory_wait_s", round(waited, 1)))
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
-    yield
-    if _GATE is not None and item.get_closest_marker("memory") is not None:
-        _GATE.release()
+def pytest_configure(config: pytest.Config) -> None:
+    if _GATE is not None:
+        config.pluginmanager.register(GateHooks(_GATE), "histospec-memory-gate")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

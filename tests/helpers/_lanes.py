@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import pytest
 
 #: Reservations that may run at once: 24 GB less the servers that module fixtures keep between tests,
 #: the pytest workers and the tests that reserve nothing (about 2 GB each way), and the system. On three
@@ -112,3 +113,27 @@ class MemoryGate:
         finally:
             with self._state() as state:
                 self._entry(state)["standing"] -= gb
+
+
+class GateHooks:
+    """The pytest hooks that put :class:`MemoryGate` around each test (tests/conftest.py registers
+    them on an xdist worker). A test marked ``memory(gb)`` waits, before its fixtures start servers,
+    until its peak fits, and holds its share until its teardown is done. The wait is outside the
+    test's time limit: this wrapper is the outermost one, around pytest-timeout's, whose timer
+    covers setup, call and teardown; a test that waited long for memory is not cut short for it."""
+
+    def __init__(self, gate: MemoryGate):
+        self.gate = gate
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        mark = item.get_closest_marker("memory")
+        if mark is None:
+            yield
+            return
+        waited = self.gate.acquire(float(mark.args[0]))
+        item.user_properties.append(("memory_wait_s", round(waited, 1)))
+        try:
+            yield
+        finally:
+            self.gate.release()

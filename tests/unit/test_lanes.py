@@ -1,16 +1,20 @@
 """The memory budget pytest workers share (tests/helpers/_lanes.py): a test waits only while another
 worker holds memory it would not fit beside, a worker that asked first goes first, and a dead
-worker's reservation is dropped."""
+worker's reservation is dropped; the wait is not counted against a test's time limit."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from _lanes import MemoryGate
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 
 def _acquire_in_thread(gate: MemoryGate, gb: float) -> tuple[threading.Thread, list[float]]:
@@ -94,3 +98,31 @@ def test_the_last_worker_to_leave_removes_the_file(tmp_path):
 def test_outside_xdist_nothing_waits(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     assert MemoryGate.for_this_worker() is None
+
+
+def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
+    """A real pytest run with pytest-timeout: its one test waits up to 6 s for memory another worker holds,
+    under a 2-s limit on setup, call and teardown, and passes, its wait recorded."""
+    gate_file = tmp_path / "gate.json"
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 2\nmarkers =\n    memory(gb): peak memory\n")
+    (tmp_path / "conftest.py").write_text(
+        "from pathlib import Path\nfrom _lanes import GateHooks, MemoryGate\n\n"
+        "def pytest_configure(config):\n"
+        f"    gate = MemoryGate(Path({str(gate_file)!r}), 'gw1', budget=10, poll_s=0.05)\n"
+        "    config.pluginmanager.register(GateHooks(gate), 'gate')\n")
+    (tmp_path / "test_inner.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef server():\n    yield 1\n\n"
+        "@pytest.mark.memory(8)\ndef test_big(server):\n    assert server == 1\n")
+    other = MemoryGate(gate_file, "gw0", budget=10, poll_s=0.05)
+    other.acquire(6)
+    threading.Timer(6.0, other.release).start()
+    env = {**os.environ, "PYTHONPATH": str(HELPERS)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          f"--junitxml={tmp_path / 'out.xml'}", str(tmp_path / "test_inner.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert "1 passed" in run.stdout
+    xml = (tmp_path / "out.xml").read_text()
+    waited = float(xml.split('name="memory_wait_s" value="', 1)[1].split('"', 1)[0])
+    assert 2 < waited < 60, xml  # longer than the limit
