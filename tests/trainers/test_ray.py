@@ -23,6 +23,9 @@ from conftest import DRIVERS, ROOT, driver_path, require_modules
 from histospec_sgl.procs import free_port
 
 SCRIPT = DRIVERS / "ray_cluster_script.py"
+#: A test starts a Ray cluster, engine actors and draft servers, and kills and restarts them: 90 s alone
+#: on two cores, twice that beside the other workers' servers.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
