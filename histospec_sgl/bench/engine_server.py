@@ -70,14 +70,15 @@ def cpu_engine_env(python: str, root: Path | None = None, base: dict[str, str] |
 def server_args(model: str | os.PathLike[str], method: str, *, port: int, device: str = "cpu",
                 draft_tokens: int = 8, dtype: str = "float32", max_running: int = 64,
                 max_total_tokens: int = 65536, tp: int = 1, extra: list[str] | None = None,
-                tokenizer: bool = False) -> list[str]:
+                tokenizer: bool = False, nccl_port: int | None = None) -> list[str]:
     """``sglang.launch_server`` arguments for one method (token ids in and out, no tokenizer, unless
-    ``tokenizer``: then the model directory's tokenizer, and text too)."""
+    ``tokenizer``: then the model directory's tokenizer, and text too). ``nccl_port``: the port of
+    SGLang's torch.distributed store (SGLang draws one itself without it)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: expected one of {', '.join(METHODS)}")
     args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
             *([] if tokenizer else ["--skip-tokenizer-init"]), "--dtype", dtype, "--max-running-requests", str(max_running), "--log-level", "warning",
-            "--tp-size", str(tp)]
+            "--tp-size", str(tp), *([] if nccl_port is None else ["--nccl-port", str(nccl_port)])]
     if device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens",
                  str(max_total_tokens), "--disable-cuda-graph"]
@@ -131,9 +132,13 @@ class EngineServer:
         self.python = python or sys.executable
         self.method = method
         self.port = port or procs.listen_port()
+        # SGLang 0.5.17 draws its torch.distributed port from the kernel's ephemeral range, where an
+        # outgoing connection can take it before the store binds it: drawn here, below that range.
+        self._draws_nccl_port = "--nccl-port" not in (extra_args or [])
         self.args = server_args(model, method, port=self.port, device=device, draft_tokens=draft_tokens,
                                 dtype=dtype, max_running=max_running, max_total_tokens=max_total_tokens, tp=tp,
-                                extra=extra_args, tokenizer=tokenizer)
+                                extra=extra_args, tokenizer=tokenizer,
+                                nccl_port=procs.listen_port() if self._draws_nccl_port else None)
         base = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}
         base.update(env or {})
         if tp > 1 and device == "cpu":
@@ -174,8 +179,8 @@ class EngineServer:
     def wait_ready(self) -> EngineServer:
         """Waits until the launched server answers ``/health_generate`` (``startup_timeout`` from its launch).
         A server whose port was taken between :func:`~histospec_sgl.procs.listen_port` and its bind (by another process, or
-        another server starting beside it) does not exit; it is stopped and launched again on a new
-        port, up to :data:`PORT_TRIES` times."""
+        another server starting beside it) does not exit; it is stopped and launched again on new
+        ports (its torch.distributed port too, unless ``extra_args`` set it), up to :data:`PORT_TRIES` times."""
         assert self.proc is not None, "launch() first"
         for attempt in range(1, PORT_TRIES + 1):
             if self._wait():
@@ -186,6 +191,8 @@ class EngineServer:
                                   f"{self.log_tail()}")
             self.port = procs.listen_port()
             self.args[self.args.index("--port") + 1] = str(self.port)
+            if self._draws_nccl_port:
+                self.args[self.args.index("--nccl-port") + 1] = str(procs.listen_port())
             self.launch()
         return self
 

@@ -85,8 +85,9 @@ FAKE_ENGINE = """#!{python}
 import http.server, pathlib, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 launches = pathlib.Path({marker!r})
-launches.write_text(launches.read_text() + f"{{port}}\\n" if launches.exists() else f"{{port}}\\n")
-if len(launches.read_text().split()) == 1:
+nccl = sys.argv[sys.argv.index("--nccl-port") + 1]
+launches.write_text((launches.read_text() if launches.exists() else "") + f"{{port}} {{nccl}}\\n")
+if len(launches.read_text().splitlines()) == 1:
     # What SGLang prints, and then keeps running, when its HTTP port was taken before it bound it.
     print(f"ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {{port}}): "
           "address already in use", flush=True)
@@ -102,7 +103,9 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
     """The engine stood in by a process that answers SGLang's health check: on its first launch it
     fails to bind its port as SGLang does (it prints the error and keeps running); the server is
-    stopped and launched on a new port, which answers."""
+    stopped and launched on a new port, which answers. Each launch names its torch.distributed port,
+    drawn below the kernel's ephemeral range (where SGLang 0.5.17's own pick could be taken by an
+    outgoing connection)."""
     from histospec_sgl.bench.engine_server import EngineServer
 
     marker = tmp_path / "launches"
@@ -114,8 +117,11 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
     first = srv.port
     try:
         srv.start()
-        ports = [int(p) for p in marker.read_text().split()]
-        assert ports == [first, srv.port] and srv.port != first
+        launches = [[int(p) for p in line.split()] for line in marker.read_text().splitlines()]
+        assert [http for http, _ in launches] == [first, srv.port] and srv.port != first
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+        assert all(20000 <= nccl < ephemeral for _, nccl in launches), launches
         with urllib.request.urlopen(srv.url + "/health_generate", timeout=5) as r:
             assert r.status == 200
     finally:
