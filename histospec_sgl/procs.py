@@ -37,6 +37,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), from which
+    outgoing connections take their source ports; Linux's default, 32768, where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def listen_port(host: str = "127.0.0.1", low: int = 20000, attempts: int = 64) -> int:
     """A TCP port on ``host`` that nothing listens on right now, for a server that binds it later, drawn
     at random below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``): the outgoing
@@ -44,11 +54,7 @@ def listen_port(host: str = "127.0.0.1", low: int = 20000, attempts: int = 64) -
     a port :func:`free_port` returned before its server binds it (SGLang 0.5.17's torch.distributed
     store, which binds its own pick from that range, died so). Another process drawing the same way may
     still pick the same port (rarely). :func:`free_port` where the range leaves no room below it."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            high = int(f.read().split()[0]) - 1
-    except (OSError, ValueError, IndexError):
-        high = 32767
+    high = ephemeral_low() - 1
     if high - low < attempts:
         return free_port(host)
     for port in random.sample(range(low, high + 1), attempts):
@@ -219,5 +225,5 @@ def _signal(proc: subprocess.Popen, sig: int, group: bool) -> None:
             proc.send_signal(sig)
 
 
-__all__ = ["ChildError", "dies_with_parent", "free_port", "run_in_group", "spawn", "stop", "wait_port_free",
+__all__ = ["ChildError", "dies_with_parent", "ephemeral_low", "free_port", "run_in_group", "spawn", "stop", "wait_port_free",
            "wait_ready"]

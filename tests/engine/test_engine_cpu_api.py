@@ -107,6 +107,7 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
     drawn below the kernel's ephemeral range (where SGLang 0.5.17's own pick could be taken by an
     outgoing connection)."""
     from histospec_sgl.bench.engine_server import EngineServer
+    from histospec_sgl.procs import ephemeral_low
 
     marker = tmp_path / "launches"
     fake = tmp_path / "fake_python"
@@ -119,9 +120,7 @@ def test_a_server_whose_port_was_taken_is_launched_again_on_another(tmp_path):
         srv.start()
         launches = [[int(p) for p in line.split()] for line in marker.read_text().splitlines()]
         assert [http for http, _ in launches] == [first, srv.port] and srv.port != first
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral = int(f.read().split()[0])
-        assert all(20000 <= nccl < ephemeral for _, nccl in launches), launches
+        assert all(20000 <= nccl < ephemeral_low() for _, nccl in launches), launches
         with urllib.request.urlopen(srv.url + "/health_generate", timeout=5) as r:
             assert r.status == 200
     finally:

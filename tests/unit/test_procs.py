@@ -131,9 +131,8 @@ def test_listen_port_lies_below_the_ports_outgoing_connections_take(monkeypatch)
     """Clients' source ports come from the kernel's ephemeral range; a port for a server that binds it
     later is drawn below it, skipping one in use, and is free_port's where the range leaves no room."""
     import socket
-    from pathlib import Path
 
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low = procs.ephemeral_low()
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(64)
