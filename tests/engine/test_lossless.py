@@ -70,6 +70,11 @@ def _check_scenario(srv: EngineServer, plain: EngineServer, passes: int = 2) -> 
     return out
 
 
+def _ran_since(srv: EngineServer, before: dict[str, int]) -> set[str]:
+    """The verify widths ``srv`` ran steps at since its :func:`width_steps` read ``before``."""
+    return {w for w, n in (width_steps(srv) or {}).items() if n > before.get(w, 0)}
+
+
 def _tokens_per_step(res: dict) -> float:
     outs = [o for r, o in zip(res["reqs"], res["got"].values()) if "abort_after" not in r]
     return sum(len(o["output_ids"]) for o in outs) / sum(verify_steps(o) for o in outs)
@@ -130,8 +135,7 @@ def test_every_request_and_every_step_returns_what_plain_decoding_returns(sglang
             # The policy picks widths by the step costs it measures on this noisy machine: until it
             # has run a narrower width, fresh prompts (short matches, moderate promises) give it
             # more chances to.
-            after = width_steps(srv) or {}
-            if {w for w, n in after.items() if n > before.get(w, 0)} & {"2", "4"}:
+            if _ran_since(srv, before) & {"2", "4"}:
                 break
             prompts = [[rng.randrange(2, 510) for _ in range(rng.randrange(12, 40))] for _ in range(8)]
         got = srv.generate(prompts, sp, return_logprob=True, top_logprobs_num=3, return_hidden_states=True)
@@ -144,10 +148,9 @@ def test_every_request_and_every_step_returns_what_plain_decoding_returns(sglang
             assert worst < 1e-3, (p, worst)
             top = [[t[1] for t in row] for row in o["meta_info"]["output_top_logprobs"]]
             assert top == [[t[1] for t in row] for row in w["meta_info"]["output_top_logprobs"]], p
-    after = width_steps(srv) or {}
-    ran = {w for w, n in after.items() if n > before.get(w, 0)}
+    ran = _ran_since(srv, before)
     # plain steps, width d, and a narrower verify width in between
-    assert {"1", "8"} <= ran and ran & {"2", "4"}, after
+    assert {"1", "8"} <= ran and ran & {"2", "4"}, (ran, width_steps(srv))
     # Sampling parameters, greedy (deterministic): each after a pass without them, so that the
     # history drafts what the unpenalized policy says.
     processor = _disallowed_tokens_processor(sglang_py)
@@ -189,8 +192,7 @@ def test_history_under_the_overlap_scheduler_equals_plain_decoding(sglang_py, gr
     with _history(sglang_py, greedy_model, tmp_path, "retract",
                   {**FIXED, "SGLANG_TEST_RETRACT": "1", "CPU_ENGINE_BROKEN_FILE": str(switch)}) as retract:
         passes = _check_scenario(default, plain)
-        widths = width_steps(default) or {}
-        assert {"1", "8"} <= {w for w, n in widths.items() if n > before.get(w, 0)}, widths
+        assert {"1", "8"} <= _ran_since(default, before), (before, width_steps(default))
         assert _tokens_per_step(passes[1]) > 2.0
         passes = _check_scenario(retract, plain)
         assert _counter(retract, "sglang:num_retracted_requests_total") > 0
