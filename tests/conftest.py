@@ -251,10 +251,12 @@ def text_model() -> Path:
                        intermediate=128, tokenizer=tokenizer)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """One SGLang server on CPU decoding with HISTORY, with the text model's tokenizer, synced with a
-    draft server; shared by the trainer tests."""
+    draft server; shared by a trainer module's tests. Module-scoped: a session-scoped one stood for
+    the rest of its worker's run, and two workers each keeping one left the others' server tests
+    6 of the memory budget's 13 GB, long after the two modules had ended."""
     from histospec_sgl.bench.engine_server import EngineServer
     from histospec_sgl.sync.process import DraftServerProcess
 
@@ -268,7 +270,7 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     # validation check runs its own engine on the default.
     srv = EngineServer(text_model, "history", python=str(SGLANG_PY), tokenizer=True, max_running=32,
                        env={"HISTOSPEC_DRAFT_SERVER": ds.address, **FIXED}, log_path=tmp / "sglang.log")
-    # It stays up for the rest of this worker's run: every later test's memory budget counts it.
+    # It stays up between the module's tests: every test's memory budget counts it meanwhile.
     standing = _GATE.standing(TEXT_ENGINE_GB) if _GATE is not None else contextlib.nullcontext()
     try:
         with standing:

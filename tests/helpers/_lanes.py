@@ -6,11 +6,12 @@ runs whole on one worker, so its module-scoped servers start once). A CPU SGLang
 that starts servers says how much memory it needs at its peak (``@pytest.mark.memory(gb)``, measured
 as the drop in ``MemAvailable`` while it runs alone, servers of its module's fixtures included), and
 a worker waits before setting it up until the reservations of the tests running on the other workers
-and its own fit in :data:`BUDGET_GB`. A session-scoped server (``text_engine``) stands for the rest of
-a worker's run: it declares itself with :meth:`MemoryGate.standing`, and counts against the budget of
-every test after it. Waiting holds no test's reservation, and a test waits only while a test of
-another worker holds one, so workers never wait on each other in a circle; a worker already waiting goes
-before a test that asks later. Without xdist (one process) nothing waits.
+and its own fit in :data:`BUDGET_GB`. A server that a module fixture keeps between its tests
+(``text_engine``) can declare itself with :meth:`MemoryGate.standing`: it counts against the budget
+of every test, on every worker, until its module ends. Waiting holds no test's reservation, and a
+test waits only while a test of another worker holds one, so workers never wait on each other in a
+circle; a worker already waiting goes before a test that asks later. Without xdist (one process)
+nothing waits.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class MemoryGate:
     @contextlib.contextmanager
     def standing(self, gb: float) -> Iterator[None]:
         """Counts ``gb`` against every later test's budget while the block runs (a server that a
-        session-scoped fixture keeps)."""
+        fixture keeps between tests)."""
         with self._state() as state:
             self._entry(state)["standing"] += gb
         try:
