@@ -143,6 +143,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, help="the tiny model (make_tiny_model.py)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--log-dir", help="the servers' logs (default: --out; a call returns at most 8 files)")
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: a dry run of this script on the CPU engine, from a checkout (no CUDA graphs)")
@@ -151,6 +152,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    logs = Path(args.log_dir) if args.log_dir else out
+    logs.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
     result: dict[str, Any] = {"args": vars(args)}
 
@@ -176,13 +179,16 @@ def main() -> int:
 
     def srv(name: str, model: Path | str, method: str, env: dict[str, str] | None = None,
             cuda_graph: bool = True) -> EngineServer:
-        extra = [*(["--mem-fraction-static", "0.08"] if gpu else []), "--chunked-prefill-size", "64",
+        # Eight servers start side by side and SGLang charges what the others allocate meanwhile against
+        # each one's static fraction, so the fraction is generous and --max-total-tokens sizes the pool.
+        extra = [*(["--mem-fraction-static", "0.6", "--max-total-tokens", "131072"] if gpu else []),
+                 "--chunked-prefill-size", "64",
                  *(graphs if cuda_graph else eager)]
         if method == "history":
             extra.append("--enable-metrics")
         return EngineServer(model, method, device=args.device, dtype=dtype, draft_tokens=D, max_running=32,
                             env={**(env or {}), **(CHECKED if method == "history" else {})}, extra_args=extra,
-                            log_path=out / f"server-{name}.log", startup_timeout=args.startup_timeout)
+                            log_path=logs / f"server-{name}.log", startup_timeout=args.startup_timeout)
 
     plain = srv("plain", args.model, "plain")
     others = {"ngram": srv("ngram", args.model, "ngram"),

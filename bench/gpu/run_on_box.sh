@@ -7,7 +7,9 @@
 # e2e.partial.json after each phase).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
-S=$(mktemp -d)
+# A fixed directory, not mktemp: SGLang's JIT kernels (tvm-ffi) record the site's path in their
+# build.ninja, so a cache built under one temp dir is rebuilt under another.
+S="${GPU_WORKDIR:-/tmp/histospec-gpu}"; rm -rf "$S"; mkdir -p "$S"
 ROOT="$PWD"
 exec > >(tee "$OUT/run.log") 2>&1
 echo "== box"; nvidia-smi -L; python3 --version; which nvcc ninja xz || true; ldd --version | head -1
@@ -29,8 +31,13 @@ python3 -m histospec_sgl.cli launch-server --check || echo "plugin check FAILED"
 echo "== tiny model"
 python3 "$ROOT/.devpayload/make_tiny_model.py" "$S/tiny" || { echo "tiny model failed"; exit 1; }
 echo "== e2e"
-timeout "${E2E_TIMEOUT:-540}" python3 "$ROOT/bench/gpu/e2e.py" --model "$S/tiny" --out "$OUT" ${E2E_ARGS:-}
+# E2E_TIMEOUT has to end the checks about 40 s before the call's own limit (the steps above take
+# 30-35 s), or the call is killed before the logs are packed below.
+timeout "${E2E_TIMEOUT:-520}" python3 "$ROOT/bench/gpu/e2e.py" --model "$S/tiny" --out "$OUT" --log-dir "$S/logs" \
+  ${E2E_ARGS:-}
 rc=$?
+# One archive for the servers' logs: a call returns at most 8 files.
+tar -C "$S/logs" -cJf "$OUT/server-logs.tar.xz" . 2>/dev/null
 # The index's threads on the box's cores (no GPU needed): WORKER_THREADS="1 4 8" runs bench worker once
 # per count, each under WORKER_TIMEOUT seconds, after the e2e check so that it never eats its time.
 for t in ${WORKER_THREADS:-}; do
