@@ -8,8 +8,9 @@
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 # A fixed directory, not mktemp: SGLang's JIT kernels (tvm-ffi) record the site's path in their
-# build.ninja, so a cache built under one temp dir is rebuilt under another.
-S="${GPU_WORKDIR:-/tmp/histospec-gpu}"; rm -rf "$S"; mkdir -p "$S"
+# build.ninja, so a cache built under one temp dir is rebuilt under another. Each call renews the
+# site (pip --target keeps a package it finds there) and the logs; a warm machine's JIT cache stays.
+S="${GPU_WORKDIR:-/tmp/histospec-gpu}"; rm -rf "$S/site" "$S/logs"; mkdir -p "$S"
 ROOT="$PWD"
 exec > >(tee "$OUT/run.log") 2>&1
 echo "== box"; nvidia-smi -L; python3 --version; which nvcc ninja xz || true; ldd --version | head -1
