@@ -31,6 +31,9 @@ import time
 import ray
 
 HOOK = "histospec_sgl.integrations.ray_setup.setup"
+#: An engine actor's first call starts a Ray worker that imports SGLang: 15 s on an idle two-core
+#: machine, past two minutes beside the other test workers' servers.
+FIRST_CALL_S = 270
 
 
 def _server_args(**extra: object) -> dict:
@@ -101,7 +104,7 @@ def hook() -> None:
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
         try:
             actor = EngineActor.options(runtime_env={"env_vars": {"HISTOSPEC_TEST_ACTOR": "1"}}).remote()
-            out["with_hook" if with_hook else "without_hook"] = ray.get(actor.server_args.remote(), timeout=120)
+            out["with_hook" if with_hook else "without_hook"] = ray.get(actor.server_args.remote(), timeout=FIRST_CALL_S)
         finally:
             ray.shutdown()
     print(json.dumps(out))
@@ -136,7 +139,7 @@ def engine(address: str) -> None:
                 no_token = str(e)
         env = {"HISTOSPEC_DRAFT_SERVER_ACTOR": f"{rds.NAMESPACE}/{rds.NAME}"}
         eng = EngineActor.options(runtime_env={"env_vars": env}).remote()
-        args = ray.get(eng.server_args.remote(), timeout=120)
+        args = ray.get(eng.server_args.remote(), timeout=FIRST_CALL_S)
         resolved = ray.get(eng.env.remote("HISTOSPEC_DRAFT_SERVER"))
         got = ray.get(eng.receive.remote(prompt, 30.0), timeout=120)
         out = {"lookup": server, "again": again, "server_pid": pid, "server_args": args, "resolved": resolved,

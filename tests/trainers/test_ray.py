@@ -53,7 +53,8 @@ def _last_json(r: subprocess.CompletedProcess) -> dict:
 
 @pytest.mark.memory(2)
 def test_history_resolves_in_an_engine_actor_only_with_the_setup_hook(ray_py, greedy_model):
-    out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "hook"))
+    # Two clusters one after the other, each an actor's first call (the driver's FIRST_CALL_S).
+    out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "hook", timeout=580))
     assert out["without_hook"]["ok"] is False
     assert "Unknown speculative algorithm name" in out["without_hook"]["error"]
     assert out["with_hook"]["ok"] is True, out["with_hook"]
@@ -86,7 +87,7 @@ def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py,
         assert second.stdout.strip().splitlines()[-1] == address
         assert (data / "ray-actor-listen").read_text().strip() == address
 
-        out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "engine", head))
+        out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "engine", head, timeout=450))
         assert out["lookup"] == address and out["again"] == address
         assert out["server_args"]["ok"] is True, out["server_args"]
         assert out["resolved"] == address  # set by the plugin inside the engine actor
