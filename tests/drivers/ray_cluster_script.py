@@ -104,7 +104,8 @@ def hook() -> None:
         ray.init(num_cpus=2, include_dashboard=False, runtime_env=runtime_env, log_to_driver=False)
         try:
             actor = EngineActor.options(runtime_env={"env_vars": {"HISTOSPEC_TEST_ACTOR": "1"}}).remote()
-            out["with_hook" if with_hook else "without_hook"] = ray.get(actor.server_args.remote(), timeout=FIRST_CALL_S)
+            args = ray.get(actor.server_args.remote(), timeout=FIRST_CALL_S)
+            out["with_hook" if with_hook else "without_hook"] = args
         finally:
             ray.shutdown()
     print(json.dumps(out))
