@@ -171,7 +171,7 @@ def _bench_engine(args: argparse.Namespace) -> int:
                              batch_sizes=tuple(args.batch_sizes), temperatures=tuple(args.temperatures),
                              siblings=args.siblings, max_new_tokens=args.max_new_tokens,
                              draft_tokens=args.draft_tokens, device=args.device, python=args.python,
-                             repeats=args.repeats,
+                             repeats=args.repeats, server_starts=args.server_starts,
                              sampled_requests=args.sampled_requests, fixed_length=args.fixed_length,
                              log=progress, log_dir=args.log_dir, trace=args.trace, trace_groups=args.trace_groups,
                              trace_seed=args.trace_seed,
@@ -371,6 +371,10 @@ def add_bench(sub: Any) -> None:
     be.add_argument("--python", help="the interpreter that has SGLang (default: this one)")
     be.add_argument("--repeats", type=int, default=1,
                     help="run every row this many times (fresh groups each time) and report the medians")
+    be.add_argument("--server-starts", type=int, default=1,
+                    help="start every method's server this many times, one set after another, and run every row "
+                    "--repeats times on each: the medians are then over as many servers, whose speeds differ by a "
+                    "few percent for their whole lives (default 1)")
     be.add_argument("--sampled-requests", type=int, default=32,
                     help="a sampled row runs batches of its size until it has run this many requests "
                     "(sampled lengths vary from run to run; greedy rows run once)")

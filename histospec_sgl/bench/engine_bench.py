@@ -8,9 +8,14 @@ a row are timed one right after the other (in an order that rotates) and the rat
 the same machine. Before each row's first pass every server's cache is flushed (NGRAM's corpus and the
 radix cache go; HISTORY keeps its history, so each row's requests carry their own
 ``custom_params.histospec_group`` and start with none). With ``repeats`` > 1 each row runs that many
-times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run). The second pass repeats the same requests:
-what an RL epoch sees when it re-samples its prompts. A batch of B requests goes to the server in one
-``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other
+times, with fresh groups, and its numbers are the medians (``tokens_per_s_runs`` keeps every run).
+A server's speed can sit a few percent off its neighbour's for its whole life, which a row's repeats on
+one server cannot average out: ``server_starts`` > 1 (``--server-starts``) starts every method's server
+that many times, one set after another, and runs all the rows ``repeats`` times on each, so that a row's
+medians are over ``server_starts`` x ``repeats`` runs on as many servers (``server_start_runs`` says
+which start each run was on; the step policy learns afresh on each, as a new engine does).
+The second pass repeats the same requests: what an RL epoch sees when it re-samples its prompts. A
+batch of B requests goes to the server in one ``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other
 (in trace mode, ``sampled_requests`` of them:
 :func:`~histospec_sgl.simulate.trace.single_requests`).
 A sampled row (temperature > 0) runs batches of B until it has run ``sampled_requests`` requests
@@ -246,13 +251,15 @@ def _timed(srv: EngineServer, ids: list[list[int]], params: list[dict[str, Any]]
 def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes: tuple[int, ...] = (1, 4, 16, 64),
         temperatures: tuple[float, ...] = (0.0, 1.0), siblings: int = 8, max_new_tokens: int = 128,
         draft_tokens: int = 8, device: str = "cpu", python: str | None = None,
-        repeats: int = 1, sampled_requests: int = 32,
+        repeats: int = 1, sampled_requests: int = 32, server_starts: int = 1,
         fixed_length: bool = False, log: Callable[[str], None] = print,
         log_dir: str | None = None, trace: str | None = None, trace_groups: int = 8, trace_seed: int = 0,
         data_root: Path | None = None) -> dict[str, Any]:
     parsed = {m: parse(m) for m in methods}
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
+    if server_starts < 1:
+        raise ValueError(f"server_starts must be at least 1, got {server_starts}")
     python = python or sys.executable
     path, prompts, model_info = _model(model, log, data_root)
     # The models and forced traces end answers themselves; ``fixed_length`` runs every request to
@@ -261,8 +268,8 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     settings: dict[str, Any] = {
         "mode": "trace" if trace else "sample", "batch_sizes": list(batch_sizes), "temperatures": list(temperatures),
         "siblings": siblings, "max_new_tokens": max_new_tokens, "draft_tokens": draft_tokens, "device": device,
-        "ignore_eos": ignore_eos, "repeats": repeats, "sampled_requests": sampled_requests,
-        "fixed_length": fixed_length}
+        "ignore_eos": ignore_eos, "repeats": repeats, "server_starts": server_starts,
+        "sampled_requests": sampled_requests, "fixed_length": fixed_length}
     if "ngram_corpus" in methods:
         settings["ngram_corpus_budget"] = corpus_budget(draft_tokens)
     work = tempfile.mkdtemp(prefix="histospec-bench-engine-")
@@ -277,7 +284,7 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
         et.write_trace_file(Path(work) / "trace.json", trace_groups_, eos)
         server_model = et.trace_model_dir(path, Path(work) / "model")
         trace_extra = et.trace_env(Path(work) / "trace.json")
-        keys = [_row_key(t, b, r) for t in temperatures for b in batch_sizes for r in range(repeats)]
+        keys = [_row_key(t, b, r) for t in temperatures for b in batch_sizes for r in range(server_starts * repeats)]
         per_row = et.write_history(Path(work) / "history.jsonl", trace_groups_, keys) // max(1, len(keys))
         settings["trace"] = {**spec.to_json(), "requests": sum(len(g.samples) for g in trace_groups_),
                              "single_requests": single_requests(sampled_requests),
@@ -293,45 +300,61 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
     # that its servers fit the machine's memory side by side.
     kv_tokens = min(65536, max(8192, max(batch_sizes) * (longest_prompt + max_new_tokens + 2 * draft_tokens + 8)))
     large = int(model_info.get("parameters", 0)) >= 50_000_000
-    servers: dict[str, EngineServer] = {}
-    for method in methods:
-        algo, env, extra = server_spec(method)
-        paths = []
-        if method == "ngram_corpus":
-            paths.append(str(sglang_0523(python)))
-            env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
-            extra += ["--speculative-ngram-external-sam-budget", str(corpus_budget(draft_tokens))]
-        if trace is not None:
-            paths.append(trace_extra["PYTHONPATH"])
-            env.update({k: v for k, v in trace_extra.items() if k != "PYTHONPATH"})
-            if algo == "history":
-                env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
-            elif algo == "plain":  # no step policy times its steps: the trace model does
-                env["TRACE_MODE_CLOCK"] = str(Path(work) / f"clock-{method}.log")
-        if paths:
-            env["PYTHONPATH"] = os.pathsep.join(paths)
-        servers[method] = EngineServer(server_model, algo, python=python, device=device,
-                                       draft_tokens=parsed[method].width(draft_tokens),
-                                       dtype="float32" if device == "cpu" else "bfloat16",
-                                       max_running=max(batch_sizes), env=env, extra_args=extra,
-                                       max_total_tokens=kv_tokens,
-                                       tokenizer=method == "ngram_corpus",
-                                       log_path=Path(log_dir) / f"server-{method}.log" if log_dir else None)
-    log(f"[bench engine] starting the servers: {', '.join(methods)}")
-    # Large servers loading at once starve each other's KV-pool sizing (five SmolLM2 did; two do not).
-    with running(*servers.values(), one_at_a_time=large and len(servers) > 2):
-        overlap = {m: srv.overlap() for m, srv in servers.items()}
-        chunk = {m: srv.prefill_chunk() for m, srv in servers.items()}
-        for srv in servers.values():
-            srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
-                         {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
-        if trace is None:
-            runs = _sample_rows(servers, prompts, batch_sizes, temperatures, siblings, max_new_tokens, ignore_eos,
-                                repeats, sampled_requests, log)
-        else:
-            assert trace_groups_ is not None
-            runs = _trace_rows(servers, trace_groups_, batch_sizes, temperatures, max_new_tokens, ignore_eos,
-                               repeats, sampled_requests, log)
+
+    def servers_of(start: int) -> dict[str, EngineServer]:
+        """Every method's server, for the ``start``-th set (each set's logs and trace clocks apart)."""
+        tag = f"-s{start}" if server_starts > 1 else ""
+        servers: dict[str, EngineServer] = {}
+        for method in methods:
+            algo, env, extra = server_spec(method)
+            paths = []
+            if method == "ngram_corpus":
+                paths.append(str(sglang_0523(python)))
+                env["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+                extra += ["--speculative-ngram-external-sam-budget", str(corpus_budget(draft_tokens))]
+            if trace is not None:
+                paths.append(trace_extra["PYTHONPATH"])
+                env.update({k: v for k, v in trace_extra.items() if k != "PYTHONPATH"})
+                if algo == "history":
+                    env["HISTOSPEC_HISTORY_LOAD"] = str(Path(work) / "history.jsonl")
+                elif algo == "plain":  # no step policy times its steps: the trace model does
+                    env["TRACE_MODE_CLOCK"] = str(Path(work) / f"clock-{method}{tag}.log")
+            if paths:
+                env["PYTHONPATH"] = os.pathsep.join(paths)
+            servers[method] = EngineServer(server_model, algo, python=python, device=device,
+                                           draft_tokens=parsed[method].width(draft_tokens),
+                                           dtype="float32" if device == "cpu" else "bfloat16",
+                                           max_running=max(batch_sizes), env=env, extra_args=extra,
+                                           max_total_tokens=kv_tokens,
+                                           tokenizer=method == "ngram_corpus",
+                                           log_path=Path(log_dir) / f"server-{method}{tag}.log" if log_dir else None)
+        return servers
+
+    runs: Runs = {}
+    overlap: dict[str, bool] = {}
+    chunk: dict[str, Any] = {}
+    for start in range(server_starts):
+        servers = servers_of(start)
+        log(f"[bench engine] starting the servers: {', '.join(methods)}"
+            + (f" (set {start + 1}/{server_starts})" if server_starts > 1 else ""))
+        # Large servers loading at once starve each other's KV-pool sizing (five SmolLM2 did; two do not).
+        with running(*servers.values(), one_at_a_time=large and len(servers) > 2):
+            for m, srv in servers.items():
+                overlap.setdefault(m, srv.overlap())
+                chunk.setdefault(m, srv.prefill_chunk())
+            for srv in servers.values():
+                srv.generate([prompts[0] if trace is None else trace_groups_[0].prompt_ids],  # type: ignore[index]
+                             {"temperature": 0.0, "max_new_tokens": 8})  # warm-up
+            reps = range(start * repeats, (start + 1) * repeats)
+            if trace is None:
+                got = _sample_rows(servers, prompts, batch_sizes, temperatures, siblings, max_new_tokens, ignore_eos,
+                                   reps, sampled_requests, log)
+            else:
+                assert trace_groups_ is not None
+                got = _trace_rows(servers, trace_groups_, batch_sizes, temperatures, max_new_tokens, ignore_eos,
+                                  reps, sampled_requests, log)
+        for key, rs in got.items():
+            runs.setdefault(key, []).extend({**r, "server_start": start} if server_starts > 1 else r for r in rs)
     shutil.rmtree(work, ignore_errors=True)
     rows = [{"method": m, "mode": settings["mode"], "pass": p, "batch_size": b, "temperature": t, "siblings": n,
              "draft_tokens": parsed[m].width(draft_tokens), "control": parsed[m].control, "overlap": overlap[m],
@@ -350,14 +373,14 @@ def _row_key(temp: float, batch: int, rep: int) -> str:
 
 def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], batch_sizes: tuple[int, ...],
                  temperatures: tuple[float, ...], siblings: int, max_new_tokens: int, ignore_eos: bool,
-                 repeats: int, sampled_requests: int, log: Callable[[str], None]) -> Runs:
+                 reps: range, sampled_requests: int, log: Callable[[str], None]) -> Runs:
     """The model's own samples: a first and a second pass over the same requests per row."""
     runs: Runs = {}
     order = list(servers)
     for temp in temperatures:
         for batch in batch_sizes:
             for sib in ([1, siblings] if temp > 0 and batch >= siblings > 1 else [1]):
-                for rep in range(repeats):
+                for rep in reps:
                     n = SINGLE_REPEATS if batch == 1 else batch
                     if temp > 0:
                         n = max(n, -(-sampled_requests // batch) * batch)
@@ -369,14 +392,14 @@ def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], bat
                                                     "custom_params": {"histospec_group": g}} for g in groups], None)
                         srv.flush_cache()
                     for pass_no in (1, 2):
-                        _time_methods(servers, order, params_of, batch, (pass_no, batch, temp, sib), rep, repeats,
+                        _time_methods(servers, order, params_of, batch, (pass_no, batch, temp, sib), rep, reps,
                                       runs, log)
                         order = order[1:] + order[:1]  # no method always runs first
     return runs
 
 
 def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes: tuple[int, ...],
-                temperatures: tuple[float, ...], max_new_tokens: int, ignore_eos: bool, repeats: int,
+                temperatures: tuple[float, ...], max_new_tokens: int, ignore_eos: bool, reps: range,
                 sampled_requests: int, log: Callable[[str], None]) -> Runs:
     """The step's logged samples forced through each server, one pass per row, after a weight update
     (``flush_cache``); ``ngram_corpus`` gets the row's history as its external corpus."""
@@ -387,7 +410,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
     siblings = max(len(g.samples) for g in groups)
     for temp in temperatures:
         for batch in batch_sizes:
-            for rep in range(repeats):
+            for rep in reps:
                 reqs = et.requests(groups, row_requests(batch, sampled_requests, single_requests(sampled_requests)))
                 key = _row_key(temp, batch, rep)
                 ids = [groups[gi].prompt_ids for gi, _ in reqs]
@@ -400,7 +423,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
                     if method == "ngram_corpus":
                         srv.set_corpus([t for gi in used for t in groups[gi].history_text])
                 params_of = {m: (ids, params, [f"{m}-{r}" for r in rids]) for m in servers}
-                _time_methods(servers, order, params_of, batch, (1, batch, temp, siblings), rep, repeats, runs, log,
+                _time_methods(servers, order, params_of, batch, (1, batch, temp, siblings), rep, reps, runs, log,
                               expect={f"{m}-{r}": groups[gi].samples[si][:max_new_tokens]
                                       for m in servers for r, (gi, si) in zip(rids, reqs)})
                 order = order[1:] + order[:1]
@@ -408,14 +431,14 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
 
 
 def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of: dict[str, tuple], batch: int,
-                  point: tuple, rep: int, repeats: int, runs: Runs, log: Callable[[str], None],
+                  point: tuple, rep: int, reps: range, runs: Runs, log: Callable[[str], None],
                   expect: dict[str, list[int]] | None = None) -> None:
     for method in order:
         ids, params, rids = params_of[method]
         r = _timed(servers[method], ids, params, batch, rids, expect)
         runs.setdefault((method, *point), []).append(r)
         pass_no, b, temp, sib = point
-        log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{repeats}: "
+        log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{reps.stop}: "
             f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
 
 

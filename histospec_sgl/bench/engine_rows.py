@@ -29,6 +29,9 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
             out[k] = runs[-1][k]
             out[f"{k}_runs"] = [r[k] for r in runs]
             continue
+        if k == "server_start":  # which server set ran each run (``--server-starts``)
+            out["server_start_runs"] = [r[k] for r in runs]
+            continue
         if k == OUTPUTS:  # every run's outputs, in order
             out[k] = [o for r in runs for o in r[k]]
             continue
