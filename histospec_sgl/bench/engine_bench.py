@@ -348,11 +348,11 @@ def run(*, model: str = "rhyme", methods: tuple[str, ...] = METHODS, batch_sizes
             reps = range(start * repeats, (start + 1) * repeats)
             if trace is None:
                 got = _sample_rows(servers, prompts, batch_sizes, temperatures, siblings, max_new_tokens, ignore_eos,
-                                   reps, sampled_requests, log)
+                                   reps, server_starts * repeats, sampled_requests, log)
             else:
                 assert trace_groups_ is not None
                 got = _trace_rows(servers, trace_groups_, batch_sizes, temperatures, max_new_tokens, ignore_eos,
-                                  reps, sampled_requests, log)
+                                  reps, server_starts * repeats, sampled_requests, log)
         for key, rs in got.items():
             runs.setdefault(key, []).extend({**r, "server_start": start} if server_starts > 1 else r for r in rs)
     shutil.rmtree(work, ignore_errors=True)
@@ -373,7 +373,7 @@ def _row_key(temp: float, batch: int, rep: int) -> str:
 
 def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], batch_sizes: tuple[int, ...],
                  temperatures: tuple[float, ...], siblings: int, max_new_tokens: int, ignore_eos: bool,
-                 reps: range, sampled_requests: int, log: Callable[[str], None]) -> Runs:
+                 reps: range, total: int, sampled_requests: int, log: Callable[[str], None]) -> Runs:
     """The model's own samples: a first and a second pass over the same requests per row."""
     runs: Runs = {}
     order = list(servers)
@@ -392,7 +392,7 @@ def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], bat
                                                     "custom_params": {"histospec_group": g}} for g in groups], None)
                         srv.flush_cache()
                     for pass_no in (1, 2):
-                        _time_methods(servers, order, params_of, batch, (pass_no, batch, temp, sib), rep, reps,
+                        _time_methods(servers, order, params_of, batch, (pass_no, batch, temp, sib), rep, total,
                                       runs, log)
                         order = order[1:] + order[:1]  # no method always runs first
     return runs
@@ -400,7 +400,7 @@ def _sample_rows(servers: dict[str, EngineServer], prompts: list[list[int]], bat
 
 def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes: tuple[int, ...],
                 temperatures: tuple[float, ...], max_new_tokens: int, ignore_eos: bool, reps: range,
-                sampled_requests: int, log: Callable[[str], None]) -> Runs:
+                total: int, sampled_requests: int, log: Callable[[str], None]) -> Runs:
     """The step's logged samples forced through each server, one pass per row, after a weight update
     (``flush_cache``); ``ngram_corpus`` gets the row's history as its external corpus."""
     from histospec_sgl.bench import engine_trace as et
@@ -423,7 +423,7 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
                     if method == "ngram_corpus":
                         srv.set_corpus([t for gi in used for t in groups[gi].history_text])
                 params_of = {m: (ids, params, [f"{m}-{r}" for r in rids]) for m in servers}
-                _time_methods(servers, order, params_of, batch, (1, batch, temp, siblings), rep, reps, runs, log,
+                _time_methods(servers, order, params_of, batch, (1, batch, temp, siblings), rep, total, runs, log,
                               expect={f"{m}-{r}": groups[gi].samples[si][:max_new_tokens]
                                       for m in servers for r, (gi, si) in zip(rids, reqs)})
                 order = order[1:] + order[:1]
@@ -431,14 +431,14 @@ def _trace_rows(servers: dict[str, EngineServer], groups: list[Any], batch_sizes
 
 
 def _time_methods(servers: dict[str, EngineServer], order: list[str], params_of: dict[str, tuple], batch: int,
-                  point: tuple, rep: int, reps: range, runs: Runs, log: Callable[[str], None],
+                  point: tuple, rep: int, total: int, runs: Runs, log: Callable[[str], None],
                   expect: dict[str, list[int]] | None = None) -> None:
     for method in order:
         ids, params, rids = params_of[method]
         r = _timed(servers[method], ids, params, batch, rids, expect)
         runs.setdefault((method, *point), []).append(r)
         pass_no, b, temp, sib = point
-        log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{reps.stop}: "
+        log(f"[bench engine] {method} pass {pass_no} bs {b} T {temp} n {sib} run {rep + 1}/{total}: "
             f"{r['tokens_per_s']:.1f} tok/s, {r['tokens_per_step']:.2f} tok/step")
 
 

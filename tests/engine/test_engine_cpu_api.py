@@ -253,15 +253,22 @@ def test_a_plain_servers_trace_clock_times_its_steps_and_prefill_passes(tmp_path
 def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
     """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a
     row for every method, pass, batch size, temperature and sibling count; on the second greedy pass
-    HISTORY emits more than one token per forward pass and plain decoding exactly one."""
-    out = tmp_path / "engine.json"
+    HISTORY emits more than one token per forward pass and plain decoding exactly one. With
+    ``--server-starts 2`` each row runs once on each of two sets of servers, started one after the
+    other, and the rows are over both."""
+    out, logs = tmp_path / "engine.json", tmp_path / "logs"
     r = subprocess.run([str(sglang_py), "-m", "histospec_sgl.cli", "bench", "engine", "--model", str(greedy_model),
                         "--methods", "plain,history", "--batch-sizes", "1,4", "--temperatures", "0,1",
-                        "--siblings", "4", "--max-new-tokens", "16", "--sampled-requests", "4", "--json", str(out)],
+                        "--siblings", "4", "--max-new-tokens", "16", "--sampled-requests", "4", "--server-starts", "2",
+                        "--json", str(out), "--log-dir", str(logs)],
                        capture_output=True, text=True, timeout=600, cwd=str(ROOT))
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(out.read_text())
     assert {"machine", "model", "rows", "settings", "command"} <= res.keys()
+    assert res["settings"]["server_starts"] == 2 and res["settings"]["repeats"] == 1
+    # Two servers a method, each with a log of its own.
+    assert sorted(p.name for p in logs.iterdir()) == [f"server-{m}-s{k}.log" for m in ("history", "plain")
+                                                       for k in (0, 1)]
     assert res["machine"]["sglang"] == "0.5.17" and res["model"]["kind"] == "random"
     points = {(x["method"], x["pass"], x["batch_size"], x["temperature"], x["siblings"]) for x in res["rows"]}
     want = {(m, p, b, t, n) for m in ("plain", "history") for p in (1, 2) for b in (1, 4) for t in (0.0, 1.0)
@@ -270,6 +277,8 @@ def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_p
     assert res["settings"]["sampled_requests"] == 4 and res["settings"]["fixed_length"] is False
     for x in res["rows"]:
         assert x["tokens_per_s"] > 0 and x["vs_plain"] > 0 and x["verify_cost"] > 0
+        # One run on each set of servers, each paired with the plain run of its set.
+        assert x["server_start_runs"] == [0, 1] and len(x["tokens_per_s_runs"]) == len(x["vs_plain_runs"]) == 2, x
         # Every server runs SGLang's overlap scheduler (on a CPU as on a GPU); greedy rows are plain
         # decoding's tokens, and HISTORY's contexts never disagreed with SGLang's.
         assert x["overlap"] is True, x
