@@ -15,8 +15,8 @@ that many times, one set after another, and runs all the rows ``repeats`` times 
 medians are over ``server_starts`` x ``repeats`` runs on as many servers (``server_start_runs`` says
 which start each run was on; the step policy learns afresh on each, as a new engine does).
 The second pass repeats the same requests: what an RL epoch sees when it re-samples its prompts. A
-batch of B requests goes to the server in one ``/generate`` call and decodes together; at batch 1 the row runs four requests one after the other
-(in trace mode, ``sampled_requests`` of them:
+batch of B requests goes to the server in one ``/generate`` call and decodes together; at batch 1 the
+row runs four requests one after the other (in trace mode, ``sampled_requests`` of them:
 :func:`~histospec_sgl.simulate.trace.single_requests`).
 A sampled row (temperature > 0) runs batches of B until it has run ``sampled_requests`` requests
 (``--sampled-requests``), since sampled lengths, and with them a batch's tail, vary from run to run;

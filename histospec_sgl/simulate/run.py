@@ -218,7 +218,7 @@ def check(engine: dict[str, Any], data_root: Path | None = None) -> dict[str, An
         if control is not None:
             # The row's runs one after the other on the server's policy (the first run of the first
             # row explores and calibrates, later ones use what it learned), their median as the
-            # bench reports it.
+            # bench reports it (with ``server_starts`` sets of servers, each set runs these again).
             runs = sorted((_trace_row(groups, reqs, batch, cap, rd, row_profile, None, control, overlap(row),
                                       row.get("prefill_chunk"))
                            for _ in range(max(1, int(settings.get("repeats", 1))))),
