@@ -69,12 +69,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _took: dict[str, float] = {}
+#: Test -> the seconds its worker waited for memory before setting it up (tests/helpers/_lanes.py).
+_waited: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Sums each module's setup, call and teardown times (on the controller, workers' reports too)."""
+    """Sums each module's setup, call and teardown times (on the controller, workers' reports too),
+    and keeps each test's wait for memory."""
     name = Path(report.nodeid.split("::", 1)[0]).name
     _took[name] = _took.get(name, 0.0) + float(report.duration)
+    if report.when == "setup":
+        waited = dict(report.user_properties).get("memory_wait_s")
+        if waited:
+            _waited[report.nodeid] = float(waited)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """With workers, the time tests waited for memory, the longest waits named: where the suite's
+    wall time goes beside the tests' own durations."""
+    if not _waited:
+        return
+    longest = sorted(_waited.items(), key=lambda kv: -kv[1])[:8]
+    terminalreporter.write_line(
+        f"memory waits: {sum(_waited.values()):.0f} s over {len(_waited)} test{'s' * (len(_waited) > 1)}; longest: "
+        + ", ".join(f"{n.split('::')[-1]} {w:.0f} s" for n, w in longest))
 
 
 _GATE = MemoryGate.for_this_worker()
