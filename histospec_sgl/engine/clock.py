@@ -43,16 +43,12 @@ class StepClock:
 
     #: An interval this many times the bucket's estimate held more than a step (the engine idled).
     outlier: float = 5.0
-    #: The first timings of each width are left out: a server's first forward of a kind warms caches
-    #: and allocators (and on a fresh server can take several steps' time), and before any estimate
-    #: exists nothing else would tell such a step from a real cost. Once per width, not per bucket:
-    #: a width's first step in a later bucket took what its later steps there took (on SmolLM2 on
-    #: the CPU, 0.88-1.13 of their median), and a bucket's cost is the median of its timings, which
-    #: one slow step does not move; a step left out in every bucket a row passes through is a step
-    #: the policy spends running a width it may not want, for nothing.
+    #: The first timings of each width in each bucket are left out: the first forward of a shape
+    #: warms caches and allocators (and on a fresh server can take several steps' time), and before
+    #: any estimate exists nothing else would tell such a step from a real cost.
     warmup: int = 1
-    #: width -> timings left out as warm-up so far.
-    warmed: dict[int, int] = field(default_factory=dict)
+    #: (width, bucket) -> timings left out as warm-up so far.
+    warmed: dict[tuple[int, int], int] = field(default_factory=dict)
     #: bucket -> the steps timed in it so far (every width).
     timed: dict[int, int] = field(default_factory=dict)
     #: width -> the fixed part of its step's cost (:meth:`fixed`), where its timings give one.
@@ -67,8 +63,8 @@ class StepClock:
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
-        if self.warmed.get(width, 0) < self.warmup:
-            self.warmed[width] = self.warmed.get(width, 0) + 1
+        if self.warmed.get(key, 0) < self.warmup:
+            self.warmed[key] = self.warmed.get(key, 0) + 1
             return
         if self.samples.get(key) and seconds > self.outlier * self.price(batch, width):
             return

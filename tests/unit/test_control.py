@@ -550,9 +550,10 @@ def test_bench_lengths_on_the_logs(tmp_path):
 
 
 def _time_steps(ec: EngineControl, batch: int, width: int, seconds: float, n: int = 3) -> None:
-    """``n`` timings of ``width`` kept by the clock (after the width's warm-up timing, which it leaves
-    out once a server)."""
-    for _ in range(ec.clock.warmup - ec.clock.warmed.get(width, 0)):
+    """``n`` timings of ``width`` kept by the clock (after the warm-up timing it leaves out)."""
+    from histospec_sgl.engine.costmodel import bucket
+
+    for _ in range(ec.clock.warmup - ec.clock.warmed.get((width, bucket(batch)), 0)):
         ec.clock.record(batch, width, seconds)
     for _ in range(n):
         ec.clock.record(batch, width, seconds)
@@ -731,12 +732,11 @@ def test_a_full_batch_is_priced_by_its_own_steps_not_by_a_tails_scaled_up():
     tail = [(12, 0.128), (13, 0.134), (14, 0.137), (14, 0.14), (15, 0.139)]
     for batch, seconds in [(16, 0.12), (16, 0.121), *tail[:3], (16, 0.117), *tail[3:], (16, 0.119)]:
         clock.record(batch, 1, seconds)
-    # The median of the four at 16 (plain decoding's warm-up step was its first, at batch 1).
-    assert clock.price(16, 1) == 0.119
+    assert clock.price(16, 1) == 0.119  # the median of the three at 16 kept (the first is warm-up)
     assert clock.table[(1, 16)] == 0.119
-    # Batch 14 has two timings of its own: all the bucket's nine, priced at 14, price it.
+    # Batch 14 has two timings of its own: all the bucket's eight, priced at 14, price it.
     priced = clock._priced(clock.samples[(1, 16)], 1, 14)
-    assert len(priced) == 9 and clock.price(14, 1) == sorted(priced)[4]
+    assert len(priced) == 8 and clock.price(14, 1) == sorted(priced)[3]
     # The tail's timings priced at 16 would have said more than any step at 16 took.
     assert min(clock._priced(tail, 1, 16)) > 0.14
 
@@ -761,37 +761,16 @@ def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_p
         w = ec.choose(promised, 64)
         ran.append(w)
         ec.clock.record(64, w, at64[w])
-    # Each width's warm-up step was its first at batch 8: every step here is timed.
-    timed = ec.min_samples
+    timed = ec.min_samples + ec.clock.warmup
     assert ran[:timed] == [4] * timed
     # Width 4 timed at 1.5 s, width 8 is priced as batch 8 prices it against width 4 (1.3 / 1.1 of
     # it: 1.77 s) and still contends; its own first timing (2.5 s) puts it more than 20% behind
     # width 4 (2.8 * 64 / 2.5 s against 2.3 * 64 / 1.5 s), and no more steps are spent on it.
-    assert ran[timed:timed + 1] == [8] and ec.clock.count(64, 8) == 1
-    assert set(ran[timed + 1:]) == {4}
+    assert ran[timed:timed + 2] == [8, 8] and ec.clock.count(64, 8) == 1
+    assert set(ran[timed + 2:]) == {4}
     assert ec.choose(promised, 64) == 4
     # A bucket measured whole has nothing left to try: the choice is the model's at once.
     assert ec.choose(promised, 8) == ec.model.choose(promised, 8, calibrated=True)
-
-
-def test_a_width_warms_up_once_a_server_not_once_a_bucket():
-    """A width's first timing is left out (a server's first forward of it); its first step in a later
-    batch-size bucket is kept, a step the policy does not spend for nothing in every bucket a row
-    passes through, and one slow step there does not move the bucket's median of three."""
-    from histospec_sgl.engine.clock import StepClock
-
-    clock = StepClock()
-    clock.record(1, 8, 9.0)  # the warm-up: left out
-    for took in (2.0, 2.1, 1.9):
-        clock.record(1, 8, took)
-    assert clock.count(1, 8) == 3 and clock.price(1, 8) == 2.0
-    clock.record(8, 8, 4.5)  # width 8's first step at batch 8: kept
-    assert clock.count(8, 8) == 1 and clock.price(8, 8) == 4.5
-    for took in (3.0, 3.1):
-        clock.record(8, 8, took)
-    assert clock.price(8, 8) == 3.1
-    clock.record(8, 1, 1.0)  # plain decoding's first step: its warm-up, wherever it runs
-    assert clock.count(8, 1) == 0 and clock.warmed == {8: 1, 1: 1}
 
 
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
@@ -981,7 +960,7 @@ def test_the_clock_times_prefill_passes_apart_from_decode_steps():
     # A decode step after it is timed as a decode step, not as a prefill.
     ec.decode_step(1, 8, t)
     ec.begin(t + 0.1)
-    assert sum(len(v) for v in ec.clock.prefills.values()) == 5 and ec.clock.warmed[8] == 1
+    assert sum(len(v) for v in ec.clock.prefills.values()) == 5 and ec.clock.warmed[(8, 1)] == 1
     assert Fixed(8).prefill_cost() is None and CostModel(ec.clock, [8]).prefill_cost() is None
 
 
