@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from _lanes import GateHooks, MemoryGate
+from _lanes import WAIT_PROPERTY, GateHooks, MemoryGate
 
 # Every process the tests start (SGLang servers, trainer drivers, Ray actors) computes on one thread:
 # tests run several servers side by side and scripts/test.sh runs three workers, on two cores, where
@@ -79,7 +79,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     name = Path(report.nodeid.split("::", 1)[0]).name
     _took[name] = _took.get(name, 0.0) + float(report.duration)
     if report.when == "setup":
-        waited = dict(report.user_properties).get("memory_wait_s")
+        waited = dict(report.user_properties).get(WAIT_PROPERTY)
         if waited:
             _waited[report.nodeid] = float(waited)
 

@@ -32,6 +32,8 @@ import pytest
 #: the pytest workers and the tests that reserve nothing (about 2 GB each way), and the system. On three
 #: workers the least ``MemAvailable`` seen in a whole run was 5.7 GB.
 BUDGET_GB = float(os.environ.get("HISTOSPEC_TEST_MEMORY_GB", "13"))
+#: The user property (junit XML too) in which a test records the seconds it waited for memory.
+WAIT_PROPERTY = "memory_wait_s"
 
 
 class MemoryGate:
@@ -133,7 +135,7 @@ class GateHooks:
             yield
             return
         waited = self.gate.acquire(float(mark.args[0]))
-        item.user_properties.append(("memory_wait_s", round(waited, 1)))
+        item.user_properties.append((WAIT_PROPERTY, round(waited, 1)))
         try:
             yield
         finally:
