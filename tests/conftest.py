@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from _lanes import WAIT_PROPERTY, GateHooks, MemoryGate
+from _lanes import PEAK_PROPERTY, RESERVED_PROPERTY, WAIT_PROPERTY, GateHooks, MemoryGate
 
 # Every process the tests start (SGLang servers, trainer drivers, Ray actors) computes on one thread:
 # tests run several servers side by side and scripts/test.sh runs three workers, on two cores, where
@@ -71,6 +71,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _took: dict[str, float] = {}
 #: Test -> the seconds its worker waited for memory before setting it up (tests/helpers/_lanes.py).
 _waited: dict[str, float] = {}
+#: Test -> (its reservation, the peak memory of the processes it started), GB.
+_peaks: dict[str, tuple[float, float]] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -78,21 +80,30 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     and keeps each test's wait for memory."""
     name = Path(report.nodeid.split("::", 1)[0]).name
     _took[name] = _took.get(name, 0.0) + float(report.duration)
-    if report.when == "setup":
-        waited = dict(report.user_properties).get(WAIT_PROPERTY)
-        if waited:
-            _waited[report.nodeid] = float(waited)
+    props = dict(report.user_properties)
+    if report.when == "setup" and props.get(WAIT_PROPERTY):
+        _waited[report.nodeid] = float(props[WAIT_PROPERTY])
+    if report.when == "teardown" and PEAK_PROPERTY in props:
+        _peaks[report.nodeid] = (float(props[RESERVED_PROPERTY]), float(props[PEAK_PROPERTY]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """With workers, the time tests waited for memory, the longest waits named: where the suite's
-    wall time goes beside the tests' own durations."""
-    if not _waited:
-        return
-    longest = sorted(_waited.items(), key=lambda kv: -kv[1])[:8]
-    terminalreporter.write_line(
-        f"memory waits: {sum(_waited.values()):.0f} s over {len(_waited)} test{'s' * (len(_waited) > 1)}; longest: "
-        + ", ".join(f"{n.split('::')[-1]} {w:.0f} s" for n, w in longest))
+    wall time goes beside the tests' own durations. And the tests whose measured peak went past their
+    reservation (the budget then does not keep the machine's memory), or stayed under half of it
+    (the test keeps others waiting for nothing)."""
+    if _waited:
+        longest = sorted(_waited.items(), key=lambda kv: -kv[1])[:8]
+        terminalreporter.write_line(
+            f"memory waits: {sum(_waited.values()):.0f} s over {len(_waited)} test{'s' * (len(_waited) > 1)}; "
+            "longest: " + ", ".join(f"{n.split('::')[-1]} {w:.0f} s" for n, w in longest))
+    # (A peak within a quarter GB of its reservation is at it: the samples are a second apart.)
+    for what, off in (("over", lambda r, p: p > r + 0.25), ("under half of", lambda r, p: p < r / 2)):
+        tests = sorted(((n, r, p) for n, (r, p) in _peaks.items() if off(r, p)), key=lambda t: -abs(t[2] - t[1]))
+        if tests:
+            terminalreporter.write_line(
+                f"memory peaks {what} their reservations: "
+                + ", ".join(f"{n.split('::')[-1]} {p:.1f} GB (reserves {r:g})" for n, r, p in tests))
 
 
 _GATE = MemoryGate.for_this_worker()
@@ -274,7 +285,7 @@ def text_engine(text_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """One SGLang server on CPU decoding with HISTORY, with the text model's tokenizer, synced with a
     draft server; shared by a trainer module's tests. Module-scoped: a session-scoped one stood for
     the rest of its worker's run, and two workers each keeping one left the others' server tests
-    6 of the memory budget's 13 GB, long after the two modules had ended."""
+    6 GB less of the memory budget, long after the two modules had ended."""
     from histospec_sgl.bench.engine_server import EngineServer
     from histospec_sgl.sync.process import DraftServerProcess
 

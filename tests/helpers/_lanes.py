@@ -3,15 +3,21 @@
 ``scripts/test.sh`` runs the suite on three workers (``-n 3 --dist loadscope``: a module, or a class,
 runs whole on one worker, so its module-scoped servers start once). A CPU SGLang server takes about
 2 GB, and several tests start four or five side by side: two such tests at once would not fit. A test
-that starts servers says how much memory it needs at its peak (``@pytest.mark.memory(gb)``, measured
-as the drop in ``MemAvailable`` while it runs alone, servers of its module's fixtures included), and
-a worker waits before setting it up until the reservations of the tests running on the other workers
-and its own fit in :data:`BUDGET_GB`. A server that a module fixture keeps between its tests
-(``text_engine``) can declare itself with :meth:`MemoryGate.standing`: it counts against the budget
-of every test, on every worker, until its module ends. Waiting holds no test's reservation, and a
-test waits only while a test of another worker holds one, so workers never wait on each other in a
-circle; a worker already waiting goes before a test that asks later. Without xdist (one process)
-nothing waits.
+that starts servers says how much memory it needs at its peak (``@pytest.mark.memory(gb)``: the
+peak its run records below, servers of its module's fixtures included), and a worker waits before
+setting it up until the reservations the other workers hold and its own fit in :data:`BUDGET_GB`.
+A worker holds a test's reservation until the next test of the same module asks for its own, or the
+module ends: module and class fixtures keep their servers between the tests, and while the next
+test waits. A server that a module fixture keeps between its tests and that the module's
+reservations leave out (``text_engine``) declares itself with :meth:`MemoryGate.standing`: it
+counts against the budget of every test, on every worker, until its module ends. A worker already
+waiting goes before a test that asks later; when every worker that holds memory is waiting, none
+could free it, and the one that asked first goes. Without xdist (one process) nothing waits.
+
+While a marked test runs, its worker samples the memory of the processes it started (their PSS, each
+shared page split among its sharers, so that the workers' sums add up to what the machine holds),
+less what standing servers of its own declare, and records the peak (:data:`PEAK_PROPERTY`): the
+summary of a run names the tests whose peak went past their reservation, or stayed far below it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import fcntl
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +35,49 @@ from pathlib import Path
 import psutil
 import pytest
 
-#: Reservations that may run at once: 24 GB less the servers that module fixtures keep between tests,
-#: the pytest workers and the tests that reserve nothing (about 2 GB each way), and the system. On three
-#: workers the least ``MemAvailable`` seen in a whole run was 5.7 GB.
-BUDGET_GB = float(os.environ.get("HISTOSPEC_TEST_MEMORY_GB", "13"))
+#: Reservations that may be held at once: 24 GB less the pytest processes, the tests that reserve
+#: nothing (each under 1.5 GB at its peak) and the system.
+BUDGET_GB = float(os.environ.get("HISTOSPEC_TEST_MEMORY_GB", "16"))
 #: The user property (junit XML too) in which a test records the seconds it waited for memory.
 WAIT_PROPERTY = "memory_wait_s"
+#: The user properties in which a marked test records its reservation and the peak memory (GB) of the
+#: processes it started.
+RESERVED_PROPERTY, PEAK_PROPERTY = "memory_reserved_gb", "memory_peak_gb"
+
+
+def children_pss_gb() -> float:
+    """The PSS of every process this one started, and theirs (GB)."""
+    total = 0
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_full_info().pss
+    return total / 1e9
+
+
+class PeakSampler:
+    """Samples :func:`children_pss_gb` every ``poll_s`` from :meth:`start` to :meth:`stop`;
+    :attr:`peak` is the most seen so far."""
+
+    def __init__(self, poll_s: float = 1.0):
+        self.poll_s, self.peak, self._stop = poll_s, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="memory-peak", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.sample()
+
+    def sample(self) -> float:
+        self.peak = max(self.peak, children_pss_gb())
+        return self.peak
+
+    def start(self) -> PeakSampler:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 class MemoryGate:
@@ -72,25 +116,35 @@ class MemoryGate:
     def _may_start(self, state: dict, gb: float) -> bool:
         me = self._entry(state)
         others = [e for w, e in state.items() if w != self.worker]
-        held = sum(e["held"] for e in others)
-        used = held + sum(e["standing"] for e in state.values())
-        for e in others:
-            if e["waiting"] and e["ticket"] < me["ticket"] and used + gb + e["waiting"] > self.budget:
-                return False  # it asked first and would not fit beside this one (it waits for no one now)
-        return held == 0 or used + gb <= self.budget  # alone, waiting would free nothing
+        used = sum(e["held"] for e in others) + sum(e["standing"] for e in state.values())
+        earlier = [e for e in others if e["waiting"] and e["ticket"] < me["ticket"]]
+        # One that asked first goes first where it would not fit beside this one (its reservation
+        # replaces what it holds while it waits).
+        if any(used - e["held"] + e["waiting"] + gb > self.budget for e in earlier):
+            return False
+        # Where no other worker's test runs holding memory, waiting would free nothing: the first to
+        # ask goes (a test larger than the budget runs alone rather than waiting for good).
+        stuck = not earlier and all(e["waiting"] or not e["held"] for e in others)
+        return used + gb <= self.budget or stuck
 
     def acquire(self, gb: float, timeout_s: float = 3600) -> float:
-        """Waits until ``gb`` fits beside what the other workers' tests and every standing server
-        hold, then holds it; returns the seconds waited."""
+        """Waits until ``gb`` fits beside what the other workers and every standing server hold, then
+        holds it in place of what this worker held (the servers that held it stand while it waits);
+        returns the seconds waited."""
         t0 = time.monotonic()
         with self._state() as state:
-            self._entry(state).update(held=0.0, waiting=gb, ticket=time.time())
+            self._entry(state).update(waiting=gb, ticket=time.time())
         while True:
             with self._state() as state:
                 if self._may_start(state, gb) or time.monotonic() - t0 > timeout_s:
                     self._entry(state).update(held=gb, waiting=0.0)
                     return time.monotonic() - t0
             time.sleep(self.poll_s)
+
+    def standing_gb(self) -> float:
+        """What this worker's standing servers declare."""
+        with self._state() as state:
+            return float(self._entry(state)["standing"])
 
     def release(self) -> None:
         with self._state() as state:
@@ -127,16 +181,38 @@ class GateHooks:
 
     def __init__(self, gate: MemoryGate):
         self.gate = gate
+        #: The running test's sampler, and what this worker's standing servers declared during its call.
+        self._sampler: PeakSampler | None = None
+        self._standing = 0.0
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
         mark = item.get_closest_marker("memory")
-        if mark is None:
-            yield
-            return
-        waited = self.gate.acquire(float(mark.args[0]))
-        item.user_properties.append((WAIT_PROPERTY, round(waited, 1)))
+        if mark is not None:
+            waited = self.gate.acquire(float(mark.args[0]))
+            item.user_properties += [(RESERVED_PROPERTY, float(mark.args[0])), (WAIT_PROPERTY, round(waited, 1))]
+            self._sampler, self._standing = PeakSampler().start(), 0.0
         try:
             yield
         finally:
-            self.gate.release()
+            if self._sampler is not None:
+                self._sampler.stop()
+                self._sampler = None
+            # The module's fixtures (and what the reservation held) go when the next test is another
+            # module's; until then they stand, unmarked tests of the module included.
+            if nextitem is None or nextitem.path != item.path:
+                self.gate.release()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+        """The teardown's report carries the test's peak (the reports, not the item, reach the
+        controller), less the standing servers of this worker's module, as they stood during the
+        call (they count in every test's budget on their own)."""
+        outcome = yield
+        if self._sampler is None:
+            return
+        if call.when == "call":
+            self._standing = self.gate.standing_gb()
+        elif call.when == "teardown":
+            peak = self._sampler.sample() - self._standing
+            outcome.get_result().user_properties.append((PEAK_PROPERTY, round(max(0.0, peak), 2)))

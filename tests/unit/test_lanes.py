@@ -10,9 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from _lanes import MemoryGate
+from _lanes import PEAK_PROPERTY, RESERVED_PROPERTY, WAIT_PROPERTY, MemoryGate
 
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
@@ -95,14 +96,35 @@ def test_the_last_worker_to_leave_removes_the_file(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_workers_that_all_wait_holding_memory_do_not_wait_for_good(tmp_path):
+    """Two workers hold memory between tests of their modules (their servers stand) and both ask for
+    more than fits beside the other's: neither could free it by waiting, so the one that asked first
+    goes, and the other waits for it."""
+    path = tmp_path / "gate.json"
+    a, b = (MemoryGate(path, w, budget=10, poll_s=0.02) for w in ("gw0", "gw1"))
+    a.acquire(6)
+    b.acquire(3)
+    ta, got_a = _acquire_in_thread(a, 8)  # 3 + 8 > 10, but b runs nothing now that it waits too
+    time.sleep(0.1)
+    tb, got_b = _acquire_in_thread(b, 7)
+    ta.join(5)
+    assert got_a and got_a[0] < 2
+    time.sleep(0.3)
+    assert not got_b  # 8 + 7 > 10, and a's test runs
+    a.release()
+    tb.join(5)
+    assert got_b
+
+
 def test_outside_xdist_nothing_waits(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     assert MemoryGate.for_this_worker() is None
 
 
 def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
-    """A real pytest run with pytest-timeout: its one test waits up to 6 s for memory another worker holds,
-    under a 2-s limit on setup, call and teardown, and passes, its wait recorded."""
+    """A real pytest run with pytest-timeout: its first test waits up to 6 s for memory another worker
+    holds, under a 2-s limit on setup, call and teardown, and passes, its wait recorded. Its second
+    test's fixture starts a process holding 300 MB: the test records that peak beside its reservation."""
     gate_file = tmp_path / "gate.json"
     (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout = 2\nmarkers =\n    memory(gb): peak memory\n")
     (tmp_path / "conftest.py").write_text(
@@ -112,7 +134,17 @@ def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
         "    config.pluginmanager.register(GateHooks(gate), 'gate')\n")
     (tmp_path / "test_inner.py").write_text(
         "import pytest\n\n@pytest.fixture\ndef server():\n    yield 1\n\n"
-        "@pytest.mark.memory(8)\ndef test_big(server):\n    assert server == 1\n")
+        "@pytest.mark.memory(8)\ndef test_big(server):\n    assert server == 1\n\n"
+        "@pytest.fixture\ndef holder():\n"
+        "    p = subprocess.Popen([sys.executable, '-c', HOLD], stdout=subprocess.PIPE, text=True)\n"
+        "    assert p.stdout.readline().strip() == 'ready'\n    yield p\n    p.kill()\n    p.wait()\n\n"
+        "@pytest.mark.timeout(60)\n@pytest.mark.memory(1)\ndef test_holds(holder):\n    time.sleep(2.5)\n\n"
+        # The module's servers may stand until it ends: its worker holds the last reservation meanwhile.
+        "def test_after():\n    assert json.loads(GATE.read_text())['gw1']['held'] == 1.0\n")
+    (tmp_path / "test_inner.py").write_text(
+        f"import json, subprocess, sys, time\nfrom pathlib import Path\nGATE = Path({str(gate_file)!r})\n"
+        "HOLD = \"b = b'x' * 300_000_000; print('ready', flush=True); import time; time.sleep(60)\"\n"
+        + (tmp_path / "test_inner.py").read_text())
     other = MemoryGate(gate_file, "gw0", budget=10, poll_s=0.05)
     other.acquire(6)
     threading.Timer(6.0, other.release).start()
@@ -122,7 +154,11 @@ def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
                           f"--junitxml={tmp_path / 'out.xml'}", str(tmp_path / "test_inner.py")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert "1 passed" in run.stdout
+    assert "3 passed" in run.stdout
+    assert json.loads(gate_file.read_text())["gw1"]["held"] == 0  # released with the module
     xml = (tmp_path / "out.xml").read_text()
-    waited = float(xml.split('name="memory_wait_s" value="', 1)[1].split('"', 1)[0])
-    assert 2 < waited < 60, xml  # longer than the limit
+    props = {case.get("name"): {p.get("name"): float(p.get("value")) for p in case.iter("property")}
+             for case in ET.fromstring(xml).iter("testcase")}
+    assert 2 < props["test_big"][WAIT_PROPERTY] < 60, xml  # longer than the limit
+    assert props["test_holds"][RESERVED_PROPERTY] == 1.0
+    assert 0.25 < props["test_holds"][PEAK_PROPERTY] < 0.6, xml
