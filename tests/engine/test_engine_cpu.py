@@ -91,7 +91,7 @@ def _check_greedy(runs: dict[str, list[dict]], d: int = D) -> None:
         assert runs["ngram"][2]["steps"] > 2 * hist[2]["steps"]
 
 
-@pytest.mark.memory(9)
+@pytest.mark.memory(10)
 def test_greedy_http_history_equals_plain_and_ngram(sglang_py, greedy_model, plain_server, tmp_path):
     """``python -m sglang.launch_server`` over HTTP, at batch 1 and 8: HISTORY's tokens and log-probs
     equal plain decoding's and NGRAM's on every pass; a second pass accepts d tokens per step, and so
@@ -206,7 +206,7 @@ def _load_requests(prompts: list[list[int]], n: int, seed: int = 3) -> list[dict
     return reqs
 
 
-@pytest.mark.memory(4)
+@pytest.mark.memory(4.5)
 def test_load_and_faults_on_a_real_server(sglang_py, greedy_model, plain_server, tmp_path):
     """500 mixed requests, 12 at a time, against a HISTORY server synced with a draft server, while
     flush_cache runs, the draft server is killed (SIGKILL) and restarted on its port, and 20 records

@@ -58,7 +58,7 @@ def _check_engine_api(res: dict) -> None:
     assert hist["fresh"]["tokens"] / hist["fresh"]["steps"] < hist["loaded"]["tokens"] / hist["loaded"]["steps"]
 
 
-@pytest.mark.memory(5.5)
+@pytest.mark.memory(2.5)
 def test_greedy_engine_api_history_equals_plain(sglang_py, greedy_model, tmp_path):
     """``sgl.Engine`` (what trainers embed): HISTORY's tokens equal plain decoding's, with the
     collective RPCs (histospec_save, histospec_version, histospec_load into a fresh engine)."""
@@ -249,7 +249,7 @@ def test_a_plain_servers_trace_clock_times_its_steps_and_prefill_passes(tmp_path
     assert run.prefill() is not None and run.prefill().per_token_s == pytest.approx(0.45 / 200)
 
 
-@pytest.mark.memory(5)
+@pytest.mark.memory(4.5)
 def test_bench_engine_writes_rows_for_every_point(sglang_py, greedy_model, tmp_path):
     """``histospec-sgl bench engine`` on the CPU engine, shrunk: its JSON has the documented keys and a
     row for every method, pass, batch size, temperature and sibling count; on the second greedy pass

@@ -48,7 +48,7 @@ def peaked_servers(sglang_py, peaked_model, tmp_path_factory):
         yield {"plain": plain, "history": history, "lenient": lenient, "default": default, "switch": switch}
 
 
-@pytest.mark.memory(9)
+@pytest.mark.memory(8.5)
 class TestSampling:
     """Sampled requests on the peaked model (a class: its servers stop after it, and on two pytest
     workers it may run beside the module's greedy tests)."""

@@ -46,7 +46,7 @@ def servers(sglang_py, smollm2, tmp_path_factory):
         yield plain, history
 
 
-@pytest.mark.memory(6)
+@pytest.mark.memory(7)
 def test_bench_engine_trace_mode_forces_the_log_and_simulate_checks_it(sglang_py, smollm2, data_root, tmp_path,
                                                                         request):
     """``bench engine --trace grpo``, shrunk: every request of plain decoding and HISTORY (whose verify
@@ -172,7 +172,7 @@ def _greedy(srv: EngineServer, prompts: list[list[int]], tag: str, passes: int =
     return greedy_passes(srv, prompts, n_tokens=32, passes=passes, singles=1, group=tag)
 
 
-@pytest.mark.memory(6)
+@pytest.mark.memory(7)
 def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
     """Greedy answers to MATH questions: HISTORY's tokens and log-probs equal plain decoding's on a
     first pass, a second pass (drafted from the first: at least d - 1 tokens per verify step) and a
@@ -190,7 +190,7 @@ def test_smollm2_greedy_through_history_equals_plain(servers, math_prompts):
     assert passes[2]["tokens"] / passes[2]["steps"] >= D - 1, passes[2]
 
 
-@pytest.mark.memory(6)
+@pytest.mark.memory(7)
 def test_smollm2_sampling_through_history_is_lossless(servers, math_prompts):
     """At temperature 1, 256 four-token answers to one MATH question sampled through HISTORY
     (siblings in flight and earlier rounds drafting) are distributed as plain decoding's: a

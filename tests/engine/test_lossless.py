@@ -116,7 +116,7 @@ def _disallowed_tokens_processor(py: Path) -> str:
     return subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
-@pytest.mark.memory(4)
+@pytest.mark.memory(5)
 def test_every_request_and_every_step_returns_what_plain_decoding_returns(sglang_py, plain, default):
     """On the default step policy, whichever way a step ran (plain, a narrower verify, width d):
     ``--enable-return-hidden-states`` and top-k log-probs return plain decoding's rows, one per token.

@@ -25,7 +25,7 @@ from histospec_sgl.bench.engine_server import running, width_steps
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.memory(4)
+@pytest.mark.memory(4.5)
 def test_history_on_the_default_policy_repeats_plain_decoding(sglang_py, greedy_model, tmp_path):
     rng = random.Random(11)
     prompts = [[rng.randrange(2, 499) for _ in range(rng.randrange(12, 40))] for _ in range(8)]

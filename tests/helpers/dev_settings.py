@@ -18,7 +18,7 @@ _DEV = "tests"
 DEV_SETTINGS: tuple[Setting, ...] = (
     Setting("HISTOSPEC_REQUIRE_SGLANG", _DEV, _choice("0", "1"), "0",
             "1: tests that need the SGLang environment fail instead of skipping (scripts/test.sh sets it)"),
-    Setting("HISTOSPEC_TEST_MEMORY_GB", _DEV, _float(1.0, 1e6), 13.0,
+    Setting("HISTOSPEC_TEST_MEMORY_GB", _DEV, _float(1.0, 1e6), 16.0,
             "the memory the test workers share for servers they start (tests/helpers/_lanes.py)"),
     Setting("HISTOSPEC_TEST_MODEL", _DEV, _path, None, "the model a Ray cluster test's engines load"),
     Setting("HISTOSPEC_TEST_ACTOR", _DEV, _text, None, "set in a test actor's runtime env"),

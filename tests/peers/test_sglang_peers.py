@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
 from sglang_subprocess import run_script, sglang_env
 
 
@@ -39,6 +40,7 @@ def test_index_bench_runs_sglangs_own_suffix_automaton(sglang_py):
         assert 0.7 < peer[k] / ours[k] < 1.3, (k, peer[k], ours[k])
 
 
+@pytest.mark.memory(3)
 def test_index_bench_runs_sglangs_own_trie(sglang_py):
     """``bench index`` measures SGLang's real NGRAM trie (its online index): one corpus at its default
     capacity for ingest and the per-step calls, a corpus per prompt for acceptance. On a 4-prompt W1

@@ -29,7 +29,7 @@ def openrlhf_py(sglang_py) -> Path:
     return require_modules(sglang_py, "openrlhf.utils.agent, vllm.outputs", "OpenRLHF or vLLM is")
 
 
-@pytest.mark.memory(6.5)
+@pytest.mark.memory(3.5)
 def test_specrl_executor_three_episodes_and_a_dead_draft_server(openrlhf_py, text_engine, tmp_path):
     srv = text_engine["server"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HISTOSPEC_")}

@@ -51,7 +51,7 @@ def _last_json(r: subprocess.CompletedProcess) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.memory(2)
+@pytest.mark.memory(1.5)
 def test_history_resolves_in_an_engine_actor_only_with_the_setup_hook(ray_py, greedy_model):
     # Two clusters one after the other, each an actor's first call (the driver's FIRST_CALL_S).
     out = _last_json(_run(ray_py, greedy_model, str(SCRIPT), "hook", timeout=580))
@@ -62,7 +62,7 @@ def test_history_resolves_in_an_engine_actor_only_with_the_setup_hook(ray_py, gr
     assert out["with_hook"]["attention_backend"] == "flashinfer"
 
 
-@pytest.mark.memory(2)
+@pytest.mark.memory(1)
 def test_draft_server_actor_outlives_its_creator_and_feeds_engine_actors(ray_py, greedy_model, tmp_path):
     port = free_port()
     ray_bin = ray_py.parent / "ray"

@@ -126,7 +126,7 @@ def _check_fields(s: dict, n_prompt: int) -> None:
     assert s["status"] in ("completed", "truncated") and s["reward"] is not None
 
 
-@pytest.mark.memory(5.5)
+@pytest.mark.memory(2)
 def test_history_mode_two_epochs(sglang_py, stack):
     prompts = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",
                "Solve for x: 3x + 5 = 20."]
@@ -167,7 +167,7 @@ def test_history_mode_two_epochs(sglang_py, stack):
             assert prev is not None and list(prev.response_ids) == samples[0]["tokens"][-len(prev.response_ids):]
 
 
-@pytest.mark.memory(5.5)
+@pytest.mark.memory(2)
 def test_specrl_mode_reuses_previous_responses_with_current_logprobs(sglang_py, stack):
     prompts = ["Once upon a time, in a land", "import numpy as np\n", "The capital of France is",
                "Let f(x) = x^2. Then f(3) ="]

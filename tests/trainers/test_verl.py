@@ -93,7 +93,7 @@ def test_verl_launch_server_starts_history_and_keeps_it_through_sleep_wake_and_a
     assert abort["kept"] == sp["previous"]
 
 
-@pytest.mark.memory(7.5)
+@pytest.mark.memory(9)
 def test_specrl_agent_loop_two_epochs(verl_py, text_model, tmp_path):
     """verl's agent loop with SPEC-RL over two epochs, then verl's greedy validation twice, on an
     engine of its own running HISTORY's default step policy (as a user's would): after the sampled
