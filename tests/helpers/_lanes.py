@@ -175,7 +175,8 @@ class MemoryGate:
 class GateHooks:
     """The pytest hooks that put :class:`MemoryGate` around each test (tests/conftest.py registers
     them on an xdist worker). A test marked ``memory(gb)`` waits, before its fixtures start servers,
-    until its peak fits, and holds its share until its teardown is done. The wait is outside the
+    until its peak fits, and its worker holds that share until the next test of the module asks for
+    its own or the module's last teardown is done. The wait is outside the
     test's time limit: this wrapper is the outermost one, around pytest-timeout's, whose timer
     covers setup, call and teardown; a test that waited long for memory is not cut short for it."""
 
