@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from histospec_sgl.bench.length_bench import Response, evaluate, spearman
-from histospec_sgl.engine.costmodel import CostModel, EngineControl
+from histospec_sgl.engine.costmodel import CostModel, EngineControl, bucket
 from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout
@@ -551,8 +551,6 @@ def test_bench_lengths_on_the_logs(tmp_path):
 
 def _time_steps(ec: EngineControl, batch: int, width: int, seconds: float, n: int = 3) -> None:
     """``n`` timings of ``width`` kept by the clock (after the warm-up timing it leaves out)."""
-    from histospec_sgl.engine.costmodel import bucket
-
     for _ in range(ec.clock.warmup - ec.clock.warmed.get((width, bucket(batch)), 0)):
         ec.clock.record(batch, width, seconds)
     for _ in range(n):

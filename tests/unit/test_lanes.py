@@ -133,7 +133,10 @@ def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
         f"    gate = MemoryGate(Path({str(gate_file)!r}), 'gw1', budget=10, poll_s=0.05)\n"
         "    config.pluginmanager.register(GateHooks(gate), 'gate')\n")
     (tmp_path / "test_inner.py").write_text(
-        "import pytest\n\n@pytest.fixture\ndef server():\n    yield 1\n\n"
+        f"import json, subprocess, sys, time\nfrom pathlib import Path\n\nimport pytest\n\n"
+        f"GATE = Path({str(gate_file)!r})\n"
+        "HOLD = \"b = b'x' * 300_000_000; print('ready', flush=True); import time; time.sleep(60)\"\n\n"
+        "@pytest.fixture\ndef server():\n    yield 1\n\n"
         "@pytest.mark.memory(8)\ndef test_big(server):\n    assert server == 1\n\n"
         "@pytest.fixture\ndef holder():\n"
         "    p = subprocess.Popen([sys.executable, '-c', HOLD], stdout=subprocess.PIPE, text=True)\n"
@@ -141,10 +144,6 @@ def test_the_wait_for_memory_is_outside_the_time_limit(tmp_path):
         "@pytest.mark.timeout(60)\n@pytest.mark.memory(1)\ndef test_holds(holder):\n    time.sleep(2.5)\n\n"
         # The module's servers may stand until it ends: its worker holds the last reservation meanwhile.
         "def test_after():\n    assert json.loads(GATE.read_text())['gw1']['held'] == 1.0\n")
-    (tmp_path / "test_inner.py").write_text(
-        f"import json, subprocess, sys, time\nfrom pathlib import Path\nGATE = Path({str(gate_file)!r})\n"
-        "HOLD = \"b = b'x' * 300_000_000; print('ready', flush=True); import time; time.sleep(60)\"\n"
-        + (tmp_path / "test_inner.py").read_text())
     other = MemoryGate(gate_file, "gw0", budget=10, poll_s=0.05)
     other.acquire(6)
     threading.Timer(6.0, other.release).start()
