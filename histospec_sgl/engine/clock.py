@@ -43,12 +43,21 @@ class StepClock:
 
     #: An interval this many times the bucket's estimate held more than a step (the engine idled).
     outlier: float = 5.0
-    #: The first timings of each width in each bucket are left out: the first forward of a shape
-    #: warms caches and allocators (and on a fresh server can take several steps' time), and before
-    #: any estimate exists nothing else would tell such a step from a real cost.
+    #: The first timings of each width are left out: a server's first forward of a kind warms caches
+    #: and allocators (and on a fresh server can take several steps' time), and before any estimate
+    #: exists nothing else would tell such a step from a real cost. Once per width, not per bucket:
+    #: a width's first step in a later bucket took what its later steps there took (on SmolLM2 on
+    #: the CPU, 0.88-1.13 of their median), and a bucket's cost is the median of its timings, which
+    #: one slow step does not move; a step left out in every bucket a row passes through is a step
+    #: the policy spends running a width it may not want, for nothing.
     warmup: int = 1
-    #: (width, bucket) -> timings left out as warm-up so far.
-    warmed: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: width -> timings left out as warm-up so far.
+    warmed: dict[int, int] = field(default_factory=dict)
+    #: Timings a width needs in a bucket before they alone price it there (:meth:`step_s`): with
+    #: fewer, its price is the lesser of their median and what the bucket's other measurements say of
+    #: it, so that one slow first step in a bucket (its first of a new shape, or the host pausing) does
+    #: not put the width out of the running before it is timed again.
+    trusted: int = 2
     #: bucket -> the steps timed in it so far (every width).
     timed: dict[int, int] = field(default_factory=dict)
     #: width -> the fixed part of its step's cost (:meth:`fixed`), where its timings give one.
@@ -63,8 +72,8 @@ class StepClock:
 
     def record(self, batch: int, width: int, seconds: float) -> None:
         key = (width, bucket(batch))
-        if self.warmed.get(key, 0) < self.warmup:
-            self.warmed[key] = self.warmed.get(key, 0) + 1
+        if self.warmed.get(width, 0) < self.warmup:
+            self.warmed[width] = self.warmed.get(width, 0) + 1
             return
         if self.samples.get(key) and seconds > self.outlier * self.price(batch, width):
             return
@@ -202,8 +211,9 @@ class StepClock:
         return self._lender(bucket(batch), self._by_bucket()) is not None
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
-        """The bucket's measured cost at ``width`` priced at ``batch``; a width not measured there
-        yet, between two that are, is interpolated linearly in the width (a verify step's cost grows
+        """The bucket's measured cost at ``width`` priced at ``batch`` (with fewer than
+        :attr:`trusted` timings there, the lesser of it and what the rest says); a width not
+        measured there yet, between two that are, is interpolated linearly in the width (a verify step's cost grows
         with the nodes it verifies), and measured once it is chosen. A width beyond the bucket's
         measured ones (plain decoding in a bucket that only verified), and every width of a bucket
         with fewer than two measured, is priced as the nearest bucket that has two does (that
@@ -211,10 +221,27 @@ class StepClock:
         cost at the nearest width it measured:
         what a width costs against another carries over between neighbouring batch sizes better
         than holding the nearest measured cost flat, or not knowing at all."""
-        b = bucket(batch)
         if self.known(batch, width):
-            return self.price(batch, width)
+            own = self.price(batch, width)
+            if self.count(batch, width) >= self.trusted:
+                return own
+            try:
+                return min(own, self._estimate(batch, width, omit=True))
+            except KeyError:  # nothing else measured to say what it costs
+                return own
+        return self._estimate(batch, width)
+
+    def _estimate(self, batch: int, width: int, omit: bool = False) -> float:
+        """A width's price at ``batch`` from the other widths and buckets measured (:meth:`step_s`);
+        ``omit``: its own timings in the bucket left out (it has too few to trust them alone), where
+        the bucket has another width's timings to scale by (KeyError where not: a borrowed price not
+        scaled to the bucket's own says nothing against the bucket's timing)."""
+        b = bucket(batch)
         per = self._by_bucket()
+        if omit:
+            per[b] = [w for w in per.get(b, []) if w != width]
+            if not per[b]:
+                raise KeyError((width, b))
         own = [(w, self.price(batch, w)) for w in per.get(b, [])]
         if len(own) > 1 and own[0][0] <= width <= own[-1][0]:
             return interpolate(own, width)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from histospec_sgl.bench.length_bench import Response, evaluate, spearman
-from histospec_sgl.engine.costmodel import CostModel, EngineControl, bucket
+from histospec_sgl.engine.costmodel import CostModel, EngineControl
 from histospec_sgl.engine.policy import Fixed
 from histospec_sgl.length import LengthPredictor, expected_longest
 from histospec_sgl.replay.data import Rollout
@@ -550,8 +550,9 @@ def test_bench_lengths_on_the_logs(tmp_path):
 
 
 def _time_steps(ec: EngineControl, batch: int, width: int, seconds: float, n: int = 3) -> None:
-    """``n`` timings of ``width`` kept by the clock (after the warm-up timing it leaves out)."""
-    for _ in range(ec.clock.warmup - ec.clock.warmed.get((width, bucket(batch)), 0)):
+    """``n`` timings of ``width`` kept by the clock (after the width's warm-up timing, which it leaves
+    out once a server)."""
+    for _ in range(ec.clock.warmup - ec.clock.warmed.get(width, 0)):
         ec.clock.record(batch, width, seconds)
     for _ in range(n):
         ec.clock.record(batch, width, seconds)
@@ -730,11 +731,12 @@ def test_a_full_batch_is_priced_by_its_own_steps_not_by_a_tails_scaled_up():
     tail = [(12, 0.128), (13, 0.134), (14, 0.137), (14, 0.14), (15, 0.139)]
     for batch, seconds in [(16, 0.12), (16, 0.121), *tail[:3], (16, 0.117), *tail[3:], (16, 0.119)]:
         clock.record(batch, 1, seconds)
-    assert clock.price(16, 1) == 0.119  # the median of the three at 16 kept (the first is warm-up)
+    # The median of the four at 16 (plain decoding's warm-up step was its first, at batch 1).
+    assert clock.price(16, 1) == 0.119
     assert clock.table[(1, 16)] == 0.119
-    # Batch 14 has two timings of its own: all the bucket's eight, priced at 14, price it.
+    # Batch 14 has two timings of its own: all the bucket's nine, priced at 14, price it.
     priced = clock._priced(clock.samples[(1, 16)], 1, 14)
-    assert len(priced) == 8 and clock.price(14, 1) == sorted(priced)[3]
+    assert len(priced) == 9 and clock.price(14, 1) == sorted(priced)[4]
     # The tail's timings priced at 16 would have said more than any step at 16 took.
     assert min(clock._priced(tail, 1, 16)) > 0.14
 
@@ -759,16 +761,71 @@ def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_p
         w = ec.choose(promised, 64)
         ran.append(w)
         ec.clock.record(64, w, at64[w])
-    timed = ec.min_samples + ec.clock.warmup
+    # Each width's warm-up step was its first at batch 8: every step here is timed.
+    timed = ec.min_samples
     assert ran[:timed] == [4] * timed
     # Width 4 timed at 1.5 s, width 8 is priced as batch 8 prices it against width 4 (1.3 / 1.1 of
-    # it: 1.77 s) and still contends; its own first timing (2.5 s) puts it more than 20% behind
-    # width 4 (2.8 * 64 / 2.5 s against 2.3 * 64 / 1.5 s), and no more steps are spent on it.
-    assert ran[timed:timed + 2] == [8, 8] and ec.clock.count(64, 8) == 1
+    # it: 1.77 s) and still contends; one timing of its own (2.5 s) prices it at the lesser of it
+    # and that (one slow step is not trusted alone), so it runs again, and its second (2.5 s) puts it
+    # more than 20% behind width 4 (2.8 * 64 / 2.5 s against 2.3 * 64 / 1.5 s): no more steps are
+    # spent on it.
+    assert ec.clock.trusted == 2
+    assert ran[timed:timed + 2] == [8, 8] and ec.clock.count(64, 8) == 2
     assert set(ran[timed + 2:]) == {4}
     assert ec.choose(promised, 64) == 4
     # A bucket measured whole has nothing left to try: the choice is the model's at once.
     assert ec.choose(promised, 8) == ec.model.choose(promised, 8, calibrated=True)
+
+
+def test_one_slow_first_step_in_a_bucket_does_not_put_a_width_out_of_the_running():
+    """A width's warm-up is left out once a server, so its first step in a later bucket is timed:
+    where that one step is slow (the host paused), the width is priced at the lesser of it and what
+    the bucket's other timings say of it until a second timing comes, so it is run again and then
+    priced by what it costs."""
+    ec = EngineControl(d=8, widths=(8,))
+    # Batch 8 measured: plain 1 s, width 8 1.5 s.
+    for w, took in ((1, 1.0), (8, 1.5)):
+        _time_steps(ec, 8, w, took)
+    # Batch 16 has timed plain decoding (2 s) and width 8 once, at 9 s (really 3 s).
+    for _ in range(3):
+        ec.clock.record(16, 1, 2.0)
+    ec.clock.record(16, 8, 9.0)
+    assert ec.clock.price(16, 8) == 9.0
+    # Priced as batch 8 prices it against plain decoding, scaled to batch 16's own: 3 s, not 9.
+    assert ec.clock.step_s(16, 8) == pytest.approx(3.0)
+    # Drafts that pay at 3 s a step (4 tokens a request) and not at 9: width 8 is chosen.
+    promised = {8: 3.0 * 16}
+    assert ec.choose(promised, 16) == 8
+    ec.clock.record(16, 8, 3.0)
+    # Two timings: their (lower) median prices it, the slow one left behind.
+    assert ec.clock.step_s(16, 8) == 3.0 and ec.choose(promised, 16) == 8
+    # Two slow timings are trusted: at batch 32 (plain decoding 4 s), width 8 at 18 s twice is priced
+    # at 18 s, not at the 6 s the other buckets would say, and is out of the running.
+    for w, took in ((1, 4.0), (1, 4.0), (1, 4.0), (8, 18.0)):
+        ec.clock.record(32, w, took)
+    assert ec.clock.step_s(32, 8) == pytest.approx(6.0) and ec.choose({8: 2.0 * 32}, 32) == 8
+    ec.clock.record(32, 8, 18.0)
+    assert ec.clock.step_s(32, 8) == 18.0 and ec.choose({8: 2.0 * 32}, 32) == 1
+
+
+def test_a_width_warms_up_once_a_server_not_once_a_bucket():
+    """A width's first timing is left out (a server's first forward of it); its first step in a later
+    batch-size bucket is kept, a step the policy does not spend for nothing in every bucket a row
+    passes through, and one slow step there does not move the bucket's median of three."""
+    from histospec_sgl.engine.clock import StepClock
+
+    clock = StepClock()
+    clock.record(1, 8, 9.0)  # the warm-up: left out
+    for took in (2.0, 2.1, 1.9):
+        clock.record(1, 8, took)
+    assert clock.count(1, 8) == 3 and clock.price(1, 8) == 2.0
+    clock.record(8, 8, 4.5)  # width 8's first step at batch 8: kept
+    assert clock.count(8, 8) == 1 and clock.price(8, 8) == 4.5
+    for took in (3.0, 3.1):
+        clock.record(8, 8, took)
+    assert clock.price(8, 8) == 3.1
+    clock.record(8, 1, 1.0)  # plain decoding's first step: its warm-up, wherever it runs
+    assert clock.count(8, 1) == 0 and clock.warmed == {8: 1, 1: 1}
 
 
 def test_step_costs_shrug_off_a_slow_step_and_are_measured_again():
@@ -958,7 +1015,7 @@ def test_the_clock_times_prefill_passes_apart_from_decode_steps():
     # A decode step after it is timed as a decode step, not as a prefill.
     ec.decode_step(1, 8, t)
     ec.begin(t + 0.1)
-    assert sum(len(v) for v in ec.clock.prefills.values()) == 5 and ec.clock.warmed[(8, 1)] == 1
+    assert sum(len(v) for v in ec.clock.prefills.values()) == 5 and ec.clock.warmed[8] == 1
     assert Fixed(8).prefill_cost() is None and CostModel(ec.clock, [8]).prefill_cost() is None
 
 
