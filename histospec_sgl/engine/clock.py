@@ -214,13 +214,13 @@ class StepClock:
         """The bucket's measured cost at ``width`` priced at ``batch`` (with fewer than
         :attr:`trusted` timings there, the lesser of it and what the rest says); a width not
         measured there yet, between two that are, is interpolated linearly in the width (a verify
-        step's cost grows with the nodes it verifies), and measured once it is chosen. A width beyond the bucket's
-        measured ones (plain decoding in a bucket that only verified), and every width of a bucket
-        with fewer than two measured, is priced as the nearest bucket that has two does (that
-        measured around the width, where one did: :meth:`_lender`), scaled to agree with its own
-        cost at the nearest width it measured:
-        what a width costs against another carries over between neighbouring batch sizes better
-        than holding the nearest measured cost flat, or not knowing at all."""
+        step's cost grows with the nodes it verifies), and measured once it is chosen. A width
+        beyond the bucket's measured ones (plain decoding in a bucket that only verified), and every
+        width of a bucket with fewer than two measured, is priced as the nearest bucket that has two
+        does (that measured around the width, where one did: :meth:`_lender`), scaled to agree with
+        its own cost at the nearest width it measured: what a width costs against another carries
+        over between neighbouring batch sizes better than holding the nearest measured cost flat,
+        or not knowing at all."""
         if self.known(batch, width):
             own = self.price(batch, width)
             if self.count(batch, width) >= self.trusted:
