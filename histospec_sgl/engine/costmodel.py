@@ -390,7 +390,7 @@ class EngineControl(Timed):
         # spent there would change no choice unless its price were that far off. The contenders are
         # measured narrowest first, plain decoding before any verify width: the cheapest steps to
         # spend, and each timing reprices the bucket's borrowed and interpolated prices (scaled to
-        # its own nearest measured width), which may put a wider contender out of the running
+        # its own measured widths), which may put a wider contender out of the running
         # before a step is spent on it.
         rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())

@@ -662,15 +662,40 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
     assert ec.clock.step_s(8, 1) == 2.0 and ec.clock.step_s(8, 4) == pytest.approx(2 + 4 * 3 / 7)
     # 9-16 now borrows from 5-8, the nearer.
     assert ec.clock.step_s(16, 8) == 6.0
-    # A bucket that verified at 4 and 8 only (never plain) prices plain decoding as its neighbour
-    # does against its nearest width: at 5-8 plain is 2 s against width 4's 2 + 12/7 s, so 9-16's
-    # plain is that share of its own width 4, not width 4's cost held flat below it.
+    # A bucket that verified at 4 and 8 only (never plain) prices plain decoding by its neighbour's
+    # shape, stretched to its own: at 5-8 width 8 costs 16/7 s more than width 4 and width 4 12/7 s
+    # more than plain decoding; at 9-16 width 8 costs 2 s more than width 4 (7/8 of 16/7), so plain
+    # decoding is 7/8 of 12/7 s below width 4's 5 s, not width 4's cost held flat below it.
     for w, took in ((4, 5.0), (8, 7.0)):
         for _ in range(ec.clock.warmup + 1):
             ec.clock.record(16, w, took)
     assert ec.clock.step_s(16, 6) == pytest.approx(6.0)
-    assert ec.clock.step_s(16, 1) == pytest.approx(5.0 * 2 / (2 + 12 / 7))
-    assert ec.clock.step_s(16, 2) == pytest.approx(5.0 * (2 + 4 / 7) / (2 + 12 / 7))
+    assert ec.clock.step_s(16, 1) == pytest.approx(5.0 - 12 / 7 * 7 / 8)
+    assert ec.clock.step_s(16, 2) == pytest.approx(5.0 - 8 / 7 * 7 / 8)
+
+
+def test_a_wider_width_is_priced_by_the_bucket_own_difference_between_widths():
+    """A width beyond the two or more a bucket measured is priced along the lender's steps between
+    widths, stretched to the bucket's own difference between its outermost measured widths: a
+    verify step's extra cost grows with the batch faster than a plain step does. SmolLM2 on the CPU,
+    a first greedy pass: at batch 1 plain steps 0.075 s, width 2 0.080 s, width 8 0.105 s; at batch
+    16 plain 0.25 s and width 2 0.30 s, and width 8 cost 0.54 s there, where scaling batch 1's
+    width 8 by width 2's ratio priced it at 0.39 s (and so ran it to time it)."""
+    ec = EngineControl(d=8, widths=(2, 8))
+    for w, took in ((1, 0.075), (2, 0.080), (8, 0.105)):
+        _time_steps(ec, 1, w, took)
+    for w, took in ((1, 0.25), (2, 0.30)):
+        _time_steps(ec, 16, w, took)
+    # 0.30 s plus batch 1's 0.025 s from width 2 to 8, stretched ten times (0.05 s against 0.005 s).
+    assert ec.clock.step_s(16, 8) == pytest.approx(0.30 + 0.025 * 10)
+    assert ec.clock.step_s(16, 4) == pytest.approx(0.30 + 0.025 / 3 * 10)
+    # Where the bucket's own widths do not rise (noise), its nearest width's ratio scales it.
+    clock = EngineControl(d=8, widths=(2, 8)).clock
+    for b, timed in ((1, {1: 0.075, 2: 0.080, 8: 0.105}), (16, {1: 0.30, 2: 0.30})):
+        for w, took in timed.items():
+            for _ in range(clock.warmup + clock.trusted):
+                clock.record(b, w, took)
+    assert clock.step_s(16, 8) == pytest.approx(0.30 * 0.105 / 0.080)
 
 
 def test_plain_decoding_is_borrowed_from_a_bucket_that_timed_it():
