@@ -251,7 +251,7 @@ class StepClock:
             if len(own) > 1:  # nothing to borrow the shape from: the nearest measured cost
                 return interpolate(own, width)
             raise KeyError((width, b))
-        theirs = [(w, self.price(lender, w)) for w in per[lender]]
+        theirs = self._lent(lender, per[lender])
         if not own:
             return interpolate(theirs, width)
         near, cost = min(own, key=lambda wc: abs(wc[0] - width))
@@ -268,6 +268,21 @@ class StepClock:
                 if est > 0:
                     return est
         return interpolate(theirs, width) * cost / interpolate(theirs, near)
+
+
+    def _lent(self, lender: int, widths: Sequence[int]) -> list[tuple[int, float]]:
+        """The prices a bucket lends (:meth:`_estimate`): a width it timed fewer than ``trusted``
+        times at the lesser of its timing and the line through its other widths around it, as it
+        prices the width itself, so that one slow timing does not bend the shape it lends."""
+        out = []
+        for w in widths:
+            cost = self.price(lender, w)
+            if self.count(lender, w) < self.trusted:
+                others = [(v, self.price(lender, v)) for v in widths if v != w]
+                if others and others[0][0] < w < others[-1][0]:
+                    cost = min(cost, interpolate(others, w))
+            out.append((w, cost))
+        return out
 
 
 def _median(xs: Sequence[float]) -> float:

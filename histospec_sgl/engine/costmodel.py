@@ -398,7 +398,7 @@ class EngineControl(Timed):
             if rate < (1.0 - self.contend) * best:
                 continue
             key = (w, bucket(batch))
-            if self.clock.count(batch, w) < self.min_samples and self.tries.get(key, 0) < self.min_samples + 2:
+            if self.clock.count(batch, w) < self.clock.trusted and self.tries.get(key, 0) < self.clock.trusted + 2:
                 self.tries[key] = self.tries.get(key, 0) + 1
                 return w
             if rate < best and self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:

@@ -689,6 +689,18 @@ def test_a_wider_width_is_priced_by_the_bucket_own_difference_between_widths():
     # 0.30 s plus batch 1's 0.025 s from width 2 to 8, stretched ten times (0.05 s against 0.005 s).
     assert ec.clock.step_s(16, 8) == pytest.approx(0.30 + 0.025 * 10)
     assert ec.clock.step_s(16, 4) == pytest.approx(0.30 + 0.025 / 3 * 10)
+    # A lender's width timed once is lent as the lender prices it: at the lesser of its timing and
+    # the line through the lender's other widths, so one slow step there does not bend the shape.
+    lent = EngineControl(d=8, widths=(2, 4, 8)).clock
+    for w, took in ((1, 0.075), (4, 0.090), (8, 0.105)):
+        for _ in range(lent.warmup + lent.trusted):
+            lent.record(1, w, took)
+    lent.record(1, 2, 0.2)  # its warm-up
+    lent.record(1, 2, 0.2)  # one slow timing
+    assert lent.step_s(1, 2) == pytest.approx(0.080)
+    for _ in range(lent.trusted):
+        lent.record(16, 1, 0.25)
+    assert lent.step_s(16, 2) == pytest.approx(0.080 * 0.25 / 0.075)
     # Where the bucket's own widths do not rise (noise), its nearest width's ratio scales it.
     clock = EngineControl(d=8, widths=(2, 8)).clock
     for b, timed in ((1, {1: 0.075, 2: 0.080, 8: 0.105}), (16, {1: 0.30, 2: 0.30})):
@@ -705,7 +717,7 @@ def test_plain_decoding_is_borrowed_from_a_bucket_that_timed_it():
     ec = EngineControl(d=8, widths=(2, 4, 8))
     for b, timed in ((8, {1: 1.0, 2: 1.5, 4: 2.0}), (32, {2: 3.0, 4: 4.0}), (64, {2: 6.0})):
         for w, took in timed.items():
-            for _ in range(ec.clock.warmup + 1):
+            for _ in range(ec.clock.warmup + ec.clock.trusted):
                 ec.clock.record(b, w, took)
     # Bucket 32 lends its shape between widths 2 and 4 (nearest), bucket 8 plain decoding's.
     assert ec.clock.step_s(64, 4) == pytest.approx(8.0)
@@ -768,8 +780,9 @@ def test_a_full_batch_is_priced_by_its_own_steps_not_by_a_tails_scaled_up():
 
 def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_prices():
     """At a batch size its prices are borrowed for (or interpolated between the widths it measured),
-    the policy runs each width that comes within ``contend`` of the best until it has timed it there,
-    and then chooses by what it measured: a width a borrowed price undersold is found."""
+    the policy runs each width that comes within ``contend`` of the best until it has timed it there
+    often enough to trust the timing alone (``trusted``), and then chooses by what it measured: a
+    width a borrowed price undersold is found."""
     ec = EngineControl(d=8, widths=(4, 8))
     # Batch 8 measured: plain 1 s, width 4 1.1 s, width 8 1.3 s (a small batch: wide steps cheap).
     for w, took in ((1, 1.0), (4, 1.1), (8, 1.3)):
@@ -787,7 +800,7 @@ def test_a_bucket_measures_the_widths_it_chooses_between_before_trusting_their_p
         ran.append(w)
         ec.clock.record(64, w, at64[w])
     # Each width's warm-up step was its first at batch 8: every step here is timed.
-    timed = ec.min_samples
+    timed = ec.clock.trusted
     assert ran[:timed] == [4] * timed
     # Width 4 timed at 1.5 s, width 8 is priced as batch 8 prices it against width 4 (1.3 / 1.1 of
     # it: 1.77 s) and still contends; one timing of its own (2.5 s) prices it at the lesser of it
