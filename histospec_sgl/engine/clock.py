@@ -219,10 +219,9 @@ class StepClock:
         width of a bucket with fewer than two measured, is priced as the nearest bucket that has two
         does (that measured around the width, where one did: :meth:`_lender`), scaled to agree with
         its own cost at the nearest width it measured, and where it measured two or more, with the
-        lender's differences between widths stretched to its own (a wider width at least on the
-        line through its two widest, extended): what a width costs against another carries over
-        between neighbouring batch sizes better than holding the nearest measured cost flat, or
-        not knowing at all."""
+        lender's differences between widths stretched to its own: what a width costs against
+        another carries over between neighbouring batch sizes better than holding the nearest
+        measured cost flat, or not knowing at all."""
         if self.known(batch, width):
             own = self.price(batch, width)
             if self.count(batch, width) >= self.trusted:
@@ -256,7 +255,6 @@ class StepClock:
         if not own:
             return interpolate(theirs, width)
         near, cost = min(own, key=lambda wc: abs(wc[0] - width))
-        est = interpolate(theirs, width) * cost / interpolate(theirs, near)
         if len(own) > 1:
             # The lender's steps between the bucket's two outermost measured widths, stretched to the
             # bucket's own: a verify step's extra cost over a narrower one grows with the batch
@@ -266,17 +264,11 @@ class StepClock:
             (lo, c_lo), (hi, c_hi) = own[0], own[-1]
             span = interpolate(theirs, hi) - interpolate(theirs, lo)
             if span > 0 and c_hi > c_lo:
-                stretched = cost + (interpolate(theirs, width) - interpolate(theirs, near)) * (c_hi - c_lo) / span
-                est = stretched if stretched > 0 else est
-            if width > hi:
-                # And a wider width costs at least the bucket's own line through its two widest
-                # measured ones, extended: a lender at a smaller batch, whose steps cost mostly their
-                # fixed part, lends a shape that flattens (at batch 1 width 8 cost what width 4
-                # did; at batch 16 0.25 s against 0.17 s, on the line through plain decoding's and
-                # width 2's 0.09 and 0.12 s).
-                (w0, c0), (w1, c1) = own[-2], own[-1]
-                est = max(est, c1 + (width - w1) * (c1 - c0) / (w1 - w0))
-        return est
+                est = cost + (interpolate(theirs, width) - interpolate(theirs, near)) * (c_hi - c_lo) / span
+                if est > 0:
+                    return est
+        return interpolate(theirs, width) * cost / interpolate(theirs, near)
+
 
     def _lent(self, lender: int, widths: Sequence[int]) -> list[tuple[int, float]]:
         """The prices a bucket lends (:meth:`_estimate`): a width it timed fewer than ``trusted``

@@ -676,38 +676,21 @@ def test_a_new_batch_bucket_borrows_the_nearest_measured_prices():
 
 def test_a_wider_width_is_priced_by_the_bucket_own_difference_between_widths():
     """A width beyond the two or more a bucket measured is priced along the lender's steps between
-    widths, stretched to the bucket's own difference between its outermost measured widths, and at
-    least on the line through the bucket's two widest, extended: a verify step's extra cost grows
-    with the batch faster than a plain step does, and a lender at a small batch lends a flat shape.
-    SmolLM2 on the CPU, a first greedy pass (one server's step log): at batch 1 plain steps 0.0414 s,
-    width 2 0.049 s, width 4 0.0642 s, width 8 0.0631 s; at batch 16 plain 0.0884 s and width 2
-    0.1184 s, and width 8 then cost 0.253 s, where scaling by width 2's ratio priced it at 0.152 s
-    and batch 1's shape stretched at 0.174 s."""
-    ec = EngineControl(d=8, widths=(2, 4, 8))
-    for w, took in ((1, 0.0414), (2, 0.049), (4, 0.0642), (8, 0.0631)):
+    widths, stretched to the bucket's own difference between its outermost measured widths: a
+    verify step's extra cost grows with the batch faster than a plain step does. SmolLM2 on the CPU,
+    a first greedy pass: at batch 1 plain steps 0.075 s, width 2 0.080 s, width 8 0.105 s; at batch
+    16 plain 0.25 s and width 2 0.30 s, and width 8 cost 0.54 s there, where scaling batch 1's
+    width 8 by width 2's ratio priced it at 0.39 s (and so ran it to time it)."""
+    ec = EngineControl(d=8, widths=(2, 8))
+    for w, took in ((1, 0.075), (2, 0.080), (8, 0.105)):
         _time_steps(ec, 1, w, took)
-    _time_steps(ec, 16, 1, 0.0884)
-    # One width measured: scaled by its ratio.
-    assert ec.clock.step_s(16, 8) == pytest.approx(0.0631 * 0.0884 / 0.0414)
-    _time_steps(ec, 16, 2, 0.1184)
-    k = (0.1184 - 0.0884) / (0.049 - 0.0414)  # batch 1's steps stretched to batch 16's
-    stretched = {w: 0.1184 + (c - 0.049) * k for w, c in ((4, 0.0642), (8, 0.0631))}
-    line = {w: 0.1184 + (w - 2) * (0.1184 - 0.0884) for w in (4, 8)}
-    assert stretched[8] == pytest.approx(0.174, abs=1e-3) and line[8] == pytest.approx(0.298, abs=1e-3)
-    for w in (4, 8):
-        assert ec.clock.step_s(16, w) == pytest.approx(max(stretched[w], line[w])), w
-    # Where the bucket's own widths do not rise (noise), its nearest width's ratio scales it.
-    clock = EngineControl(d=8, widths=(2, 8)).clock
-    for b, timed in ((1, {1: 0.075, 2: 0.080, 8: 0.105}), (16, {1: 0.30, 2: 0.30})):
-        for w, took in timed.items():
-            for _ in range(clock.warmup + clock.trusted):
-                clock.record(b, w, took)
-    assert clock.step_s(16, 8) == pytest.approx(0.30 * 0.105 / 0.080)
-
-
-def test_a_lender_lends_a_width_timed_once_as_it_prices_it():
-    """A lender's width timed once is lent as the lender prices it: at the lesser of its timing and
-    the line through the lender's other widths, so one slow step there does not bend the shape."""
+    for w, took in ((1, 0.25), (2, 0.30)):
+        _time_steps(ec, 16, w, took)
+    # 0.30 s plus batch 1's 0.025 s from width 2 to 8, stretched ten times (0.05 s against 0.005 s).
+    assert ec.clock.step_s(16, 8) == pytest.approx(0.30 + 0.025 * 10)
+    assert ec.clock.step_s(16, 4) == pytest.approx(0.30 + 0.025 / 3 * 10)
+    # A lender's width timed once is lent as the lender prices it: at the lesser of its timing and
+    # the line through the lender's other widths, so one slow step there does not bend the shape.
     lent = EngineControl(d=8, widths=(2, 4, 8)).clock
     for w, took in ((1, 0.075), (4, 0.090), (8, 0.105)):
         for _ in range(lent.warmup + lent.trusted):
@@ -718,6 +701,13 @@ def test_a_lender_lends_a_width_timed_once_as_it_prices_it():
     for _ in range(lent.trusted):
         lent.record(16, 1, 0.25)
     assert lent.step_s(16, 2) == pytest.approx(0.080 * 0.25 / 0.075)
+    # Where the bucket's own widths do not rise (noise), its nearest width's ratio scales it.
+    clock = EngineControl(d=8, widths=(2, 8)).clock
+    for b, timed in ((1, {1: 0.075, 2: 0.080, 8: 0.105}), (16, {1: 0.30, 2: 0.30})):
+        for w, took in timed.items():
+            for _ in range(clock.warmup + clock.trusted):
+                clock.record(b, w, took)
+    assert clock.step_s(16, 8) == pytest.approx(0.30 * 0.105 / 0.080)
 
 
 def test_plain_decoding_is_borrowed_from_a_bucket_that_timed_it():
