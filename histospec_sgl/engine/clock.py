@@ -255,6 +255,7 @@ class StepClock:
         if not own:
             return interpolate(theirs, width)
         near, cost = min(own, key=lambda wc: abs(wc[0] - width))
+        at_near = interpolate(theirs, near)
         if len(own) > 1:
             # The lender's steps between the bucket's two outermost measured widths, stretched to the
             # bucket's own: a verify step's extra cost over a narrower one grows with the batch
@@ -264,21 +265,20 @@ class StepClock:
             (lo, c_lo), (hi, c_hi) = own[0], own[-1]
             span = interpolate(theirs, hi) - interpolate(theirs, lo)
             if span > 0 and c_hi > c_lo:
-                est = cost + (interpolate(theirs, width) - interpolate(theirs, near)) * (c_hi - c_lo) / span
+                est = cost + (interpolate(theirs, width) - at_near) * (c_hi - c_lo) / span
                 if est > 0:
                     return est
-        return interpolate(theirs, width) * cost / interpolate(theirs, near)
-
+        return interpolate(theirs, width) * cost / at_near
 
     def _lent(self, lender: int, widths: Sequence[int]) -> list[tuple[int, float]]:
         """The prices a bucket lends (:meth:`_estimate`): a width it timed fewer than ``trusted``
         times at the lesser of its timing and the line through its other widths around it, as it
         prices the width itself, so that one slow timing does not bend the shape it lends."""
+        timed = [(w, self.price(lender, w)) for w in widths]
         out = []
-        for w in widths:
-            cost = self.price(lender, w)
+        for w, cost in timed:
             if self.count(lender, w) < self.trusted:
-                others = [(v, self.price(lender, v)) for v in widths if v != w]
+                others = [(v, c) for v, c in timed if v != w]
                 if others and others[0][0] < w < others[-1][0]:
                     cost = min(cost, interpolate(others, w))
             out.append((w, cost))

@@ -678,17 +678,21 @@ def test_a_wider_width_is_priced_by_the_bucket_own_difference_between_widths():
     """A width beyond the two or more a bucket measured is priced along the lender's steps between
     widths, stretched to the bucket's own difference between its outermost measured widths: a
     verify step's extra cost grows with the batch faster than a plain step does. SmolLM2 on the CPU,
-    a first greedy pass: at batch 1 plain steps 0.075 s, width 2 0.080 s, width 8 0.105 s; at batch
-    16 plain 0.25 s and width 2 0.30 s, and width 8 cost 0.54 s there, where scaling batch 1's
-    width 8 by width 2's ratio priced it at 0.39 s (and so ran it to time it)."""
-    ec = EngineControl(d=8, widths=(2, 8))
-    for w, took in ((1, 0.075), (2, 0.080), (8, 0.105)):
+    a first greedy pass (one server's step log): at batch 1 plain steps 0.0414 s, width 2 0.049 s,
+    width 4 0.0642 s, width 8 0.0631 s; at batch 16 plain 0.0884 s and width 2 0.1184 s, and width
+    8 then cost 0.253 s, where scaling batch 1's width 8 by width 2's ratio priced it at 0.152 s."""
+    ec = EngineControl(d=8, widths=(2, 4, 8))
+    for w, took in ((1, 0.0414), (2, 0.049), (4, 0.0642), (8, 0.0631)):
         _time_steps(ec, 1, w, took)
-    for w, took in ((1, 0.25), (2, 0.30)):
-        _time_steps(ec, 16, w, took)
-    # 0.30 s plus batch 1's 0.025 s from width 2 to 8, stretched ten times (0.05 s against 0.005 s).
-    assert ec.clock.step_s(16, 8) == pytest.approx(0.30 + 0.025 * 10)
-    assert ec.clock.step_s(16, 4) == pytest.approx(0.30 + 0.025 / 3 * 10)
+    _time_steps(ec, 16, 1, 0.0884)
+    # One width measured: scaled by its ratio.
+    assert ec.clock.step_s(16, 8) == pytest.approx(0.0631 * 0.0884 / 0.0414)
+    _time_steps(ec, 16, 2, 0.1184)
+    # Width 2 plus batch 1's steps from width 2, stretched by 0.030 s against 0.0076 s.
+    k = (0.1184 - 0.0884) / (0.049 - 0.0414)
+    assert ec.clock.step_s(16, 8) == pytest.approx(0.1184 + (0.0631 - 0.049) * k)
+    assert ec.clock.step_s(16, 8) == pytest.approx(0.174, abs=1e-3)
+    assert ec.clock.step_s(16, 4) == pytest.approx(0.1184 + (0.0642 - 0.049) * k)
     # A lender's width timed once is lent as the lender prices it: at the lesser of its timing and
     # the line through the lender's other widths, so one slow step there does not bend the shape.
     lent = EngineControl(d=8, widths=(2, 4, 8)).clock
