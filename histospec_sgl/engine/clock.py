@@ -4,6 +4,7 @@ engine runs (:class:`StepClock`), the prices the default step policy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,9 +55,11 @@ class StepClock:
     #: width -> timings left out as warm-up so far.
     warmed: dict[int, int] = field(default_factory=dict)
     #: Timings a width needs in a bucket before they alone price it there (:meth:`step_s`): with
-    #: fewer, its price is the lesser of their median and what the bucket's other measurements say of
-    #: it, so that one slow first step in a bucket (its first of a new shape, or the host pausing) does
-    #: not put the width out of the running before it is timed again.
+    #: fewer, its price is their median where that is less than what the bucket's other measurements
+    #: say of it, else the geometric mean of the two (:func:`_untrusted`), so that one slow first step
+    #: in a bucket (its first of a new shape, or the host pausing) does not put the width out of the
+    #: running before it is timed again, and an estimate that undersells it does not have it chosen
+    #: again on the estimate alone.
     trusted: int = 2
     #: bucket -> the steps timed in it so far (every width).
     timed: dict[int, int] = field(default_factory=dict)
@@ -212,7 +215,7 @@ class StepClock:
 
     def step_s(self, batch: int, width: int, context: float = 0.0, prefill: int = 0) -> float:
         """The bucket's measured cost at ``width`` priced at ``batch`` (with fewer than
-        :attr:`trusted` timings there, the lesser of it and what the rest says); a width not
+        :attr:`trusted` timings there, :func:`_untrusted` of it and what the rest says); a width not
         measured there yet, between two that are, is interpolated linearly in the width (a verify
         step's cost grows with the nodes it verifies), and measured once it is chosen. A width
         beyond the bucket's measured ones (plain decoding in a bucket that only verified), and every
@@ -227,7 +230,7 @@ class StepClock:
             if self.count(batch, width) >= self.trusted:
                 return own
             try:
-                return min(own, self._estimate(batch, width, omit=True))
+                return _untrusted(own, self._estimate(batch, width, omit=True))
             except KeyError:  # nothing else measured to say what it costs
                 return own
         return self._estimate(batch, width)
@@ -272,8 +275,10 @@ class StepClock:
 
     def _lent(self, lender: int, widths: Sequence[int]) -> list[tuple[int, float]]:
         """The prices a bucket lends (:meth:`_estimate`): a width it timed fewer than ``trusted``
-        times at the lesser of its timing and the line through its other widths around it, as it
-        prices the width itself, so that one slow timing does not bend the shape it lends."""
+        times at the lesser of its timing and the line through its other widths around it, so that
+        one slow timing does not bend the shape it lends (the bucket itself prices the width between
+        the two, :func:`_untrusted`: its own timing says more of its own steps than of another
+        batch size's)."""
         timed = [(w, self.price(lender, w)) for w in widths]
         out = []
         for w, cost in timed:
@@ -283,6 +288,16 @@ class StepClock:
                     cost = min(cost, interpolate(others, w))
             out.append((w, cost))
         return out
+
+
+def _untrusted(timed: float, estimate: float) -> float:
+    """The price of a width from a timing too few to trust alone and what the other measurements say
+    of it: the timing where it is the lower (a width cheaper than estimated is run and so timed
+    again), else their geometric mean. One slow step (the first of a new shape, the host pausing)
+    does not put the width out of the running at its timing; nor, where the estimate undersells it
+    (a shape lent from another batch size), does the estimate alone have it chosen again to confirm
+    a timing that said it costs more."""
+    return timed if timed <= estimate else math.sqrt(timed * estimate)
 
 
 def _median(xs: Sequence[float]) -> float:

@@ -390,15 +390,22 @@ class EngineControl(Timed):
         # spent there would change no choice unless its price were that far off. The contenders are
         # measured narrowest first, plain decoding before any verify width: the cheapest steps to
         # spend, and each timing reprices the bucket's borrowed and interpolated prices (scaled to
-        # its own measured widths), which may put a wider contender out of the running
-        # before a step is spent on it.
+        # its own measured widths), which may put a wider contender out of the running before a
+        # step is spent on it. A contender timed once is run again only where that timing itself
+        # keeps it within ``contend`` of the best: a second step where the first said it is behind
+        # would only check that the first was not slow for another reason, and its price
+        # (:meth:`StepClock.step_s`, between the timing and the estimate) has it chosen all the same
+        # where it is the best.
         rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())
         for w, rate in sorted(rates.items()):
             if rate < (1.0 - self.contend) * best:
                 continue
             key = (w, bucket(batch))
-            if self.clock.count(batch, w) < self.clock.trusted and self.tries.get(key, 0) < self.clock.trusted + 2:
+            timed = self.clock.count(batch, w)
+            if timed < self.clock.trusted and self.tries.get(key, 0) < self.clock.trusted + 2 and (
+                    not timed or rate * self.clock.step_s(batch, w) / self.clock.price(batch, w)
+                    >= (1.0 - self.contend) * best):
                 self.tries[key] = self.tries.get(key, 0) + 1
                 return w
             if rate < best and self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
