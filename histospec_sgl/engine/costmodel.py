@@ -398,14 +398,14 @@ class EngineControl(Timed):
         # where it is the best.
         rates = self.model.rates(promised, batch, calibrated=True, least=least)
         best = max(rates.values())
+        floor = (1.0 - self.contend) * best
         for w, rate in sorted(rates.items()):
-            if rate < (1.0 - self.contend) * best:
+            if rate < floor:
                 continue
             key = (w, bucket(batch))
             timed = self.clock.count(batch, w)
             if timed < self.clock.trusted and self.tries.get(key, 0) < self.clock.trusted + 2 and (
-                    not timed or rate * self.clock.step_s(batch, w) / self.clock.price(batch, w)
-                    >= (1.0 - self.contend) * best):
+                    not timed or rate * self.clock.step_s(batch, w) / self.clock.price(batch, w) >= floor):
                 self.tries[key] = self.tries.get(key, 0) + 1
                 return w
             if rate < best and self.clock.known(batch, w) and self.clock.age(batch, w) > self.remeasure_after:
