@@ -1,11 +1,13 @@
-"""End-to-end checks that need a CUDA GPU and a real SGLang server (the plugin, SPEC-RL scoring).
-
-On the GPU box they run through ``bench/gpu/run_on_box.sh`` (which sets up SGLang 0.5.17 without
-network); here they run only where ``torch.cuda`` sees a GPU and SGLang is importable, and skip
-otherwise, saying so. What they check: greedy outputs with ``--speculative-algorithm HISTORY``
-token-identical to plain decoding on 64 prompts, more than one token per verify step on a second
-pass, and the SPEC-RL scoring alignment (``input_token_logprobs`` from ``logprob_start_len``) on a real
-server.
+"""HISTORY end to end on a CUDA GPU with a real SGLang server: ``bench/gpu/e2e.py``, the job the GPU box
+runs first (through ``bench/gpu/run_on_box.sh``, which sets up SGLang 0.5.17 without network), run from
+pytest where ``torch.cuda`` sees a GPU and SGLang is importable, and skipped otherwise, saying so. It
+asserts what the job's ``E2E PASS`` stands for, key by key of its ``e2e.json``: greedy outputs under the
+overlap scheduler (staggered arrivals, chunked prefill, radix hits, aborts, stop tokens, retraction)
+token-identical to plain decoding's for HISTORY at a fixed width and on the default step policy, with
+no context mismatch; 64 prompts x 128 tokens, twice, identical to plain decoding; more than one token
+per verify step on the second pass; and sampling through SGLang's verify kernel distributed as plain
+decoding's (a chi-square over the first 2, 3 and 4 tokens). The same script runs on this project's CPU
+engine as a dry run (bench/gpu/NOTES.md).
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ def test_history_server_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "e2e.py"), "--model",
                         os.environ["HISTOSPEC_TINY_MODEL"], "--out", str(tmp_path)], timeout=1200)
     res = json.loads((tmp_path / "e2e.json").read_text())
-    assert res["identical"], f"{res['mismatches']} prompts differ from plain greedy decoding"
-    assert res["history"]["pass2_accept_length"] > 1.0
-    assert res["specrl_alignment"]["max_abs_logprob_diff"] < 1e-2
-    assert r.returncode == 0
+    for name, check in res["identity"].items():
+        if name == "ngram":  # SGLang's own, run for comparison
+            continue
+        assert check["identical"], f"{name}: outputs differ from plain greedy decoding: {check['mismatches']}"
+        assert not check.get("context_mismatches"), f"{name}: {check['context_mismatches']} context mismatches"
+    assert res["identical_64"]["history"] == 0 and res["identical_64"]["cost"] == 0, res["identical_64"]
+    assert res["accept_length"]["history"] > 1.0
+    assert min(res["chi_square"]["p_values"]) > 1e-4, res["chi_square"]
+    assert res["pass"] and r.returncode == 0

@@ -4,8 +4,8 @@ as ``{"type": ...}``, ``input_token_logprobs`` / ``output_token_logprobs`` as
 ``[logprob, token_id, text]`` from ``logprob_start_len``) over a small synthetic policy with explicit
 next-token distributions, so that every returned log-prob can be checked against the policy.
 
-No GPU is involved; ``bench/gpu/e2e.py`` runs the same client against a real SGLang server and keeps
-its raw responses for future fixtures.
+No GPU is involved; tests/trainers/test_slime.py runs the same client against a real SGLang server
+on the CPU engine.
 """
 
 from __future__ import annotations
