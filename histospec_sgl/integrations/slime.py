@@ -341,12 +341,12 @@ async def _specrl_generate(args: Any, sample: Any, params: dict[str, Any], setti
     reuse = await flow.reuse(backend, settings, group=group, slot=slot, round_=_rounds.count((group, slot)),
                              prompt_ids=prompt_ids, sampling_params={**params, "max_new_tokens": int(params["max_new_tokens"])},
                              previous=previous, aborted=lambda: bool(state.aborted), name=str(sample.index))
+    if not sample.tokens:  # as slime's generate sets them before its request, aborted or not
+        sample.tokens = prompt_ids
     if reuse.aborted:
         sample.status = Sample.Status.ABORTED
         _count(sample, 0, reuse.previous_len)
         return sample
-    if not sample.tokens:
-        sample.tokens = prompt_ids
     skip = bool(params.get("skip_special_tokens", True))
     text = state.tokenizer.decode(reuse.prefix, skip_special_tokens=skip) if reuse.prefix else ""
     meta = None
